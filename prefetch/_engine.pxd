@@ -1,0 +1,118 @@
+# Declarations only: the C++ engine in src_cpp/, seen from Cython.
+# Every call that can throw is `except +prefetch_raise_py_error`, which turns
+# engine errors into ValueError/KeyError/TimeoutError/MemoryError/RuntimeError.
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
+from libcpp cimport bool
+from libcpp.memory cimport unique_ptr
+from libcpp.string cimport string
+from libcpp.vector cimport vector
+
+
+cdef extern from "_errors.h":
+    void prefetch_raise_py_error()
+
+
+cdef extern from "copy_backend.h" namespace "prefetch" nogil:
+    cdef cppclass CCopyBackend "prefetch::CopyBackend":
+        const char* Name()
+        int DeviceCount()
+
+    unique_ptr[CCopyBackend] MakeBackend(
+        const string& name, int host_device_count
+    ) except +prefetch_raise_py_error
+
+
+cdef extern from "task_queue.h" namespace "prefetch" nogil:
+    const int kNumBands
+    const int kOnDemandBand
+    const int kDefaultPrefetchBand
+
+
+cdef extern from "stats.h" namespace "prefetch" nogil:
+    cdef struct CStats "prefetch::Stats":
+        uint64_t requests
+        uint64_t enqueued
+        uint64_t deduplicated
+        uint64_t upgraded
+        uint64_t touched
+        uint64_t cancelled
+        uint64_t acquires
+        uint64_t hits
+        uint64_t misses
+        uint64_t late
+        uint64_t evictions
+        uint64_t wasted
+        uint64_t copies
+        uint64_t copy_errors
+        uint64_t bytes_copied
+        double copy_seconds
+        uint64_t queue_depth
+        uint64_t bytes_in_flight
+        uint64_t resident_count
+        uint64_t resident_bytes
+        uint64_t pinned_count
+        uint64_t registered
+        uint64_t registered_bytes
+        uint64_t last_batch_ns
+        int64_t last_batch_start_ns
+        int64_t last_batch_end_ns
+
+
+cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
+    const int64_t kMaxTensorId
+
+    cdef cppclass CHandleOptions "prefetch::HandleOptions":
+        vector[size_t] device_budget_bytes
+        vector[void*] device_arenas
+        string eviction_policy
+        size_t copy_chunk_bytes
+        size_t max_bytes_in_flight
+        bool start_paused
+        int64_t debug_issue_delay_ns
+
+    cdef struct CSlotInfo "prefetch::SlotInfo":
+        uint64_t offset
+        uint64_t bytes
+        int32_t device
+
+    cdef struct CHostPart "prefetch::HostPart":
+        const void* src
+        size_t bytes
+        size_t offset
+
+    cdef cppclass CArcherPrefetchHandle "prefetch::ArcherPrefetchHandle":
+        CArcherPrefetchHandle(
+            CHandleOptions options, unique_ptr[CCopyBackend] backend
+        ) except +prefetch_raise_py_error
+        const char* BackendName()
+        int DeviceCount()
+        uintptr_t ArenaAddress(int device) except +prefetch_raise_py_error
+        size_t BudgetBytes(int device) except +prefetch_raise_py_error
+        void RegisterTensor(
+            int64_t id, size_t total_bytes, int device,
+            const CHostPart* parts, size_t n_parts
+        ) except +prefetch_raise_py_error
+        void UnregisterTensor(int64_t id) except +prefetch_raise_py_error
+        bool IsRegistered(int64_t id)
+        void EnqueuePrefetch(
+            int64_t id, int priority
+        ) except +prefetch_raise_py_error
+        void EnqueuePrefetchTensors(
+            const int64_t* ids, size_t n, int priority
+        ) except +prefetch_raise_py_error
+        size_t Cancel(
+            const int64_t* ids, size_t n
+        ) except +prefetch_raise_py_error
+        size_t CancelAtOrBelow(int band) except +prefetch_raise_py_error
+        void Acquire(
+            const int64_t* ids, size_t n, uintptr_t stream,
+            double timeout_s, CSlotInfo* slots
+        ) except +prefetch_raise_py_error
+        void Release(
+            const int64_t* ids, size_t n, uintptr_t stream
+        ) except +prefetch_raise_py_error
+        void Pause() except +prefetch_raise_py_error
+        void Resume() except +prefetch_raise_py_error
+        CStats GetStats()
+        void Close() except +prefetch_raise_py_error
+        bool IsClosed()

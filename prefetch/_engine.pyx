@@ -1,0 +1,551 @@
+# cython: language_level=3
+"""PrefetchHandle: the Python face of the C++ ArcherPrefetchHandle engine.
+
+The hot call is ``prefetch_tensors``: all Python work (type checks and the
+conversion to a contiguous int64 array) happens first, then one ``with
+nogil:`` call hands a typed memoryview to the engine, which validates every
+id, takes its lock once and queues them.
+"""
+import builtins
+import operator
+
+import numpy as np
+
+from cython.operator cimport dereference as deref
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libcpp.memory cimport unique_ptr
+from libcpp.utility cimport move
+from libcpp.vector cimport vector
+
+from prefetch._engine cimport (
+    CArcherPrefetchHandle,
+    CCopyBackend,
+    CHandleOptions,
+    CHostPart,
+    CSlotInfo,
+    CStats,
+    MakeBackend,
+    kDefaultPrefetchBand,
+    kMaxTensorId,
+    kNumBands,
+)
+
+NUM_BANDS = kNumBands
+DEFAULT_PRIORITY = kDefaultPrefetchBand
+MAX_TENSOR_ID = kMaxTensorId
+DEFAULT_ACQUIRE_TIMEOUT_S = 60.0
+
+# The .pxd cimports libcpp.bool, which shadows the builtin name here.
+cdef object _PY_BOOL = builtins.bool
+cdef object _INT64 = np.dtype(np.int64)
+cdef object _INT64_MAX = np.iinfo(np.int64).max
+
+
+cdef inline bint _is_torch_tensor(object obj):
+    return type(obj).__module__ == "torch" and hasattr(obj, "is_floating_point")
+
+
+cdef object _ids_from_sequence(object seq):
+    cdef Py_ssize_t n = len(seq)
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] view = out
+    cdef Py_ssize_t i
+    for i in range(n):
+        value = seq[i]
+        if type(value) is _PY_BOOL or isinstance(value, np.bool_):
+            raise TypeError(
+                f"tensor ids must be integers, got a bool at index {i}"
+            )
+        try:
+            index = operator.index(value)
+        except TypeError:
+            raise TypeError(
+                f"tensor ids must be integers, got {type(value).__name__} "
+                f"{value!r} at index {i}"
+            ) from None
+        if index < -_INT64_MAX - 1 or index > _INT64_MAX:
+            raise OverflowError(
+                f"tensor id {index} at index {i} does not fit in int64"
+            )
+        view[i] = index
+    return out
+
+
+cdef object _ids_from_ndarray(object arr):
+    if arr.ndim != 1:
+        raise ValueError(
+            f"tensor ids must be a 1-D array, got {arr.ndim}-D shape "
+            f"{tuple(arr.shape)}"
+        )
+    kind = arr.dtype.kind
+    if kind == "b":
+        raise TypeError("tensor ids must be integers, got a bool array")
+    if kind == "i":
+        return np.ascontiguousarray(arr, dtype=np.int64)
+    if kind == "u":
+        if arr.size and arr.max() > _INT64_MAX:
+            raise OverflowError("a tensor id does not fit in int64")
+        return np.ascontiguousarray(arr, dtype=np.int64)
+    if kind == "O":
+        return _ids_from_sequence(arr.tolist())
+    raise TypeError(
+        f"tensor ids must be integers, got an array of dtype {arr.dtype}"
+    )
+
+
+cpdef object as_id_array(object tensor_ids):
+    """Converts tensor ids to a contiguous 1-D int64 numpy array, losslessly.
+
+    Accepts a list, tuple, range, numpy array or CPU torch tensor of integers.
+    Refuses floats and bools (TypeError), values outside int64
+    (OverflowError), arrays that are not 1-D (ValueError) and tensors on a
+    GPU (ValueError). A contiguous int64 array is returned as is.
+    """
+    if type(tensor_ids) is np.ndarray:
+        if (tensor_ids.dtype is _INT64 and tensor_ids.ndim == 1
+                and tensor_ids.flags.c_contiguous):
+            return tensor_ids
+        return _ids_from_ndarray(tensor_ids)
+    if isinstance(tensor_ids, (list, tuple, range)):
+        return _ids_from_sequence(tensor_ids)
+    if isinstance(tensor_ids, np.ndarray):
+        return _ids_from_ndarray(tensor_ids)
+    if _is_torch_tensor(tensor_ids):
+        if tensor_ids.device.type != "cpu":
+            raise ValueError(
+                f"tensor ids must be on the CPU, got a tensor on "
+                f"{tensor_ids.device}; call .cpu() first"
+            )
+        if tensor_ids.is_floating_point() or tensor_ids.is_complex():
+            raise TypeError(
+                f"tensor ids must be integers, got {tensor_ids.dtype}"
+            )
+        if str(tensor_ids.dtype) == "torch.bool":
+            raise TypeError("tensor ids must be integers, got torch.bool")
+        return _ids_from_ndarray(tensor_ids.detach().contiguous().numpy())
+    raise TypeError(
+        "tensor ids must be a list, tuple, range, numpy array or CPU torch "
+        f"tensor of integers, got {type(tensor_ids).__name__}"
+    )
+
+
+cdef inline int _as_priority(object priority) except -1:
+    if type(priority) is _PY_BOOL:
+        raise TypeError("priority must be an integer, got a bool")
+    try:
+        p = operator.index(priority)
+    except TypeError:
+        raise TypeError(
+            f"priority must be an integer, got {type(priority).__name__}"
+        ) from None
+    if p < 0 or p >= kNumBands:
+        raise ValueError(
+            f"priority must be in 0..{kNumBands - 1} (0 = most urgent), "
+            f"got {p}"
+        )
+    return p
+
+
+cdef inline int64_t _as_single_id(object tensor_id) except? -1:
+    if type(tensor_id) is _PY_BOOL:
+        raise TypeError("a tensor id must be an integer, got a bool")
+    try:
+        value = operator.index(tensor_id)
+    except TypeError:
+        raise TypeError(
+            f"a tensor id must be an integer, got {type(tensor_id).__name__}"
+        ) from None
+    if value < -_INT64_MAX - 1 or value > _INT64_MAX:
+        raise OverflowError(f"tensor id {value} does not fit in int64")
+    return value
+
+
+cdef object _as_byte_array(object data):
+    """A contiguous 1-D uint8 numpy view of `data` (zero-copy when it can)."""
+    if _is_torch_tensor(data):
+        if data.device.type != "cpu":
+            raise ValueError(
+                f"register needs host bytes, got a tensor on {data.device}"
+            )
+        flat = data.detach().contiguous().reshape(-1)
+        import torch
+        return flat.view(torch.uint8).numpy()
+    if isinstance(data, np.ndarray):
+        arr = np.ascontiguousarray(data).reshape(-1)
+        return arr.view(np.uint8)
+    try:
+        mv = memoryview(data)
+    except TypeError:
+        raise TypeError(
+            "register needs bytes, a buffer, a numpy array or a CPU torch "
+            f"tensor, got {type(data).__name__}"
+        ) from None
+    return np.ascontiguousarray(np.frombuffer(mv.cast("B"), dtype=np.uint8))
+
+
+cdef uintptr_t _as_stream(object stream) except? 0:
+    if stream is None:
+        return 0
+    handle = getattr(stream, "cuda_stream", stream)
+    if type(handle) is _PY_BOOL:
+        raise TypeError("stream must be None, an int or a torch.cuda.Stream")
+    try:
+        return operator.index(handle)
+    except TypeError:
+        raise TypeError(
+            "stream must be None, an int or a torch.cuda.Stream, got "
+            f"{type(stream).__name__}"
+        ) from None
+
+
+cdef class PrefetchHandle:
+    """An expert prefetch engine: registry, per-device caches, copy workers.
+
+    ``PrefetchHandle(device_budget_bytes=..., backend="auto")``. The budget is
+    one int for every device or a list with one int per device. ``backend``
+    is ``"host"`` (the cache is a host arena, copies are memcpy; runs
+    anywhere), ``"cuda"`` or ``"auto"`` (CUDA when the driver and a device
+    are present, else host).
+    """
+
+    cdef unique_ptr[CArcherPrefetchHandle] _owner
+    cdef CArcherPrefetchHandle* _c
+    cdef list _arenas
+    cdef readonly str backend
+    cdef readonly int num_devices
+    cdef bint _closed
+
+    def __cinit__(
+        self,
+        *,
+        device_budget_bytes,
+        backend="auto",
+        num_devices=None,
+        eviction_policy="lru",
+        copy_chunk_bytes=4 << 20,
+        max_bytes_in_flight=256 << 20,
+        start_paused=False,
+        debug_issue_delay_us=0,
+    ):
+        self._c = NULL
+        self._closed = True
+        if not isinstance(backend, str):
+            raise TypeError("backend must be 'host', 'cuda' or 'auto'")
+        if isinstance(device_budget_bytes, (list, tuple)):
+            budgets = [operator.index(b) for b in device_budget_bytes]
+            if num_devices is not None and num_devices != len(budgets):
+                raise ValueError(
+                    "num_devices disagrees with the list of budgets"
+                )
+        else:
+            count = 1 if num_devices is None else operator.index(num_devices)
+            if count < 1:
+                raise ValueError("num_devices must be >= 1")
+            budgets = [operator.index(device_budget_bytes)] * count
+        if not budgets:
+            raise ValueError("device_budget_bytes needs at least one device")
+        for b in budgets:
+            if b <= 0:
+                raise ValueError(
+                    f"device_budget_bytes must be positive, got {b}"
+                )
+        if operator.index(copy_chunk_bytes) <= 0:
+            raise ValueError("copy_chunk_bytes must be positive")
+        if operator.index(max_bytes_in_flight) <= 0:
+            raise ValueError("max_bytes_in_flight must be positive")
+        if debug_issue_delay_us < 0:
+            raise ValueError("debug_issue_delay_us must be >= 0")
+
+        cdef unique_ptr[CCopyBackend] cbackend = MakeBackend(
+            backend.encode(), len(budgets)
+        )
+        name = deref(cbackend).Name().decode()
+        if len(budgets) > deref(cbackend).DeviceCount():
+            raise ValueError(
+                f"{len(budgets)} devices requested but the {name} backend "
+                f"has {deref(cbackend).DeviceCount()}"
+            )
+        arenas = []
+        if name == "cuda":
+            import torch
+            for d, b in enumerate(budgets):
+                arenas.append(
+                    torch.empty(b, dtype=torch.uint8, device=f"cuda:{d}")
+                )
+        else:
+            for b in budgets:
+                arenas.append(np.empty(b, dtype=np.uint8))
+
+        cdef CHandleOptions options
+        for d, b in enumerate(budgets):
+            options.device_budget_bytes.push_back(b)
+            address = (
+                arenas[d].data_ptr() if name == "cuda"
+                else arenas[d].ctypes.data
+            )
+            options.device_arenas.push_back(<void*><uintptr_t>address)
+        options.eviction_policy = eviction_policy.encode()
+        options.copy_chunk_bytes = copy_chunk_bytes
+        options.max_bytes_in_flight = max_bytes_in_flight
+        options.start_paused = True if start_paused else False
+        options.debug_issue_delay_ns = int(debug_issue_delay_us * 1000)
+        self._owner.reset(new CArcherPrefetchHandle(options, move(cbackend)))
+        self._c = self._owner.get()
+        self._arenas = arenas
+        self.backend = name
+        self.num_devices = len(budgets)
+        self._closed = False
+
+    def __dealloc__(self):
+        # Trivial on purpose: the unique_ptr's destructor runs Close(), which
+        # is bounded and idempotent.
+        pass
+
+    cdef inline int _check_open(self) except -1:
+        if self._closed:
+            raise RuntimeError("PrefetchHandle is closed")
+        return 0
+
+    # ------------------------------------------------------------ registry
+
+    def register(self, tensor_id, data, *, device=0):
+        """Copies the bytes of `data` into engine-owned host memory as
+        `tensor_id`. `data` is bytes, a buffer, a numpy array or a CPU torch
+        tensor; it is read once and may be freed afterwards."""
+        self.register_parts(tensor_id, [(data, 0)], device=device)
+
+    def register_parts(self, tensor_id, parts, *, total_bytes=None, device=0):
+        """Registers one tensor assembled from `parts`, a list of
+        ``(data, byte_offset)`` pairs (packing one expert's weights into one
+        buffer: one copy instead of several). Bytes no part covers are zero.
+        ``total_bytes`` defaults to the end of the last part."""
+        self._check_open()
+        cdef int64_t tid = _as_single_id(tensor_id)
+        arrays = []
+        offsets = []
+        end = 0
+        for item in parts:
+            data, offset = item
+            offset = operator.index(offset)
+            if offset < 0:
+                raise ValueError("part offsets must be >= 0")
+            arr = _as_byte_array(data)
+            arrays.append(arr)
+            offsets.append(offset)
+            end = max(end, offset + arr.shape[0])
+        total = end if total_bytes is None else operator.index(total_bytes)
+        if total < 0:
+            raise ValueError("total_bytes must be >= 0")
+        cdef int dev = operator.index(device)
+        cdef vector[CHostPart] cparts
+        cdef CHostPart part
+        cdef const unsigned char[::1] view
+        for arr, offset in zip(arrays, offsets):
+            if arr.shape[0] == 0:
+                continue
+            view = arr
+            part.src = &view[0]
+            part.bytes = arr.shape[0]
+            part.offset = offset
+            cparts.push_back(part)
+        cdef size_t ctotal = total
+        with nogil:
+            self._c.RegisterTensor(
+                tid, ctotal, dev, cparts.data(), cparts.size()
+            )
+
+    def unregister(self, tensor_id):
+        """Forgets a tensor (it must not be acquired or mid-copy)."""
+        self._check_open()
+        cdef int64_t tid = _as_single_id(tensor_id)
+        with nogil:
+            self._c.UnregisterTensor(tid)
+
+    def __contains__(self, tensor_id):
+        if self._closed or type(tensor_id) is _PY_BOOL:
+            return False
+        try:
+            tid = operator.index(tensor_id)
+        except TypeError:
+            return False
+        if tid < 0 or tid > kMaxTensorId:
+            return False
+        return self._c.IsRegistered(tid)
+
+    # ------------------------------------------------------------ prefetch
+
+    def prefetch_tensors(self, tensor_ids, priority=DEFAULT_PRIORITY):
+        """Queues every id at `priority` (0 most urgent .. 19) in one engine
+        call with the GIL released. All-or-nothing: one unknown id raises
+        KeyError and nothing is queued. Empty input is a no-op."""
+        self._check_open()
+        cdef int band = _as_priority(priority)
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        if n == 0:
+            return
+        with nogil:
+            self._c.EnqueuePrefetchTensors(&ids[0], n, band)
+
+    def enqueue_prefetch(self, tensor_id, priority=DEFAULT_PRIORITY):
+        """Queues one id (the per-expert path)."""
+        self._check_open()
+        cdef int band = _as_priority(priority)
+        cdef int64_t tid = _as_single_id(tensor_id)
+        self._c.EnqueuePrefetch(tid, band)
+
+    def cancel(self, tensor_ids):
+        """Removes queued ids (not copying or resident ones, and not ids an
+        acquirer waits for). Returns how many were removed."""
+        self._check_open()
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        cdef size_t removed = 0
+        if n == 0:
+            return 0
+        with nogil:
+            removed = self._c.Cancel(&ids[0], n)
+        return removed
+
+    def cancel_below(self, band):
+        """Removes every queued id at `band` or less urgent (band >= `band`).
+        Returns how many were removed."""
+        self._check_open()
+        cdef int b = _as_priority(band)
+        cdef size_t removed = 0
+        with nogil:
+            removed = self._c.CancelAtOrBelow(b)
+        return removed
+
+    def cancel_all(self):
+        """Empties the queue (ids acquirers wait for stay)."""
+        return self.cancel_below(0)
+
+    # ----------------------------------------------------- acquire/release
+
+    def acquire(self, tensor_ids, *, stream=None,
+                timeout=DEFAULT_ACQUIRE_TIMEOUT_S):
+        """Waits until every id is in its device cache, pins it, and returns
+        one uint8 view per id into the cache (numpy for the host backend,
+        torch for CUDA). A missing id is fetched on demand (band 0).
+
+        With ``stream`` (a torch.cuda.Stream or raw handle) on the CUDA
+        backend, a copy still in flight is waited for on the GPU: that stream
+        waits, the CPU does not. Raises TimeoutError after ``timeout``
+        seconds, with nothing left pinned. Views stay valid until release."""
+        self._check_open()
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        if n == 0:
+            return []
+        cdef uintptr_t cstream = _as_stream(stream)
+        if type(timeout) is _PY_BOOL:
+            raise TypeError("timeout must be a number of seconds")
+        cdef double ctimeout = float(timeout)
+        cdef vector[CSlotInfo] slots
+        slots.resize(n)
+        with nogil:
+            self._c.Acquire(&ids[0], n, cstream, ctimeout, slots.data())
+        views = []
+        cdef size_t i
+        for i in range(n):
+            arena = self._arenas[slots[i].device]
+            start = slots[i].offset
+            views.append(arena[start:start + slots[i].bytes])
+        return views
+
+    def release(self, tensor_ids, *, stream=None):
+        """Unpins ids taken by acquire. With ``stream``, the slot is not
+        reused until the work queued on that stream so far has finished.
+        Releasing an id that is not acquired raises RuntimeError and changes
+        nothing."""
+        self._check_open()
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        if n == 0:
+            return
+        cdef uintptr_t cstream = _as_stream(stream)
+        with nogil:
+            self._c.Release(&ids[0], n, cstream)
+
+    # ------------------------------------------------------------- control
+
+    def pause(self):
+        """Stops workers from starting new copies (benchmarks, tests)."""
+        self._check_open()
+        self._c.Pause()
+
+    def resume(self):
+        self._check_open()
+        self._c.Resume()
+
+    def budget_bytes(self, device=0):
+        self._check_open()
+        return self._c.BudgetBytes(operator.index(device))
+
+    def stats(self):
+        """A consistent snapshot of the engine's counters and gauges."""
+        self._check_open()
+        cdef CStats s = self._c.GetStats()
+        return {
+            "requests": s.requests,
+            "enqueued": s.enqueued,
+            "deduplicated": s.deduplicated,
+            "upgraded": s.upgraded,
+            "touched": s.touched,
+            "cancelled": s.cancelled,
+            "acquires": s.acquires,
+            "hits": s.hits,
+            "misses": s.misses,
+            "late": s.late,
+            "evictions": s.evictions,
+            "wasted": s.wasted,
+            "copies": s.copies,
+            "copy_errors": s.copy_errors,
+            "bytes_copied": s.bytes_copied,
+            "copy_seconds": s.copy_seconds,
+            "queue_depth": s.queue_depth,
+            "bytes_in_flight": s.bytes_in_flight,
+            "resident_count": s.resident_count,
+            "resident_bytes": s.resident_bytes,
+            "pinned_count": s.pinned_count,
+            "registered": s.registered,
+            "registered_bytes": s.registered_bytes,
+            "last_batch_ns": s.last_batch_ns,
+            "last_batch_start_ns": s.last_batch_start_ns,
+            "last_batch_end_ns": s.last_batch_end_ns,
+        }
+
+    def last_batch_ns(self):
+        """Nanoseconds the engine spent in the last batched prefetch call
+        (its own steady-clock timer)."""
+        self._check_open()
+        return self._c.GetStats().last_batch_ns
+
+    @property
+    def closed(self):
+        return self._closed
+
+    def close(self):
+        """Cancels queued copies, wakes waiting acquirers with an error and
+        joins the workers. Idempotent; every other call raises afterwards."""
+        if self._closed or self._c == NULL:
+            return
+        self._closed = True
+        with nogil:
+            self._c.Close()
+
+    def __enter__(self):
+        self._check_open()
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+        return False
+
+    def __repr__(self):
+        state = "closed" if self._closed else "open"
+        return (
+            f"<PrefetchHandle backend={self.backend!r} "
+            f"devices={self.num_devices} {state}>"
+        )

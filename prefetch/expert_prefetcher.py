@@ -1,0 +1,199 @@
+"""ExpertPrefetcher: (layer, expert) pairs on top of a PrefetchHandle.
+
+Each expert is registered as one tensor id whose host buffer packs all of
+the expert's weights (say w1, w2, w3) back to back, each part aligned to
+256 bytes: one copy per expert instead of one per weight. After ``acquire``
+the parts come back as torch tensors with their registered dtypes and shapes,
+views into the device cache.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Sequence
+
+import numpy as np
+
+from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, DEFAULT_PRIORITY, as_id_array
+
+PART_ALIGNMENT_BYTES = 256  # each packed weight starts on this boundary
+
+
+@dataclass(frozen=True)
+class PartLayout:
+    """Where one weight of an expert sits in its packed buffer."""
+
+    name: str
+    dtype: object  # torch.dtype
+    shape: tuple
+    offset: int  # bytes from the start of the packed buffer
+    nbytes: int
+
+
+def _align(n: int) -> int:
+    return (n + PART_ALIGNMENT_BYTES - 1) // PART_ALIGNMENT_BYTES * PART_ALIGNMENT_BYTES
+
+
+class ExpertPrefetcher:
+    """Maps (layer, expert) to tensor ids and issues their prefetches.
+
+    ``engine`` is a PrefetchHandle (or anything with ``enqueue_prefetch`` and,
+    optionally, ``prefetch_tensors``). ``use_batched=None`` picks the batched
+    call when the engine has one; ``False`` forces the per-expert loop (the
+    reference design's path, kept as a fallback and as the BM2 baseline).
+    Ids are handed out densely from ``first_tensor_id``.
+    """
+
+    def __init__(self, engine, *, use_batched: bool | None = None, first_tensor_id: int = 0):
+        self.engine = engine
+        has_batched = callable(getattr(engine, "prefetch_tensors", None))
+        if use_batched and not has_batched:
+            raise ValueError("use_batched=True but the engine has no prefetch_tensors")
+        self.batched = has_batched if use_batched is None else bool(use_batched)
+        self._next_id = int(first_tensor_id)
+        self._ids: dict[int, np.ndarray] = {}  # layer -> expert-indexed ids, -1 = none
+        self._layouts: dict[int, tuple[PartLayout, ...]] = {}  # tensor id -> parts
+
+    # ------------------------------------------------------------ registry
+
+    def register_expert(
+        self,
+        layer_id: int,
+        expert_id: int,
+        weights: Mapping[str, object] | Sequence[object],
+        *,
+        device: int = 0,
+    ) -> int:
+        """Packs an expert's weights (CPU torch tensors, by name or in order)
+        into one engine tensor and returns its id."""
+        import torch
+
+        layer_id = int(layer_id)
+        expert_id = int(expert_id)
+        if layer_id < 0 or expert_id < 0:
+            raise ValueError("layer and expert ids must be >= 0")
+        if self._lookup(layer_id, expert_id) >= 0:
+            raise ValueError(f"expert ({layer_id}, {expert_id}) is already registered")
+        if isinstance(weights, Mapping):
+            items = list(weights.items())
+        else:
+            items = [(str(i), w) for i, w in enumerate(weights)]
+        if not items:
+            raise ValueError("an expert needs at least one weight tensor")
+        layout = []
+        parts = []
+        offset = 0
+        for name, tensor in items:
+            if not isinstance(tensor, torch.Tensor):
+                raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+            if tensor.device.type != "cpu":
+                raise ValueError(f"weight {name!r} must be on the CPU, got {tensor.device}")
+            nbytes = tensor.numel() * tensor.element_size()
+            layout.append(PartLayout(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
+            parts.append((tensor, offset))
+            offset = _align(offset + nbytes)
+        total = layout[-1].offset + layout[-1].nbytes
+        tensor_id = self._next_id
+        self.engine.register_parts(tensor_id, parts, total_bytes=total, device=device)
+        self._next_id += 1
+        table = self._ids.get(layer_id)
+        if table is None or table.shape[0] <= expert_id:
+            grown = np.full(max(expert_id + 1, 2 * (0 if table is None else table.shape[0])), -1, dtype=np.int64)
+            if table is not None:
+                grown[: table.shape[0]] = table
+            table = grown
+            self._ids[layer_id] = table
+        table[expert_id] = tensor_id
+        self._layouts[tensor_id] = tuple(layout)
+        return tensor_id
+
+    def _lookup(self, layer_id: int, expert_id: int) -> int:
+        table = self._ids.get(layer_id)
+        if table is None or expert_id >= table.shape[0]:
+            return -1
+        return int(table[expert_id])
+
+    def tensor_id(self, layer_id: int, expert_id: int) -> int:
+        tid = self._lookup(int(layer_id), int(expert_id))
+        if tid < 0:
+            raise KeyError(f"expert ({layer_id}, {expert_id}) is not registered")
+        return tid
+
+    def tensor_ids(self, layer_id: int, expert_list) -> np.ndarray:
+        """The tensor ids of `expert_list` in layer `layer_id`, in order, as
+        a contiguous int64 array. Unknown experts raise KeyError."""
+        experts = as_id_array(expert_list)
+        table = self._ids.get(int(layer_id))
+        if table is None:
+            if experts.shape[0] == 0:
+                return experts
+            raise KeyError(f"layer {layer_id} has no registered experts")
+        if experts.shape[0] and (experts.min() < 0 or experts.max() >= table.shape[0]):
+            bad = experts[(experts < 0) | (experts >= table.shape[0])][0]
+            raise KeyError(f"expert ({layer_id}, {int(bad)}) is not registered")
+        ids = table[experts]
+        if ids.shape[0] and ids.min() < 0:
+            bad = experts[ids < 0][0]
+            raise KeyError(f"expert ({layer_id}, {int(bad)}) is not registered")
+        return ids
+
+    def layout(self, tensor_id: int) -> tuple[PartLayout, ...]:
+        return self._layouts[tensor_id]
+
+    # ------------------------------------------------------------ prefetch
+
+    def prefetch_experts_list(self, layer_id: int, expert_list, priority: int = DEFAULT_PRIORITY) -> None:
+        """Queues the experts of `layer_id` at `priority`: one batched engine
+        call, or one call per expert on the fallback path (same ids, same
+        order). Empty input is a no-op."""
+        ids = self.tensor_ids(layer_id, expert_list)
+        if ids.shape[0] == 0:
+            return
+        if self.batched:
+            self.engine.prefetch_tensors(ids, priority)
+        else:
+            enqueue = self.engine.enqueue_prefetch
+            for tid in ids.tolist():
+                enqueue(tid, priority)
+
+    # ----------------------------------------------------- acquire/release
+
+    def acquire_experts(self, layer_id: int, expert_list, *, stream=None, timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S):
+        """Pins the experts and returns, per expert, a dict of weight name to
+        torch tensor (a view into the cache, valid until release)."""
+        ids = self.tensor_ids(layer_id, expert_list)
+        return self._acquire_ids(ids, stream=stream, timeout=timeout)
+
+    def _acquire_ids(self, ids: np.ndarray, *, stream, timeout: float):
+        import torch
+
+        views = self.engine.acquire(ids, stream=stream, timeout=timeout)
+        experts = []
+        for tid, raw in zip(ids.tolist(), views):
+            if isinstance(raw, np.ndarray):
+                raw = torch.from_numpy(raw)
+            weights = {}
+            for part in self._layouts[tid]:
+                chunk = raw[part.offset : part.offset + part.nbytes]
+                weights[part.name] = chunk.view(part.dtype).view(part.shape)
+            experts.append(weights)
+        return experts
+
+    def release_experts(self, layer_id: int, expert_list, *, stream=None) -> None:
+        self.engine.release(self.tensor_ids(layer_id, expert_list), stream=stream)
+
+    @contextlib.contextmanager
+    def experts(self, layer_id: int, expert_list, *, stream=None, timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S):
+        """``with prefetcher.experts(layer, [3, 7]) as weights:`` acquires,
+        yields the weights, and releases (on `stream`) on exit."""
+        ids = self.tensor_ids(layer_id, expert_list)
+        weights = self._acquire_ids(ids, stream=stream, timeout=timeout)
+        try:
+            yield weights
+        finally:
+            self.engine.release(ids, stream=stream)
+
+    def registered_experts(self) -> Iterable[tuple[int, int]]:
+        for layer_id, table in self._ids.items():
+            for expert_id in np.flatnonzero(table >= 0).tolist():
+                yield layer_id, expert_id

@@ -1,0 +1,925 @@
+#include "archer_prefetch_handle.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace prefetch {
+namespace {
+
+std::string IdText(int64_t id) { return "tensor id " + std::to_string(id); }
+
+const char* StateName(EntryState s) {
+  switch (s) {
+    case EntryState::kHost: return "not requested";
+    case EntryState::kQueued: return "queued";
+    case EntryState::kCopying: return "copying";
+    case EntryState::kResident: return "resident";
+  }
+  return "?";
+}
+
+int64_t SteadyNs(std::chrono::steady_clock::time_point t) {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             t.time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
+                                           std::unique_ptr<CopyBackend> backend)
+    : backend_(std::move(backend)),
+      copy_chunk_bytes_(options.copy_chunk_bytes),
+      max_bytes_in_flight_(options.max_bytes_in_flight),
+      debug_issue_delay_ns_(options.debug_issue_delay_ns),
+      owner_pid_(static_cast<long>(::getpid())) {
+  if (!backend_) {
+    throw PrefetchError(ErrorKind::kInvalidArgument, "no copy backend");
+  }
+  const size_t n = options.device_budget_bytes.size();
+  if (n == 0 || n > static_cast<size_t>(kMaxDevices)) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "need 1.." + std::to_string(kMaxDevices) +
+                            " device budgets, got " + std::to_string(n));
+  }
+  if (static_cast<int>(n) > backend_->DeviceCount()) {
+    throw PrefetchError(
+        ErrorKind::kInvalidArgument,
+        std::to_string(n) + " devices requested but the " + backend_->Name() +
+            " backend has " + std::to_string(backend_->DeviceCount()));
+  }
+  if (!options.device_arenas.empty() && options.device_arenas.size() != n) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "device_arenas must be empty or one per device");
+  }
+  if (copy_chunk_bytes_ == 0) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "copy_chunk_bytes must be > 0");
+  }
+  if (debug_issue_delay_ns_ < 0) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "debug_issue_delay_ns must be >= 0");
+  }
+  for (size_t d = 0; d < n; ++d) {
+    if (options.device_budget_bytes[d] < kSlotAlignmentBytes) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          "device budget must be at least " +
+                              std::to_string(kSlotAlignmentBytes) + " bytes");
+    }
+  }
+  auto policy_check = MakeEvictionPolicy(options.eviction_policy);
+  (void)policy_check;
+
+  // Build every device before starting any thread, so a failure here leaves
+  // nothing running; then start workers.
+  try {
+    for (size_t d = 0; d < n; ++d) {
+      auto dev = std::make_unique<DeviceState>();
+      dev->index = static_cast<int>(d);
+      const size_t budget = options.device_budget_bytes[d];
+      void* arena = options.device_arenas.empty() ? nullptr
+                                                  : options.device_arenas[d];
+      if (arena == nullptr) {
+        arena = backend_->AllocateDevice(dev->index, budget);
+        dev->owns_arena = true;
+      }
+      dev->cache = std::make_unique<DeviceCache>(
+          static_cast<char*>(arena), budget,
+          MakeEvictionPolicy(options.eviction_policy));
+      devices_.push_back(std::move(dev));
+    }
+  } catch (...) {
+    for (auto& dev : devices_) {
+      if (dev->owns_arena) {
+        backend_->FreeDevice(dev->index, dev->cache->arena(),
+                             dev->cache->budget_bytes());
+      }
+    }
+    throw;
+  }
+  paused_ = options.start_paused;
+  for (auto& dev : devices_) {
+    DeviceState* raw = dev.get();
+    dev->worker = std::thread([this, raw] { WorkerLoop(raw); });
+  }
+}
+
+ArcherPrefetchHandle::~ArcherPrefetchHandle() { Close(); }
+
+uintptr_t ArcherPrefetchHandle::ArenaAddress(int device) const {
+  if (device < 0 || device >= DeviceCount()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "no device " + std::to_string(device));
+  }
+  return reinterpret_cast<uintptr_t>(devices_[device]->cache->arena());
+}
+
+size_t ArcherPrefetchHandle::BudgetBytes(int device) const {
+  if (device < 0 || device >= DeviceCount()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "no device " + std::to_string(device));
+  }
+  return devices_[device]->cache->budget_bytes();
+}
+
+// ---------------------------------------------------------------- helpers
+
+void ArcherPrefetchHandle::CheckUsableLocked() const {
+  if (static_cast<long>(::getpid()) != owner_pid_) {
+    throw PrefetchError(ErrorKind::kClosed,
+                        "PrefetchHandle used in a forked child process; its "
+                        "worker threads exist only in the parent. Create a "
+                        "new handle in the child");
+  }
+  if (closed_) {
+    throw PrefetchError(ErrorKind::kClosed, "PrefetchHandle is closed");
+  }
+}
+
+void ArcherPrefetchHandle::CheckPriority(int priority) {
+  if (priority < 0 || priority >= kNumBands) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "priority must be in 0.." +
+                            std::to_string(kNumBands - 1) + " (0 = most "
+                            "urgent), got " + std::to_string(priority));
+  }
+}
+
+Entry* ArcherPrefetchHandle::LookupLocked(int64_t id) const {
+  if (id < 0 || id > kMaxTensorId) return nullptr;
+  const size_t page = static_cast<size_t>(id) >> kPageBits;
+  if (page >= pages_.size() || !pages_[page]) return nullptr;
+  return pages_[page][static_cast<size_t>(id) & ((1u << kPageBits) - 1)].get();
+}
+
+void ArcherPrefetchHandle::ValidateIdsLocked(const int64_t* ids,
+                                             size_t n) const {
+  for (size_t i = 0; i < n; ++i) {
+    if (LookupLocked(ids[i]) == nullptr) {
+      throw PrefetchError(ErrorKind::kUnknownId,
+                          IdText(ids[i]) + " (at index " + std::to_string(i) +
+                              ") is not registered");
+    }
+  }
+}
+
+void ArcherPrefetchHandle::WakeWorkersLocked(uint64_t device_mask) {
+  while (device_mask != 0) {
+    const int d = __builtin_ctzll(device_mask);
+    device_mask &= device_mask - 1;
+    DeviceState* dev = devices_[d].get();
+    // A worker that is copying re-checks its queue before sleeping, so only
+    // a sleeping one needs the (syscall-priced) notify.
+    if (dev->worker_waiting && !paused_) dev->work_cv.notify_one();
+  }
+}
+
+void ArcherPrefetchHandle::UnpinLocked(const int64_t* ids, size_t n) {
+  uint64_t mask = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    if (e != nullptr && e->pins > 0) {
+      --e->pins;
+      mask |= uint64_t{1} << e->device;
+    }
+  }
+  // Unpinned entries may be evictable now: a blocked worker retries.
+  for (int d = 0; d < DeviceCount(); ++d) {
+    if ((mask >> d) & 1u) devices_[d]->work_cv.notify_one();
+  }
+}
+
+// ------------------------------------------------------------ registration
+
+void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
+                                          int device, const HostPart* parts,
+                                          size_t n_parts) {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    CheckUsableLocked();
+    if (id < 0 || id > kMaxTensorId) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          IdText(id) + " out of range 0.." +
+                              std::to_string(kMaxTensorId));
+    }
+    if (device < 0 || device >= DeviceCount()) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          "device " + std::to_string(device) +
+                              " out of range 0.." +
+                              std::to_string(DeviceCount() - 1));
+    }
+    if (total_bytes == 0) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          IdText(id) + ": cannot register an empty tensor");
+    }
+    if (AlignSlot(total_bytes) > devices_[device]->cache->budget_bytes()) {
+      throw PrefetchError(
+          ErrorKind::kInvalidArgument,
+          IdText(id) + " needs " + std::to_string(AlignSlot(total_bytes)) +
+              " bytes of cache but device " + std::to_string(device) +
+              " has a budget of " +
+              std::to_string(devices_[device]->cache->budget_bytes()));
+    }
+    for (size_t p = 0; p < n_parts; ++p) {
+      if (parts[p].offset > total_bytes ||
+          parts[p].bytes > total_bytes - parts[p].offset) {
+        throw PrefetchError(ErrorKind::kInvalidArgument,
+                            IdText(id) + ": part " + std::to_string(p) +
+                                " runs past the tensor's " +
+                                std::to_string(total_bytes) + " bytes");
+      }
+    }
+    if (LookupLocked(id) != nullptr) {
+      throw PrefetchError(ErrorKind::kAlreadyExists,
+                          IdText(id) + " is already registered");
+    }
+    ++active_calls_;
+  }
+  // Allocate and fill outside the lock: registering gigabytes must not stall
+  // issuance or the workers.
+  void* host = nullptr;
+  std::string failure;
+  ErrorKind failure_kind = ErrorKind::kOutOfMemory;
+  try {
+    host = backend_->AllocateHost(total_bytes);
+    size_t covered = 0;
+    for (size_t p = 0; p < n_parts; ++p) covered += parts[p].bytes;
+    if (covered < total_bytes) std::memset(host, 0, total_bytes);
+    for (size_t p = 0; p < n_parts; ++p) {
+      std::memcpy(static_cast<char*>(host) + parts[p].offset, parts[p].src,
+                  parts[p].bytes);
+    }
+  } catch (const PrefetchError& e) {
+    failure = e.what();
+    failure_kind = e.kind();
+  } catch (const std::exception& e) {
+    failure = e.what();
+  }
+  std::lock_guard<std::mutex> lk(mu_);
+  --active_calls_;
+  if (active_calls_ == 0) idle_cv_.notify_all();
+  if (!failure.empty()) throw PrefetchError(failure_kind, failure);
+  std::string refusal;
+  ErrorKind refusal_kind = ErrorKind::kAlreadyExists;
+  if (closed_) {
+    refusal = "PrefetchHandle is closed";
+    refusal_kind = ErrorKind::kClosed;
+  } else if (LookupLocked(id) != nullptr) {
+    refusal = IdText(id) + " is already registered";
+  }
+  if (!refusal.empty()) {
+    backend_->FreeHost(host, total_bytes);
+    throw PrefetchError(refusal_kind, refusal);
+  }
+  const size_t page = static_cast<size_t>(id) >> kPageBits;
+  if (page >= pages_.size()) pages_.resize(page + 1);
+  if (!pages_[page]) {
+    pages_[page].reset(new std::unique_ptr<Entry>[size_t{1} << kPageBits]);
+  }
+  auto entry = std::make_unique<Entry>();
+  entry->id = id;
+  entry->host_ptr = host;
+  entry->bytes = total_bytes;
+  entry->device = device;
+  pages_[page][static_cast<size_t>(id) & ((1u << kPageBits) - 1)] =
+      std::move(entry);
+  ++registered_;
+  registered_bytes_ += total_bytes;
+}
+
+void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
+  void* host = nullptr;
+  size_t bytes = 0;
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    CheckUsableLocked();
+    Entry* e = LookupLocked(id);
+    if (e == nullptr) {
+      throw PrefetchError(ErrorKind::kUnknownId,
+                          IdText(id) + " is not registered");
+    }
+    if (e->pins > 0) {
+      throw PrefetchError(ErrorKind::kState,
+                          IdText(id) + " is acquired; release it first");
+    }
+    DeviceState* dev = devices_[e->device].get();
+    if (e->state == EntryState::kCopying) {
+      throw PrefetchError(ErrorKind::kState,
+                          IdText(id) + " is being copied; retry later");
+    }
+    if (e->state == EntryState::kResident) {
+      if (!backend_->Query(e->ready) || !backend_->Query(e->last_use)) {
+        throw PrefetchError(ErrorKind::kState,
+                            IdText(id) + " is still in use on a stream; "
+                                         "retry after it synchronises");
+      }
+      DropInflightLocked(dev, e);
+      dev->cache->RemoveResident(e);
+      dev->cache->Free(e->slot_offset, e->slot_bytes);
+      backend_->ReleaseToken(e->ready);
+      backend_->ReleaseToken(e->last_use);
+    } else if (e->state == EntryState::kQueued) {
+      dev->queue.Remove(e);
+    }
+    host = e->host_ptr;
+    bytes = e->bytes;
+    pages_[static_cast<size_t>(id) >> kPageBits]
+          [static_cast<size_t>(id) & ((1u << kPageBits) - 1)]
+              .reset();
+    --registered_;
+    registered_bytes_ -= bytes;
+    dev->work_cv.notify_one();  // a freed slot may unblock the worker
+  }
+  backend_->FreeHost(host, bytes);
+}
+
+bool ArcherPrefetchHandle::IsRegistered(int64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return !closed_ && LookupLocked(id) != nullptr;
+}
+
+uintptr_t ArcherPrefetchHandle::HostAddress(int64_t id) const {
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  Entry* e = LookupLocked(id);
+  if (e == nullptr) {
+    throw PrefetchError(ErrorKind::kUnknownId,
+                        IdText(id) + " is not registered");
+  }
+  return reinterpret_cast<uintptr_t>(e->host_ptr);
+}
+
+// ---------------------------------------------------------------- prefetch
+
+void ArcherPrefetchHandle::EnqueuePrefetch(int64_t id, int priority) {
+  EnqueuePrefetchTensors(&id, 1, priority);
+}
+
+void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
+                                                  int priority) {
+  const Clock::time_point start = Clock::now();
+  if (debug_issue_delay_ns_ > 0) {
+    std::this_thread::sleep_for(std::chrono::nanoseconds(debug_issue_delay_ns_));
+  }
+  CheckPriority(priority);
+  std::unique_lock<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  ValidateIdsLocked(ids, n);
+  uint64_t enqueued = 0, upgraded = 0, touched = 0;
+  uint64_t wake_mask = 0;
+  const uint8_t band = static_cast<uint8_t>(priority);
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    switch (e->state) {
+      case EntryState::kHost: {
+        DeviceState* dev = devices_[e->device].get();
+        dev->queue.PushBack(e, band);
+        e->state = EntryState::kQueued;
+        ++enqueued;
+        wake_mask |= uint64_t{1} << e->device;
+        break;
+      }
+      case EntryState::kQueued:
+        if (band < e->band) {
+          TaskQueue& q = devices_[e->device]->queue;
+          q.Remove(e);
+          q.PushBack(e, band);
+          ++upgraded;
+        }
+        break;
+      case EntryState::kCopying:
+        break;
+      case EntryState::kResident:
+        devices_[e->device]->cache->policy().OnTouch(e);
+        ++touched;
+        break;
+    }
+  }
+  stats_.requests += n;
+  stats_.enqueued += enqueued;
+  stats_.deduplicated += n - enqueued;
+  stats_.upgraded += upgraded;
+  stats_.touched += touched;
+  WakeWorkersLocked(wake_mask);
+  const Clock::time_point end = Clock::now();
+  stats_.last_batch_ns = static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(end - start)
+          .count());
+  stats_.last_batch_start_ns = SteadyNs(start);
+  stats_.last_batch_end_ns = SteadyNs(end);
+}
+
+size_t ArcherPrefetchHandle::Cancel(const int64_t* ids, size_t n) {
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  ValidateIdsLocked(ids, n);
+  size_t removed = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    // An id an acquirer waits for stays queued: cancel is for speculation.
+    if (e->state == EntryState::kQueued && e->pins == 0) {
+      devices_[e->device]->queue.Remove(e);
+      e->state = EntryState::kHost;
+      ++removed;
+    }
+  }
+  stats_.cancelled += removed;
+  return removed;
+}
+
+size_t ArcherPrefetchHandle::CancelAtOrBelow(int band) {
+  CheckPriority(band);
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  size_t removed = 0;
+  for (auto& dev : devices_) {
+    std::vector<Entry*> keep;  // waited-for entries go back in order
+    dev->queue.RemoveAtOrBelow(band, [&](Entry* e) {
+      if (e->pins > 0) {
+        keep.push_back(e);
+      } else {
+        e->state = EntryState::kHost;
+        ++removed;
+      }
+    });
+    for (Entry* e : keep) dev->queue.PushBack(e, e->band);
+  }
+  stats_.cancelled += removed;
+  return removed;
+}
+
+// ---------------------------------------------------------- acquire/release
+
+void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
+                                   uintptr_t stream, double timeout_s,
+                                   SlotInfo* slots) {
+  if (!(timeout_s >= 0) || std::isinf(timeout_s)) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "timeout must be a finite number of seconds >= 0");
+  }
+  if (n == 0) return;
+  std::unique_lock<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  ValidateIdsLocked(ids, n);
+  const bool async = backend_->IsAsync();
+  std::vector<uint64_t> error_seq(n);
+  uint64_t wake_mask = 0;
+  size_t kept_error_at = n;
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    ++e->pins;
+    ++stats_.acquires;
+    error_seq[i] = e->error_seq;
+    const bool complete = e->state == EntryState::kResident &&
+                          (!async || backend_->Query(e->ready));
+    if (complete) {
+      ++stats_.hits;
+      continue;
+    }
+    ++stats_.misses;
+    if (e->state == EntryState::kCopying ||
+        e->state == EntryState::kResident) {
+      ++stats_.late;
+    } else if (e->state == EntryState::kHost && !e->error.empty() &&
+               kept_error_at == n) {
+      kept_error_at = i;  // a failed prefetch: its acquirer gets the error
+    }
+    TaskQueue& q = devices_[e->device]->queue;
+    if (e->state == EntryState::kHost) {
+      q.PushBack(e, kOnDemandBand);
+      e->state = EntryState::kQueued;
+      wake_mask |= uint64_t{1} << e->device;
+    } else if (e->state == EntryState::kQueued && e->band != kOnDemandBand) {
+      q.Remove(e);
+      q.PushBack(e, kOnDemandBand);
+      ++stats_.upgraded;
+      wake_mask |= uint64_t{1} << e->device;
+    }
+  }
+  if (kept_error_at != n) {
+    Entry* e = LookupLocked(ids[kept_error_at]);
+    const std::string message = IdText(e->id) + ": copy failed: " + e->error;
+    e->error.clear();
+    UnpinLocked(ids, n);
+    WakeWorkersLocked(wake_mask);
+    throw PrefetchError(ErrorKind::kCopyFailed, message);
+  }
+  WakeWorkersLocked(wake_mask);
+
+  ++active_calls_;
+  const auto deadline =
+      Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                         std::chrono::duration<double>(timeout_s));
+  std::string failure;
+  ErrorKind failure_kind = ErrorKind::kTimeout;
+  bool timed_out = false;
+  for (;;) {
+    Entry* pending = nullptr;  // first id not resident yet
+    for (size_t i = 0; i < n; ++i) {
+      Entry* e = LookupLocked(ids[i]);
+      if (e->error_seq != error_seq[i]) {
+        failure = IdText(e->id) + ": copy failed: " + e->error;
+        failure_kind = ErrorKind::kCopyFailed;
+        e->error.clear();
+        break;
+      }
+      if (e->state != EntryState::kResident && pending == nullptr) pending = e;
+    }
+    if (failure.empty() && stop_) {
+      failure = "PrefetchHandle was closed while acquire waited";
+      failure_kind = ErrorKind::kClosed;
+    }
+    if (failure.empty() && pending == nullptr) break;
+    if (failure.empty() && timed_out) {
+      failure = "acquire timed out after " + std::to_string(timeout_s) +
+                " s waiting for " + IdText(pending->id) + " (" +
+                StateName(pending->state) + (paused_ ? ", workers paused" : "") +
+                "; the cache of device " + std::to_string(pending->device) +
+                " may be full of acquired tensors)";
+    }
+    if (!failure.empty()) {
+      UnpinLocked(ids, n);
+      --active_calls_;
+      if (active_calls_ == 0) idle_cv_.notify_all();
+      throw PrefetchError(failure_kind, failure);
+    }
+    // One more pass after the deadline, so a copy that finished just then
+    // still counts.
+    timed_out = ready_cv_.wait_until(lk, deadline) == std::cv_status::timeout;
+  }
+
+  std::vector<CopyToken> cpu_waits;
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    e->prefetched_unused = false;
+    devices_[e->device]->cache->policy().OnTouch(e);
+    slots[i].offset = e->slot_offset;
+    slots[i].bytes = e->bytes;
+    slots[i].device = e->device;
+    if (async && !backend_->Query(e->ready)) {
+      if (stream != 0) {
+        backend_->StreamWait(stream, e->ready);
+      } else {
+        cpu_waits.push_back(e->ready);
+      }
+    }
+  }
+  lk.unlock();
+  // Pinned entries keep their tokens (Note [Completion tokens]).
+  std::string wait_error;
+  for (CopyToken t : cpu_waits) {
+    try {
+      backend_->Wait(t);
+    } catch (const std::exception& ex) {
+      if (wait_error.empty()) wait_error = ex.what();
+    }
+  }
+  lk.lock();
+  --active_calls_;
+  if (active_calls_ == 0) idle_cv_.notify_all();
+  if (!wait_error.empty()) {
+    UnpinLocked(ids, n);
+    throw PrefetchError(ErrorKind::kCopyFailed, wait_error);
+  }
+}
+
+void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
+                                   uintptr_t stream) {
+  if (n == 0) return;
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  ValidateIdsLocked(ids, n);
+  // Decrement tentatively so duplicates count; undo on the first refusal.
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    if (e->pins <= 0) {
+      for (size_t j = 0; j < i; ++j) ++LookupLocked(ids[j])->pins;
+      throw PrefetchError(ErrorKind::kState,
+                          IdText(ids[i]) + " is not acquired (release "
+                                           "without a matching acquire)");
+    }
+    --e->pins;
+  }
+  uint64_t mask = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    mask |= uint64_t{1} << e->device;
+    if (stream != 0 && backend_->IsAsync()) {
+      // Chain the previous holder's use so one token covers every holder.
+      if (!backend_->Query(e->last_use)) {
+        backend_->StreamWait(stream, e->last_use);
+      }
+      backend_->ReleaseToken(e->last_use);
+      e->last_use = backend_->RecordOnStream(e->device, stream);
+    }
+  }
+  for (int d = 0; d < DeviceCount(); ++d) {
+    if ((mask >> d) & 1u) devices_[d]->work_cv.notify_one();
+  }
+}
+
+// ------------------------------------------------------------------ worker
+
+void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
+  DropInflightLocked(dev, e);
+  dev->cache->RemoveResident(e);
+  dev->cache->Free(e->slot_offset, e->slot_bytes);
+  backend_->ReleaseToken(e->ready);
+  backend_->ReleaseToken(e->last_use);
+  e->ready = e->last_use = kTokenDone;
+  e->state = EntryState::kHost;
+  ++stats_.evictions;
+  if (e->prefetched_unused) ++stats_.wasted;
+  e->prefetched_unused = false;
+}
+
+bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
+                                             bool* wait_for_events) {
+  struct Ctx {
+    CopyBackend* backend;
+    bool pending_seen;  // an unpinned victim waits only on GPU work
+  } ctx{backend_.get(), false};
+  auto evictable = [](Entry* v, void* raw) {
+    auto* c = static_cast<Ctx*>(raw);
+    if (v->pins > 0) return false;
+    if (!c->backend->Query(v->ready) || !c->backend->Query(v->last_use)) {
+      c->pending_seen = true;
+      return false;
+    }
+    return true;
+  };
+  for (;;) {
+    if (dev->cache->Allocate(e->bytes, &e->slot_offset, &e->slot_bytes)) {
+      return true;
+    }
+    Entry* victim = dev->cache->policy().PickVictim(evictable, &ctx);
+    if (victim == nullptr) {
+      *wait_for_events = ctx.pending_seen;
+      return false;
+    }
+    EvictLocked(dev, victim);
+  }
+}
+
+void ArcherPrefetchHandle::DropInflightLocked(DeviceState* dev, Entry* e) {
+  auto it = std::find(dev->inflight.begin(), dev->inflight.end(), e);
+  if (it != dev->inflight.end()) {
+    dev->inflight_bytes -= e->bytes;
+    dev->inflight.erase(it);
+  }
+}
+
+void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
+  while (!dev->inflight.empty() && backend_->Query(dev->inflight.front()->ready)) {
+    dev->inflight_bytes -= dev->inflight.front()->bytes;
+    dev->inflight.pop_front();
+  }
+}
+
+void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
+  std::string bind_error;
+  try {
+    backend_->BindWorkerThread(dev->index);
+  } catch (const std::exception& ex) {
+    bind_error = ex.what();
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stop_) {
+    if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
+    if (paused_ || dev->queue.empty()) {
+      dev->worker_waiting = true;
+      dev->work_cv.wait(lk);
+      dev->worker_waiting = false;
+      continue;
+    }
+    Entry* e = dev->queue.PeekMostUrgent();
+    if (!bind_error.empty()) {
+      dev->queue.Remove(e);
+      e->state = EntryState::kHost;
+      e->error = "copy worker could not start: " + bind_error;
+      ++e->error_seq;
+      ++stats_.copy_errors;
+      ready_cv_.notify_all();
+      continue;
+    }
+    // Cap the bytes an async backend has in flight: wait for the oldest.
+    if (!dev->inflight.empty() &&
+        dev->inflight_bytes + e->bytes > max_bytes_in_flight_) {
+      const CopyToken oldest = dev->inflight.front()->ready;
+      lk.unlock();
+      try {
+        backend_->Wait(oldest);
+      } catch (...) {
+        // A failed wait surfaces to the acquirer of that entry.
+      }
+      lk.lock();
+      RetireInflightLocked(dev);
+      continue;
+    }
+    bool wait_for_events = false;
+    if (!ReserveSlotLocked(dev, e, &wait_for_events)) {
+      // Every slot is pinned (or still read on a stream): wait for a
+      // release, an unregister or close. GPU-side uses complete without a
+      // notification, so then poll.
+      dev->worker_waiting = true;
+      if (wait_for_events) {
+        dev->work_cv.wait_for(lk, std::chrono::microseconds(100));
+      } else {
+        dev->work_cv.wait(lk);
+      }
+      dev->worker_waiting = false;
+      continue;
+    }
+    dev->queue.Remove(e);
+    CopyEntryLocked(dev, e, lk);
+  }
+  dev->worker_waiting = false;
+}
+
+void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
+                                           std::unique_lock<std::mutex>& lk) {
+  e->state = EntryState::kCopying;
+  dev->copying = e;
+  const bool urgent = e->band == kOnDemandBand;
+  char* dst = dev->cache->arena() + e->slot_offset;
+  const char* src = static_cast<const char*>(e->host_ptr);
+  CopyToken token = kTokenDone;
+  std::string error;
+  size_t done = 0;
+  while (done < e->bytes) {
+    const size_t chunk = std::min(copy_chunk_bytes_, e->bytes - done);
+    lk.unlock();
+    const Clock::time_point start = Clock::now();
+    try {
+      const CopyToken t =
+          backend_->Copy(dev->index, dst + done, src + done, chunk, urgent,
+                         /*want_token=*/true);
+      backend_->ReleaseToken(token);
+      token = t;
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    } catch (...) {
+      error = "unknown error in the copy backend";
+    }
+    const double seconds =
+        std::chrono::duration<double>(Clock::now() - start).count();
+    lk.lock();
+    stats_.copy_seconds += seconds;
+    if (!error.empty()) break;
+    done += chunk;
+    if (stop_ && done < e->bytes) {
+      error = "PrefetchHandle closed during the copy";
+      break;
+    }
+    // Between chunks an on-demand request overtakes a long prefetch.
+    if (!urgent && done < e->bytes && dev->queue.HasBand(kOnDemandBand)) {
+      Entry* u = dev->queue.PeekMostUrgent();
+      bool wait_for_events = false;
+      if (ReserveSlotLocked(dev, u, &wait_for_events)) {
+        dev->queue.Remove(u);
+        dev->copying = nullptr;
+        CopyEntryLocked(dev, u, lk);  // urgent: never recurses further
+        dev->copying = e;
+      }
+    }
+  }
+  dev->copying = nullptr;
+  if (!error.empty()) {
+    if (token != kTokenDone) {
+      lk.unlock();
+      try {
+        backend_->Wait(token);  // chunks already issued still target the slot
+      } catch (...) {
+      }
+      lk.lock();
+      backend_->ReleaseToken(token);
+    }
+    dev->cache->Free(e->slot_offset, e->slot_bytes);
+    e->state = EntryState::kHost;
+    e->error = error;
+    ++e->error_seq;
+    ++stats_.copy_errors;
+  } else {
+    e->state = EntryState::kResident;
+    e->ready = token;
+    e->error.clear();
+    e->prefetched_unused = e->pins == 0;
+    dev->cache->AddResident(e);
+    if (token != kTokenDone) {
+      dev->inflight.push_back(e);
+      dev->inflight_bytes += e->bytes;
+    }
+    ++stats_.copies;
+    stats_.bytes_copied += e->bytes;
+  }
+  ready_cv_.notify_all();
+}
+
+// ----------------------------------------------------------------- control
+
+void ArcherPrefetchHandle::Pause() {
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  paused_ = true;
+}
+
+void ArcherPrefetchHandle::Resume() {
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  paused_ = false;
+  for (auto& dev : devices_) dev->work_cv.notify_one();
+  ready_cv_.notify_all();
+}
+
+Stats ArcherPrefetchHandle::GetStats() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  Stats s = stats_;
+  for (const auto& dev : devices_) {
+    s.queue_depth += dev->queue.size();
+    s.resident_count += dev->cache->resident_count();
+    s.resident_bytes += dev->cache->used_bytes();
+    if (dev->copying != nullptr) s.bytes_in_flight += dev->copying->bytes;
+    s.bytes_in_flight += dev->inflight_bytes;
+  }
+  s.registered = registered_;
+  s.registered_bytes = registered_bytes_;
+  for (const auto& page : pages_) {
+    if (!page) continue;
+    for (size_t i = 0; i < (size_t{1} << kPageBits); ++i) {
+      if (page[i] && page[i]->pins > 0) ++s.pinned_count;
+    }
+  }
+  return s;
+}
+
+bool ArcherPrefetchHandle::IsClosed() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return closed_;
+}
+
+void ArcherPrefetchHandle::Close() {
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    if (closed_) return;
+    closed_ = true;
+    stop_ = true;
+    for (auto& dev : devices_) {
+      dev->queue.RemoveAtOrBelow(0, [](Entry* e) {
+        e->state = EntryState::kHost;
+      });
+      dev->work_cv.notify_all();
+    }
+    ready_cv_.notify_all();
+  }
+  // A forked child has no worker threads to join (they live in the parent).
+  const bool forked = static_cast<long>(::getpid()) != owner_pid_;
+  for (auto& dev : devices_) {
+    if (dev->worker.joinable()) {
+      if (forked) {
+        dev->worker.detach();
+      } else {
+        dev->worker.join();
+      }
+    }
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  idle_cv_.wait(lk, [this] { return active_calls_ == 0; });
+  if (!forked) FreeEverythingLocked();
+}
+
+void ArcherPrefetchHandle::FreeEverythingLocked() {
+  for (auto& page : pages_) {
+    if (!page) continue;
+    for (size_t i = 0; i < (size_t{1} << kPageBits); ++i) {
+      Entry* e = page[i].get();
+      if (e == nullptr) continue;
+      try {
+        backend_->Wait(e->ready);
+        backend_->Wait(e->last_use);
+      } catch (...) {
+        // Closing: a failed wait leaves nothing more to do for this entry.
+      }
+      backend_->ReleaseToken(e->ready);
+      backend_->ReleaseToken(e->last_use);
+      backend_->FreeHost(e->host_ptr, e->bytes);
+      page[i].reset();
+    }
+  }
+  pages_.clear();
+  registered_ = 0;
+  registered_bytes_ = 0;
+  for (auto& dev : devices_) {
+    dev->inflight.clear();
+    dev->inflight_bytes = 0;
+    if (dev->owns_arena) {
+      backend_->FreeDevice(dev->index, dev->cache->arena(),
+                           dev->cache->budget_bytes());
+      dev->owns_arena = false;
+    }
+  }
+}
+
+}  // namespace prefetch

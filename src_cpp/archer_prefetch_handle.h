@@ -1,0 +1,181 @@
+// ArcherPrefetchHandle: the engine's facade.
+//
+// Owns the registry of tensors (id -> Entry), one DeviceState per device (task
+// queue, device cache, copy worker thread) and the copy backend. Named after
+// MoE-Infinity's engine, whose batched prefetch_tensors call it generalises.
+//
+// Note [One lock]
+// A single mutex `mu_` guards the registry, every Entry, every queue and cache
+// and the counters. An entry's state spans queue and cache (queued -> copying
+// -> resident), so splitting the lock would need a lock order on every
+// transition; one short critical section per call is cheaper than that, and
+// the batched enqueue takes it exactly once. Workers never hold it while
+// copying bytes, and never call into Python. Public methods never call other
+// public methods; helpers named *Locked REQUIRE mu_.
+//
+// Note [Acquire pins]
+// Acquire increments Entry::pins before it waits, so an entry an acquirer is
+// waiting for can never be evicted between its copy finishing and the
+// acquirer waking. Release decrements; pins never go below zero (a release
+// without acquire is refused with the state unchanged).
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstddef>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "copy_backend.h"
+#include "device_cache.h"
+#include "entry.h"
+#include "errors.h"
+#include "stats.h"
+#include "task_queue.h"
+
+namespace prefetch {
+
+constexpr int64_t kMaxTensorId = (int64_t{1} << 31) - 1;  // registry bound
+constexpr int kMaxDevices = 64;                            // notify bitmask
+constexpr size_t kDefaultChunkBytes = size_t{4} << 20;     // 4 MiB per copy
+constexpr size_t kDefaultMaxBytesInFlight = size_t{256} << 20;
+
+struct HandleOptions {
+  // Cache budget of each device in bytes; its size is the device count.
+  std::vector<size_t> device_budget_bytes;
+  // Optional caller-owned arena per device (nullptr: the backend allocates
+  // one). A caller-owned arena must outlive the handle's use of it.
+  std::vector<void*> device_arenas;
+  std::string eviction_policy = "lru";
+  size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
+  size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
+  bool start_paused = false;         // workers idle until Resume()
+  int64_t debug_issue_delay_ns = 0;  // tests: sleep inside the batched call
+};
+
+// Where an acquired tensor lives: its device arena and the range in it.
+struct SlotInfo {
+  uint64_t offset;  // byte offset of the slot in the device arena
+  uint64_t bytes;   // registered size of the tensor
+  int32_t device;   // device whose arena holds it
+};
+
+// One part of a tensor's bytes when registering from several host buffers.
+struct HostPart {
+  const void* src;  // bytes to copy in
+  size_t bytes;     // how many
+  size_t offset;    // where they go in the registered buffer
+};
+
+class ArcherPrefetchHandle {
+ public:
+  ArcherPrefetchHandle(HandleOptions options,
+                       std::unique_ptr<CopyBackend> backend);
+  ~ArcherPrefetchHandle();
+  ArcherPrefetchHandle(const ArcherPrefetchHandle&) = delete;
+  ArcherPrefetchHandle& operator=(const ArcherPrefetchHandle&) = delete;
+
+  const char* BackendName() const { return backend_->Name(); }
+  int DeviceCount() const { return static_cast<int>(devices_.size()); }
+  uintptr_t ArenaAddress(int device) const;
+  size_t BudgetBytes(int device) const;
+
+  // Copies `total_bytes` (assembled from `parts`; bytes no part covers are
+  // zero) into engine-owned host memory under `id`. REQUIRES: id unused,
+  // 0 <= id <= kMaxTensorId, 0 < total_bytes <= the device's budget.
+  void RegisterTensor(int64_t id, size_t total_bytes, int device,
+                      const HostPart* parts, size_t n_parts);
+  // Forgets `id` and frees its memory. REQUIRES: not acquired, not copying.
+  void UnregisterTensor(int64_t id);
+  bool IsRegistered(int64_t id) const;
+  // Host address of a registered tensor's bytes (engine-owned).
+  uintptr_t HostAddress(int64_t id) const;
+
+  // Prefetch at `priority` (0..kNumBands-1). All ids are validated first:
+  // one unknown id throws kUnknownId and nothing is enqueued.
+  void EnqueuePrefetch(int64_t id, int priority);
+  void EnqueuePrefetchTensors(const int64_t* ids, size_t n, int priority);
+
+  // Removes queued ids that no acquirer waits for; returns how many.
+  size_t Cancel(const int64_t* ids, size_t n);
+  // Removes every queued id in bands >= band (no acquirer waiting).
+  size_t CancelAtOrBelow(int band);
+
+  // Waits until every id is resident (or, with a non-zero `stream` on an
+  // async backend, issued: the stream is made to wait on the GPU) and pins
+  // it. Writes where each id lives to slots[i].
+  // All-or-nothing: on timeout, copy failure or close, nothing stays pinned.
+  void Acquire(const int64_t* ids, size_t n, uintptr_t stream,
+               double timeout_s, SlotInfo* slots);
+  // Unpins. With a non-zero `stream`, the slot is not reused before the work
+  // queued on that stream so far has completed.
+  void Release(const int64_t* ids, size_t n, uintptr_t stream);
+
+  void Pause();
+  void Resume();
+  Stats GetStats() const;
+  // Cancels the queue, wakes waiters with kClosed, joins workers, frees
+  // memory. Bounded by one copy chunk per worker; idempotent.
+  void Close();
+  bool IsClosed() const;
+
+ private:
+  struct DeviceState {
+    int index = 0;                       // device ordinal
+    TaskQueue queue;                     // pending copies
+    std::unique_ptr<DeviceCache> cache;  // arena + eviction policy
+    bool owns_arena = false;             // arena came from the backend
+    std::condition_variable work_cv;     // wakes the worker
+    bool worker_waiting = false;         // worker sleeps on work_cv
+    Entry* copying = nullptr;            // entry the worker is copying
+    std::deque<Entry*> inflight;         // async: issued, ready pending
+    size_t inflight_bytes = 0;           // bytes of `inflight`
+    std::thread worker;
+  };
+  using Clock = std::chrono::steady_clock;
+
+  void WorkerLoop(DeviceState* dev);
+  void CopyEntryLocked(DeviceState* dev, Entry* e,
+                       std::unique_lock<std::mutex>& lk);
+  bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events);
+  void EvictLocked(DeviceState* dev, Entry* e);
+  void RetireInflightLocked(DeviceState* dev);
+  void DropInflightLocked(DeviceState* dev, Entry* e);
+  void WakeWorkersLocked(uint64_t device_mask);
+
+  void CheckUsableLocked() const;
+  static void CheckPriority(int priority);
+  Entry* LookupLocked(int64_t id) const;
+  void ValidateIdsLocked(const int64_t* ids, size_t n) const;
+  void UnpinLocked(const int64_t* ids, size_t n);
+  void FreeEverythingLocked();
+
+  const std::unique_ptr<CopyBackend> backend_;
+  const size_t copy_chunk_bytes_;
+  const size_t max_bytes_in_flight_;
+  const int64_t debug_issue_delay_ns_;
+  const long owner_pid_;  // process that built the handle (fork detection)
+
+  mutable std::mutex mu_;  // Note [One lock]
+  std::condition_variable ready_cv_;  // entry became resident/failed; close
+  std::condition_variable idle_cv_;   // active_calls_ dropped to zero
+  std::vector<std::unique_ptr<DeviceState>> devices_;
+  // Registry pages: page p holds ids [p << kPageBits, (p + 1) << kPageBits).
+  static constexpr int kPageBits = 12;
+  std::vector<std::unique_ptr<std::unique_ptr<Entry>[]>> pages_;
+  size_t registered_ = 0;        // entries in the registry
+  size_t registered_bytes_ = 0;  // their bytes
+  bool paused_ = false;
+  bool stop_ = false;     // workers must exit
+  bool closed_ = false;   // Close() started
+  int active_calls_ = 0;  // calls that may drop mu_ midway (Close waits)
+  Stats stats_;           // counters; gauges are filled by GetStats
+};
+
+}  // namespace prefetch

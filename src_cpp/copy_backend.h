@@ -1,0 +1,101 @@
+// Copy backends: how bytes get from the host registry into a device cache.
+//
+// The engine owns policy (what to copy, when, where); a backend owns mechanism
+// (host memory, device memory, copy engines, completion tokens). All pointers
+// and streams cross this interface as plain integers and void pointers so the
+// engine never sees a CUDA or torch type.
+//
+// Note [Completion tokens]
+// A CopyToken names the completion of some device work: a copy into a slot
+// (Entry::ready) or a consumer's last use of a slot (Entry::last_use). Token 0
+// means "already complete". A synchronous backend (host) returns 0 from every
+// call. An asynchronous backend (CUDA) returns an event from its pool; the
+// engine returns each token with ReleaseToken once it no longer needs it, and
+// never releases a token that another thread may still wait on.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <string>
+
+namespace prefetch {
+
+using CopyToken = uint64_t;
+constexpr CopyToken kTokenDone = 0;
+
+class CopyBackend {
+ public:
+  virtual ~CopyBackend() = default;
+
+  virtual const char* Name() const = 0;
+  // True when copies complete after Copy returns (tokens may be pending).
+  virtual bool IsAsync() const = 0;
+  // Devices this backend can serve (the engine refuses more).
+  virtual int DeviceCount() const = 0;
+
+  // Called once on each worker thread before its first copy (binds a context).
+  virtual void BindWorkerThread(int /*device*/) {}
+
+  // Host memory holding registered bytes (page-locked for DMA backends).
+  // Throws PrefetchError(kOutOfMemory) on failure.
+  virtual void* AllocateHost(size_t bytes) = 0;
+  virtual void FreeHost(void* ptr, size_t bytes) noexcept = 0;
+
+  // Device cache arena when the caller did not supply one.
+  virtual void* AllocateDevice(int device, size_t bytes) = 0;
+  virtual void FreeDevice(int device, void* ptr, size_t bytes) noexcept = 0;
+
+  // Copies `bytes` from host `src` to device `dst`. `urgent` selects the
+  // on-demand path (a high-priority stream for CUDA). When `want_token` the
+  // return value names completion of this and every earlier copy issued with
+  // the same `urgent` value on this device; otherwise it is kTokenDone.
+  // Throws PrefetchError(kCopyFailed) on failure.
+  virtual CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
+                         bool urgent, bool want_token) = 0;
+
+  // Token bookkeeping (see Note [Completion tokens]).
+  virtual bool Query(CopyToken token) = 0;
+  virtual void Wait(CopyToken token) = 0;
+  virtual void ReleaseToken(CopyToken token) noexcept = 0;
+
+  // Makes `stream` wait on the GPU for `token` (no CPU block).
+  virtual void StreamWait(uintptr_t stream, CopyToken token) = 0;
+  // Records on `stream`; the returned token completes when the stream's work
+  // queued so far does.
+  virtual CopyToken RecordOnStream(int device, uintptr_t stream) = 0;
+};
+
+// The embedded default: the device cache is a host-memory arena and a copy is
+// a memcpy on the worker thread. Every token is kTokenDone.
+class HostBackend final : public CopyBackend {
+ public:
+  explicit HostBackend(int device_count = 1) : device_count_(device_count) {}
+  const char* Name() const override { return "host"; }
+  bool IsAsync() const override { return false; }
+  int DeviceCount() const override { return device_count_; }
+  void* AllocateHost(size_t bytes) override;
+  void FreeHost(void* ptr, size_t bytes) noexcept override;
+  void* AllocateDevice(int device, size_t bytes) override;
+  void FreeDevice(int device, void* ptr, size_t bytes) noexcept override;
+  CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
+                 bool urgent, bool want_token) override;
+  bool Query(CopyToken) override { return true; }
+  void Wait(CopyToken) override {}
+  void ReleaseToken(CopyToken) noexcept override {}
+  void StreamWait(uintptr_t, CopyToken) override {}
+  CopyToken RecordOnStream(int, uintptr_t) override { return kTokenDone; }
+
+ private:
+  int device_count_;  // logical devices, each with its own arena and worker
+};
+
+// Creates the CUDA backend if the driver library loads and has a device;
+// throws PrefetchError(kUnavailable) with the reason otherwise.
+std::unique_ptr<CopyBackend> MakeCudaBackend();
+
+// "host", "cuda" or "auto" (cuda when available, else host).
+std::unique_ptr<CopyBackend> MakeBackend(const std::string& name,
+                                         int host_device_count);
+
+}  // namespace prefetch

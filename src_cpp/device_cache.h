@@ -1,0 +1,92 @@
+// The device cache of one device: a byte arena carved into slots, and the
+// eviction policy that orders resident entries.
+//
+// The arena is taken once (by the caller or the backend) and never grows, so
+// resident bytes can never exceed the budget. Slots are variable-size ranges
+// of the arena, aligned to kSlotAlignmentBytes, handed out first-fit from a
+// free list that coalesces neighbours on free. When no range fits, the handle
+// evicts the policy's first evictable victim and tries again; with experts of
+// one size (the common MoE case) one eviction always frees a fitting slot.
+//
+// An entry is evictable only when unpinned and both its copy (`ready`) and its
+// consumers' last use (`last_use`) have completed: see Note [Completion
+// tokens] in copy_backend.h. That is PyTorch's record_stream contract.
+// Not thread-safe: REQUIRES the handle's mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <string>
+
+#include "entry.h"
+
+namespace prefetch {
+
+constexpr size_t kSlotAlignmentBytes = 256;  // slot offsets and sizes
+
+inline size_t AlignSlot(size_t bytes) {
+  if (bytes == 0) return kSlotAlignmentBytes;
+  return (bytes + kSlotAlignmentBytes - 1) / kSlotAlignmentBytes *
+         kSlotAlignmentBytes;
+}
+
+// Orders resident entries for eviction. Implementations link entries through
+// Entry::lru_prev/lru_next and allocate nothing.
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual const char* Name() const = 0;
+  virtual void OnInsert(Entry* e) = 0;  // became resident
+  virtual void OnTouch(Entry* e) = 0;   // requested or acquired while resident
+  virtual void OnRemove(Entry* e) = 0;  // evicted or unregistered
+  // First entry in eviction order for which evictable(e, ctx) is true.
+  virtual Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) = 0;
+};
+
+// Least recently used first.
+class LruPolicy final : public EvictionPolicy {
+ public:
+  const char* Name() const override { return "lru"; }
+  void OnInsert(Entry* e) override;
+  void OnTouch(Entry* e) override;
+  void OnRemove(Entry* e) override;
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+
+ private:
+  Entry* oldest_ = nullptr;  // next to evict
+  Entry* newest_ = nullptr;  // most recently used
+};
+
+std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name);
+
+class DeviceCache {
+ public:
+  DeviceCache(char* arena, size_t budget_bytes,
+              std::unique_ptr<EvictionPolicy> policy);
+
+  char* arena() const { return arena_; }
+  size_t budget_bytes() const { return budget_bytes_; }
+  size_t used_bytes() const { return used_bytes_; }
+  size_t resident_count() const { return resident_count_; }
+  EvictionPolicy& policy() { return *policy_; }
+
+  // Takes a slot of AlignSlot(bytes) bytes; false when no free range fits.
+  bool Allocate(size_t bytes, size_t* offset, size_t* slot_bytes);
+  // Returns a slot taken by Allocate.
+  void Free(size_t offset, size_t slot_bytes);
+
+  void AddResident(Entry* e);     // e has a slot; enters the policy
+  void RemoveResident(Entry* e);  // leaves the policy; slot still held
+
+ private:
+  char* arena_;                            // base of budget_bytes_ bytes
+  size_t budget_bytes_;                    // arena size
+  size_t used_bytes_ = 0;                  // bytes in allocated slots
+  size_t resident_count_ = 0;              // entries in the policy
+  std::map<size_t, size_t> free_ranges_;   // offset -> length, coalesced
+  std::unique_ptr<EvictionPolicy> policy_;
+};
+
+}  // namespace prefetch

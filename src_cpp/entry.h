@@ -1,0 +1,47 @@
+// One registered tensor and its place in the engine's state machine.
+//
+// Note [Entry states]
+//   kHost      bytes only in host memory; not queued.
+//   kQueued    linked into its device's TaskQueue at `band`.
+//   kCopying   a worker owns it and is issuing its copy into `slot_offset`.
+//   kResident  its slot holds (or, while `ready` is pending, will hold) the
+//              bytes; linked into the device cache's eviction policy.
+// Transitions: Host->Queued (prefetch/acquire), Queued->Host (cancel),
+// Queued->Copying (worker pops), Copying->Resident (copy issued),
+// Copying->Host (copy failed: `error` set), Resident->Host (evicted).
+// Every field is guarded by the handle's mutex; workers read `host_ptr` and
+// `bytes` outside it while the entry is kCopying, which nobody else changes.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+#include "copy_backend.h"
+
+namespace prefetch {
+
+enum class EntryState : uint8_t { kHost, kQueued, kCopying, kResident };
+
+struct Entry {
+  int64_t id = -1;                   // the tensor id
+  void* host_ptr = nullptr;          // engine-owned host copy of the bytes
+  size_t bytes = 0;                  // registered size in bytes
+  int device = 0;                    // home device
+  EntryState state = EntryState::kHost;
+  uint8_t band = 0;                  // queue band while kQueued or kCopying
+  bool prefetched_unused = false;    // copied by a prefetch, not yet acquired
+  int32_t pins = 0;                  // acquirers holding (or waiting for) it
+  uint64_t error_seq = 0;            // bumped on every failed copy
+  std::string error;                 // last copy failure, raised on acquire
+  size_t slot_offset = 0;            // offset of its slot in the device arena
+  size_t slot_bytes = 0;             // size of its slot (aligned)
+  CopyToken ready = kTokenDone;      // completion of the copy into the slot
+  CopyToken last_use = kTokenDone;   // completion of consumers' stream work
+  Entry* q_prev = nullptr;           // TaskQueue links
+  Entry* q_next = nullptr;
+  Entry* lru_prev = nullptr;         // EvictionPolicy links
+  Entry* lru_next = nullptr;
+};
+
+}  // namespace prefetch
