@@ -24,7 +24,6 @@ COMPILER_DIRECTIVES = {
 
 ENGINE_SOURCES = [
     "src_cpp/archer_prefetch_handle.cpp",
-    "src_cpp/task_queue.cpp",
     "src_cpp/device_cache.cpp",
     "src_cpp/host_backend.cpp",
     "src_cpp/cuda_backend.cpp",

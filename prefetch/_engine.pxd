@@ -4,6 +4,7 @@
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libcpp cimport bool
 from libcpp.memory cimport unique_ptr
+from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
@@ -93,7 +94,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
             const CHostPart* parts, size_t n_parts
         ) except +prefetch_raise_py_error
         void UnregisterTensor(int64_t id) except +prefetch_raise_py_error
-        bool IsRegistered(int64_t id)
+        bool IsRegistered(int64_t id) except +prefetch_raise_py_error
         void EnqueuePrefetch(
             int64_t id, int priority
         ) except +prefetch_raise_py_error
@@ -111,8 +112,13 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         void Release(
             const int64_t* ids, size_t n, uintptr_t stream
         ) except +prefetch_raise_py_error
+        vector[pair[int, int64_t]] QueueSnapshot(
+            int device
+        ) except +prefetch_raise_py_error
+        vector[int64_t] ResidentSnapshot(
+            int device
+        ) except +prefetch_raise_py_error
         void Pause() except +prefetch_raise_py_error
         void Resume() except +prefetch_raise_py_error
-        CStats GetStats()
+        CStats GetStats() except +prefetch_raise_py_error
         void Close() except +prefetch_raise_py_error
-        bool IsClosed()

@@ -479,6 +479,17 @@ cdef class PrefetchHandle:
         self._check_open()
         self._c.Resume()
 
+    def queued(self, device=0):
+        """Queued ids of `device` as (band, id) pairs, most urgent first and
+        in issue order within a band (inspection and tests)."""
+        self._check_open()
+        return [(p.first, p.second) for p in self._c.QueueSnapshot(operator.index(device))]
+
+    def resident(self, device=0):
+        """Resident ids of `device` in eviction order, next victim first."""
+        self._check_open()
+        return list(self._c.ResidentSnapshot(operator.index(device)))
+
     def budget_bytes(self, device=0):
         self._check_open()
         return self._c.BudgetBytes(operator.index(device))

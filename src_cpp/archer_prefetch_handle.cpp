@@ -127,13 +127,18 @@ size_t ArcherPrefetchHandle::BudgetBytes(int device) const {
 
 // ---------------------------------------------------------------- helpers
 
-void ArcherPrefetchHandle::CheckUsableLocked() const {
+void ArcherPrefetchHandle::CheckNotForked() const {
+  // Checked before taking mu_: a worker may have held it at the fork, and in
+  // the child nobody would ever unlock it.
   if (static_cast<long>(::getpid()) != owner_pid_) {
     throw PrefetchError(ErrorKind::kClosed,
                         "PrefetchHandle used in a forked child process; its "
                         "worker threads exist only in the parent. Create a "
                         "new handle in the child");
   }
+}
+
+void ArcherPrefetchHandle::CheckUsableLocked() const {
   if (closed_) {
     throw PrefetchError(ErrorKind::kClosed, "PrefetchHandle is closed");
   }
@@ -152,7 +157,32 @@ Entry* ArcherPrefetchHandle::LookupLocked(int64_t id) const {
   if (id < 0 || id > kMaxTensorId) return nullptr;
   const size_t page = static_cast<size_t>(id) >> kPageBits;
   if (page >= pages_.size() || !pages_[page]) return nullptr;
-  return pages_[page][static_cast<size_t>(id) & ((1u << kPageBits) - 1)].get();
+  Entry* e = &pages_[page][static_cast<size_t>(id) & (kPageSize - 1)];
+  return e->id == id ? e : nullptr;
+}
+
+void ArcherPrefetchHandle::ResolveIdsLocked(const int64_t* ids, size_t n) {
+  if (batch_scratch_.size() < n) batch_scratch_.resize(n);
+  Entry** out = batch_scratch_.data();
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    if (e == nullptr) {
+      throw PrefetchError(ErrorKind::kUnknownId,
+                          IdText(ids[i]) + " (at index " + std::to_string(i) +
+                              ") is not registered");
+    }
+    out[i] = e;
+  }
+}
+
+void ArcherPrefetchHandle::ForEachEntryLocked(void (*fn)(Entry*, void*),
+                                              void* ctx) const {
+  for (const auto& page : pages_) {
+    if (!page) continue;
+    for (size_t i = 0; i < kPageSize; ++i) {
+      if (page[i].id >= 0) fn(&page[i], ctx);
+    }
+  }
 }
 
 void ArcherPrefetchHandle::ValidateIdsLocked(const int64_t* ids,
@@ -198,6 +228,7 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
                                           int device, const HostPart* parts,
                                           size_t n_parts) {
   {
+    CheckNotForked();
     std::lock_guard<std::mutex> lk(mu_);
     CheckUsableLocked();
     if (id < 0 || id > kMaxTensorId) {
@@ -275,17 +306,20 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
     throw PrefetchError(refusal_kind, refusal);
   }
   const size_t page = static_cast<size_t>(id) >> kPageBits;
-  if (page >= pages_.size()) pages_.resize(page + 1);
-  if (!pages_[page]) {
-    pages_[page].reset(new std::unique_ptr<Entry>[size_t{1} << kPageBits]);
+  try {
+    if (page >= pages_.size()) pages_.resize(page + 1);
+    if (!pages_[page]) pages_[page].reset(new Entry[kPageSize]);
+  } catch (const std::bad_alloc&) {
+    backend_->FreeHost(host, total_bytes);
+    throw PrefetchError(ErrorKind::kOutOfMemory,
+                        IdText(id) + ": no memory for the registry page");
   }
-  auto entry = std::make_unique<Entry>();
+  Entry* entry = &pages_[page][static_cast<size_t>(id) & (kPageSize - 1)];
+  *entry = Entry();
   entry->id = id;
   entry->host_ptr = host;
   entry->bytes = total_bytes;
   entry->device = device;
-  pages_[page][static_cast<size_t>(id) & ((1u << kPageBits) - 1)] =
-      std::move(entry);
   ++registered_;
   registered_bytes_ += total_bytes;
 }
@@ -294,6 +328,7 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
   void* host = nullptr;
   size_t bytes = 0;
   {
+    CheckNotForked();
     std::lock_guard<std::mutex> lk(mu_);
     CheckUsableLocked();
     Entry* e = LookupLocked(id);
@@ -326,9 +361,7 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
     }
     host = e->host_ptr;
     bytes = e->bytes;
-    pages_[static_cast<size_t>(id) >> kPageBits]
-          [static_cast<size_t>(id) & ((1u << kPageBits) - 1)]
-              .reset();
+    *e = Entry();  // id -1: the registry slot is free again
     --registered_;
     registered_bytes_ -= bytes;
     dev->work_cv.notify_one();  // a freed slot may unblock the worker
@@ -337,11 +370,14 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
 }
 
 bool ArcherPrefetchHandle::IsRegistered(int64_t id) const {
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   return !closed_ && LookupLocked(id) != nullptr;
 }
 
 uintptr_t ArcherPrefetchHandle::HostAddress(int64_t id) const {
+  CheckNotForked();
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   Entry* e = LookupLocked(id);
@@ -365,25 +401,58 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
     std::this_thread::sleep_for(std::chrono::nanoseconds(debug_issue_delay_ns_));
   }
   CheckPriority(priority);
+  CheckNotForked();
   std::unique_lock<std::mutex> lk(mu_);
   CheckUsableLocked();
-  ValidateIdsLocked(ids, n);
+  ResolveIdsLocked(ids, n);  // all-or-nothing: throws before any change
   uint64_t enqueued = 0, upgraded = 0, touched = 0;
   uint64_t wake_mask = 0;
   const uint8_t band = static_cast<uint8_t>(priority);
+  Entry* const* entries = batch_scratch_.data();
+  // New entries are linked into one local chain per device and spliced into
+  // the queue once (TaskQueue::AppendChain). A band upgrade of an entry
+  // already queued first flushes the chains, so FIFO order within the band
+  // follows the order of `ids`.
+  Entry* chain_first[kMaxDevices];
+  Entry* chain_last[kMaxDevices];
+  size_t chain_count[kMaxDevices];
+  const int device_count = DeviceCount();
+  for (int d = 0; d < device_count; ++d) {
+    chain_first[d] = chain_last[d] = nullptr;
+    chain_count[d] = 0;
+  }
+  auto flush = [&] {
+    for (int d = 0; d < device_count; ++d) {
+      if (chain_count[d] == 0) continue;
+      devices_[d]->queue.AppendChain(chain_first[d], chain_last[d],
+                                     chain_count[d], band);
+      chain_first[d] = chain_last[d] = nullptr;
+      chain_count[d] = 0;
+    }
+  };
   for (size_t i = 0; i < n; ++i) {
-    Entry* e = LookupLocked(ids[i]);
+    Entry* e = entries[i];
     switch (e->state) {
       case EntryState::kHost: {
-        DeviceState* dev = devices_[e->device].get();
-        dev->queue.PushBack(e, band);
+        const int d = e->device;
         e->state = EntryState::kQueued;
+        e->band = band;
+        e->q_next = nullptr;
+        e->q_prev = chain_last[d];
+        if (chain_last[d] != nullptr) {
+          chain_last[d]->q_next = e;
+        } else {
+          chain_first[d] = e;
+        }
+        chain_last[d] = e;
+        ++chain_count[d];
         ++enqueued;
-        wake_mask |= uint64_t{1} << e->device;
+        wake_mask |= uint64_t{1} << d;
         break;
       }
       case EntryState::kQueued:
         if (band < e->band) {
+          flush();
           TaskQueue& q = devices_[e->device]->queue;
           q.Remove(e);
           q.PushBack(e, band);
@@ -398,6 +467,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
         break;
     }
   }
+  flush();
   stats_.requests += n;
   stats_.enqueued += enqueued;
   stats_.deduplicated += n - enqueued;
@@ -413,6 +483,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
 }
 
 size_t ArcherPrefetchHandle::Cancel(const int64_t* ids, size_t n) {
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
@@ -432,6 +503,7 @@ size_t ArcherPrefetchHandle::Cancel(const int64_t* ids, size_t n) {
 
 size_t ArcherPrefetchHandle::CancelAtOrBelow(int band) {
   CheckPriority(band);
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   size_t removed = 0;
@@ -461,6 +533,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
                         "timeout must be a finite number of seconds >= 0");
   }
   if (n == 0) return;
+  CheckNotForked();
   std::unique_lock<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
@@ -589,6 +662,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
 void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
                                    uintptr_t stream) {
   if (n == 0) return;
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
@@ -820,13 +894,47 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
 
 // ----------------------------------------------------------------- control
 
+std::vector<std::pair<int, int64_t>> ArcherPrefetchHandle::QueueSnapshot(
+    int device) const {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  if (device < 0 || device >= DeviceCount()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "no device " + std::to_string(device));
+  }
+  std::vector<std::pair<int, int64_t>> out;
+  devices_[device]->queue.ForEach(
+      [&out](Entry* e) { out.emplace_back(e->band, e->id); });
+  return out;
+}
+
+std::vector<int64_t> ArcherPrefetchHandle::ResidentSnapshot(int device) const {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  if (device < 0 || device >= DeviceCount()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "no device " + std::to_string(device));
+  }
+  std::vector<int64_t> out;
+  devices_[device]->cache->policy().ForEach(
+      [](Entry* e, void* ctx) {
+        static_cast<std::vector<int64_t>*>(ctx)->push_back(e->id);
+      },
+      &out);
+  return out;
+}
+
 void ArcherPrefetchHandle::Pause() {
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   paused_ = true;
 }
 
 void ArcherPrefetchHandle::Resume() {
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   paused_ = false;
@@ -835,6 +943,7 @@ void ArcherPrefetchHandle::Resume() {
 }
 
 Stats ArcherPrefetchHandle::GetStats() const {
+  CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   Stats s = stats_;
   for (const auto& dev : devices_) {
@@ -846,12 +955,11 @@ Stats ArcherPrefetchHandle::GetStats() const {
   }
   s.registered = registered_;
   s.registered_bytes = registered_bytes_;
-  for (const auto& page : pages_) {
-    if (!page) continue;
-    for (size_t i = 0; i < (size_t{1} << kPageBits); ++i) {
-      if (page[i] && page[i]->pins > 0) ++s.pinned_count;
-    }
-  }
+  ForEachEntryLocked(
+      [](Entry* e, void* ctx) {
+        if (e->pins > 0) ++static_cast<Stats*>(ctx)->pinned_count;
+      },
+      &s);
   return s;
 }
 
@@ -861,6 +969,15 @@ bool ArcherPrefetchHandle::IsClosed() const {
 }
 
 void ArcherPrefetchHandle::Close() {
+  if (static_cast<long>(::getpid()) != owner_pid_) {
+    // A forked child: the workers and possibly the lock's owner live only in
+    // the parent. Touch nothing; the child's copy of the memory is freed
+    // with the process.
+    for (auto& dev : devices_) {
+      if (dev->worker.joinable()) dev->worker.detach();
+    }
+    return;
+  }
   {
     std::lock_guard<std::mutex> lk(mu_);
     if (closed_) return;
@@ -874,40 +991,30 @@ void ArcherPrefetchHandle::Close() {
     }
     ready_cv_.notify_all();
   }
-  // A forked child has no worker threads to join (they live in the parent).
-  const bool forked = static_cast<long>(::getpid()) != owner_pid_;
   for (auto& dev : devices_) {
-    if (dev->worker.joinable()) {
-      if (forked) {
-        dev->worker.detach();
-      } else {
-        dev->worker.join();
-      }
-    }
+    if (dev->worker.joinable()) dev->worker.join();
   }
   std::unique_lock<std::mutex> lk(mu_);
   idle_cv_.wait(lk, [this] { return active_calls_ == 0; });
-  if (!forked) FreeEverythingLocked();
+  FreeEverythingLocked();
 }
 
 void ArcherPrefetchHandle::FreeEverythingLocked() {
-  for (auto& page : pages_) {
-    if (!page) continue;
-    for (size_t i = 0; i < (size_t{1} << kPageBits); ++i) {
-      Entry* e = page[i].get();
-      if (e == nullptr) continue;
-      try {
-        backend_->Wait(e->ready);
-        backend_->Wait(e->last_use);
-      } catch (...) {
-        // Closing: a failed wait leaves nothing more to do for this entry.
-      }
-      backend_->ReleaseToken(e->ready);
-      backend_->ReleaseToken(e->last_use);
-      backend_->FreeHost(e->host_ptr, e->bytes);
-      page[i].reset();
-    }
-  }
+  ForEachEntryLocked(
+      [](Entry* e, void* ctx) {
+        CopyBackend* backend = static_cast<CopyBackend*>(ctx);
+        try {
+          backend->Wait(e->ready);
+          backend->Wait(e->last_use);
+        } catch (...) {
+          // Closing: a failed wait leaves nothing more to do for this entry.
+        }
+        backend->ReleaseToken(e->ready);
+        backend->ReleaseToken(e->last_use);
+        backend->FreeHost(e->host_ptr, e->bytes);
+        *e = Entry();
+      },
+      backend_.get());
   pages_.clear();
   registered_ = 0;
   registered_bytes_ = 0;

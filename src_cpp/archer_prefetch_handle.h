@@ -30,6 +30,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "copy_backend.h"
@@ -117,6 +118,12 @@ class ArcherPrefetchHandle {
   // queued on that stream so far has completed.
   void Release(const int64_t* ids, size_t n, uintptr_t stream);
 
+  // Inspection (tests, debugging): queued ids of a device, most urgent band
+  // first and FIFO within a band, as (band, id) pairs; resident ids of a
+  // device in eviction order (next victim first).
+  std::vector<std::pair<int, int64_t>> QueueSnapshot(int device) const;
+  std::vector<int64_t> ResidentSnapshot(int device) const;
+
   void Pause();
   void Resume();
   Stats GetStats() const;
@@ -149,10 +156,14 @@ class ArcherPrefetchHandle {
   void DropInflightLocked(DeviceState* dev, Entry* e);
   void WakeWorkersLocked(uint64_t device_mask);
 
+  void CheckNotForked() const;
   void CheckUsableLocked() const;
   static void CheckPriority(int priority);
   Entry* LookupLocked(int64_t id) const;
   void ValidateIdsLocked(const int64_t* ids, size_t n) const;
+  // Validates and stores the entries in batch_scratch_.
+  void ResolveIdsLocked(const int64_t* ids, size_t n);
+  void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const;
   void UnpinLocked(const int64_t* ids, size_t n);
   void FreeEverythingLocked();
 
@@ -166,9 +177,14 @@ class ArcherPrefetchHandle {
   std::condition_variable ready_cv_;  // entry became resident/failed; close
   std::condition_variable idle_cv_;   // active_calls_ dropped to zero
   std::vector<std::unique_ptr<DeviceState>> devices_;
-  // Registry pages: page p holds ids [p << kPageBits, (p + 1) << kPageBits).
-  static constexpr int kPageBits = 12;
-  std::vector<std::unique_ptr<std::unique_ptr<Entry>[]>> pages_;
+  // Registry pages: page p holds the entries of ids [p << kPageBits,
+  // (p + 1) << kPageBits) inline, so a lookup is two dependent loads and
+  // neighbouring ids share cache lines. A free slot has id == -1.
+  static constexpr int kPageBits = 10;
+  static constexpr size_t kPageSize = size_t{1} << kPageBits;
+  std::vector<std::unique_ptr<Entry[]>> pages_;
+  // Entries of the batched call being validated (reused, grows only).
+  std::vector<Entry*> batch_scratch_;
   size_t registered_ = 0;        // entries in the registry
   size_t registered_bytes_ = 0;  // their bytes
   bool paused_ = false;

@@ -42,6 +42,10 @@ Entry* LruPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
   return nullptr;
 }
 
+void LruPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  for (Entry* e = oldest_; e != nullptr; e = e->lru_next) fn(e, ctx);
+}
+
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name) {
   if (name == "lru") return std::make_unique<LruPolicy>();
   throw PrefetchError(ErrorKind::kInvalidArgument,

@@ -41,6 +41,8 @@ class EvictionPolicy {
   virtual void OnInsert(Entry* e) = 0;  // became resident
   virtual void OnTouch(Entry* e) = 0;   // requested or acquired while resident
   virtual void OnRemove(Entry* e) = 0;  // evicted or unregistered
+  // Calls fn(e, ctx) for every entry in eviction order (next victim first).
+  virtual void ForEach(void (*fn)(Entry*, void*), void* ctx) const = 0;
   // First entry in eviction order for which evictable(e, ctx) is true.
   virtual Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) = 0;
 };
@@ -53,6 +55,7 @@ class LruPolicy final : public EvictionPolicy {
   void OnTouch(Entry* e) override;
   void OnRemove(Entry* e) override;
   Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
 
  private:
   Entry* oldest_ = nullptr;  // next to evict

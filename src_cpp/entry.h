@@ -23,25 +23,27 @@ namespace prefetch {
 
 enum class EntryState : uint8_t { kHost, kQueued, kCopying, kResident };
 
-struct Entry {
-  int64_t id = -1;                   // the tensor id
-  void* host_ptr = nullptr;          // engine-owned host copy of the bytes
-  size_t bytes = 0;                  // registered size in bytes
-  int device = 0;                    // home device
+struct alignas(64) Entry {
+  // Hot: read or written by every batched enqueue; kept in one cache line.
+  int64_t id = -1;                   // the tensor id; -1 = registry slot free
   EntryState state = EntryState::kHost;
   uint8_t band = 0;                  // queue band while kQueued or kCopying
   bool prefetched_unused = false;    // copied by a prefetch, not yet acquired
-  int32_t pins = 0;                  // acquirers holding (or waiting for) it
-  uint64_t error_seq = 0;            // bumped on every failed copy
-  std::string error;                 // last copy failure, raised on acquire
-  size_t slot_offset = 0;            // offset of its slot in the device arena
-  size_t slot_bytes = 0;             // size of its slot (aligned)
-  CopyToken ready = kTokenDone;      // completion of the copy into the slot
-  CopyToken last_use = kTokenDone;   // completion of consumers' stream work
+  int32_t device = 0;                // home device
   Entry* q_prev = nullptr;           // TaskQueue links
   Entry* q_next = nullptr;
   Entry* lru_prev = nullptr;         // EvictionPolicy links
   Entry* lru_next = nullptr;
+  // Cold.
+  void* host_ptr = nullptr;          // engine-owned host copy of the bytes
+  size_t bytes = 0;                  // registered size in bytes
+  int32_t pins = 0;                  // acquirers holding (or waiting for) it
+  uint64_t error_seq = 0;            // bumped on every failed copy
+  size_t slot_offset = 0;            // offset of its slot in the device arena
+  size_t slot_bytes = 0;             // size of its slot (aligned)
+  CopyToken ready = kTokenDone;      // completion of the copy into the slot
+  CopyToken last_use = kTokenDone;   // completion of consumers' stream work
+  std::string error;                 // last copy failure, raised on acquire
 };
 
 }  // namespace prefetch

@@ -26,6 +26,12 @@ class TaskQueue {
 
   // Appends `e` (not queued) at the back of `band`.
   void PushBack(Entry* e, int band);
+  // Appends a chain of `count` entries already linked through q_prev/q_next
+  // (first->q_prev == nullptr, last->q_next == nullptr), all with e->band ==
+  // band, at the back of `band`. The batched enqueue links its new entries
+  // locally and splices once, so consecutive appends do not serialise on
+  // the store to tail_.
+  void AppendChain(Entry* first, Entry* last, size_t count, int band);
   // Puts `e` (not queued) at the front of `band` (a popped task put back).
   void PushFront(Entry* e, int band);
   // Unlinks a queued `e`.
@@ -34,6 +40,13 @@ class TaskQueue {
   Entry* PopMostUrgent();
   // Oldest entry of the most urgent band without unlinking it, or nullptr.
   Entry* PeekMostUrgent() const;
+  // Calls fn(e) for every queued entry, most urgent first, without unlinking.
+  template <typename Fn>
+  void ForEach(Fn fn) const {
+    for (int b = 0; b < kNumBands; ++b) {
+      for (Entry* e = head_[b]; e != nullptr; e = e->q_next) fn(e);
+    }
+  }
   // Calls fn(e) for every queued entry in bands >= band after unlinking it.
   template <typename Fn>
   size_t RemoveAtOrBelow(int band, Fn fn);
@@ -44,6 +57,75 @@ class TaskQueue {
   uint32_t nonempty_mask_ = 0;   // bit b set iff band b is non-empty
   size_t size_ = 0;              // entries queued in all bands
 };
+
+inline void TaskQueue::PushBack(Entry* e, int band) {
+  e->band = static_cast<uint8_t>(band);
+  e->q_next = nullptr;
+  e->q_prev = tail_[band];
+  if (tail_[band] != nullptr) {
+    tail_[band]->q_next = e;
+  } else {
+    head_[band] = e;
+  }
+  tail_[band] = e;
+  nonempty_mask_ |= 1u << band;
+  ++size_;
+}
+
+inline void TaskQueue::AppendChain(Entry* first, Entry* last, size_t count,
+                                   int band) {
+  first->q_prev = tail_[band];
+  if (tail_[band] != nullptr) {
+    tail_[band]->q_next = first;
+  } else {
+    head_[band] = first;
+  }
+  tail_[band] = last;
+  nonempty_mask_ |= 1u << band;
+  size_ += count;
+}
+
+inline void TaskQueue::PushFront(Entry* e, int band) {
+  e->band = static_cast<uint8_t>(band);
+  e->q_prev = nullptr;
+  e->q_next = head_[band];
+  if (head_[band] != nullptr) {
+    head_[band]->q_prev = e;
+  } else {
+    tail_[band] = e;
+  }
+  head_[band] = e;
+  nonempty_mask_ |= 1u << band;
+  ++size_;
+}
+
+inline void TaskQueue::Remove(Entry* e) {
+  const int band = e->band;
+  if (e->q_prev != nullptr) {
+    e->q_prev->q_next = e->q_next;
+  } else {
+    head_[band] = e->q_next;
+  }
+  if (e->q_next != nullptr) {
+    e->q_next->q_prev = e->q_prev;
+  } else {
+    tail_[band] = e->q_prev;
+  }
+  e->q_prev = e->q_next = nullptr;
+  if (head_[band] == nullptr) nonempty_mask_ &= ~(1u << band);
+  --size_;
+}
+
+inline Entry* TaskQueue::PeekMostUrgent() const {
+  if (nonempty_mask_ == 0) return nullptr;
+  return head_[__builtin_ctz(nonempty_mask_)];
+}
+
+inline Entry* TaskQueue::PopMostUrgent() {
+  Entry* e = PeekMostUrgent();
+  if (e != nullptr) Remove(e);
+  return e;
+}
 
 template <typename Fn>
 size_t TaskQueue::RemoveAtOrBelow(int band, Fn fn) {
