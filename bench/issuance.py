@@ -25,7 +25,9 @@ import sys
 import time
 
 if __package__ in (None, ""):
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    # Run as a script: make `bench` importable, but after site-packages so an
+    # installed (compiled) prefetch wins over the source folder.
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import fmt, machine_info, write_json  # noqa: E402
 

@@ -106,11 +106,11 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         ) except +prefetch_raise_py_error
         size_t CancelAtOrBelow(int band) except +prefetch_raise_py_error
         void Acquire(
-            const int64_t* ids, size_t n, uintptr_t stream,
+            const int64_t* ids, size_t n, const uintptr_t* streams,
             double timeout_s, CSlotInfo* slots
         ) except +prefetch_raise_py_error
         void Release(
-            const int64_t* ids, size_t n, uintptr_t stream
+            const int64_t* ids, size_t n, const uintptr_t* streams
         ) except +prefetch_raise_py_error
         vector[pair[int, int64_t]] QueueSnapshot(
             int device

@@ -12,7 +12,7 @@ import operator
 import numpy as np
 
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int64_t, uintptr_t
 from libcpp.memory cimport unique_ptr
 from libcpp.utility cimport move
 from libcpp.vector cimport vector
@@ -183,18 +183,16 @@ cdef object _as_byte_array(object data):
     return np.ascontiguousarray(np.frombuffer(mv.cast("B"), dtype=np.uint8))
 
 
-cdef uintptr_t _as_stream(object stream) except? 0:
-    if stream is None:
-        return 0
+cdef uintptr_t _stream_handle(object stream) except? 0:
     handle = getattr(stream, "cuda_stream", stream)
     if type(handle) is _PY_BOOL:
-        raise TypeError("stream must be None, an int or a torch.cuda.Stream")
+        raise TypeError("a stream must be an int or a torch.cuda.Stream")
     try:
         return operator.index(handle)
     except TypeError:
         raise TypeError(
-            "stream must be None, an int or a torch.cuda.Stream, got "
-            f"{type(stream).__name__}"
+            "a stream must be None, an int, a torch.cuda.Stream or a dict "
+            f"of device -> stream, got {type(stream).__name__}"
         ) from None
 
 
@@ -300,6 +298,35 @@ cdef class PrefetchHandle:
         # Trivial on purpose: the unique_ptr's destructor runs Close(), which
         # is bounded and idempotent.
         pass
+
+    cdef vector[uintptr_t] _streams(self, object stream, bint for_release):
+        """One stream handle per device (0 = none). `stream` is None, one
+        stream (for the device it belongs to; device 0 when that is
+        unknown), or a dict device -> stream. On the CUDA backend a release
+        without a stream for a device uses torch's current stream there, so
+        a slot is never reused under a kernel still reading it."""
+        cdef vector[uintptr_t] out
+        out.resize(self.num_devices, 0)
+        if self.backend != "cuda":
+            return out
+        if isinstance(stream, dict):
+            for device, s in stream.items():
+                d = operator.index(device)
+                if d < 0 or d >= self.num_devices:
+                    raise ValueError(f"no device {d} for a stream")
+                out[d] = _stream_handle(s)
+        elif stream is not None:
+            device = getattr(getattr(stream, "device", None), "index", None)
+            d = 0 if device is None else device
+            if d < 0 or d >= self.num_devices:
+                raise ValueError(f"stream is on device {d}, not one of ours")
+            out[d] = _stream_handle(stream)
+        if for_release:
+            import torch
+            for d in range(self.num_devices):
+                if out[d] == 0:
+                    out[d] = torch.cuda.current_stream(d).cuda_stream
+        return out
 
     cdef inline int _check_open(self) except -1:
         if self._closed:
@@ -429,23 +456,26 @@ cdef class PrefetchHandle:
         one uint8 view per id into the cache (numpy for the host backend,
         torch for CUDA). A missing id is fetched on demand (band 0).
 
-        With ``stream`` (a torch.cuda.Stream or raw handle) on the CUDA
-        backend, a copy still in flight is waited for on the GPU: that stream
-        waits, the CPU does not. Raises TimeoutError after ``timeout``
+        With ``stream`` (a torch.cuda.Stream, a raw handle, or a dict device
+        -> stream) on the CUDA backend, a copy still in flight is waited for
+        on the GPU: that stream waits, the CPU does not. Without one, the CPU
+        waits until the bytes have arrived. Raises TimeoutError after ``timeout``
         seconds, with nothing left pinned. Views stay valid until release."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]
         if n == 0:
             return []
-        cdef uintptr_t cstream = _as_stream(stream)
+        cdef vector[uintptr_t] streams = self._streams(stream, False)
         if type(timeout) is _PY_BOOL:
             raise TypeError("timeout must be a number of seconds")
         cdef double ctimeout = float(timeout)
         cdef vector[CSlotInfo] slots
         slots.resize(n)
         with nogil:
-            self._c.Acquire(&ids[0], n, cstream, ctimeout, slots.data())
+            self._c.Acquire(
+                &ids[0], n, streams.data(), ctimeout, slots.data()
+            )
         views = []
         cdef size_t i
         for i in range(n):
@@ -455,8 +485,9 @@ cdef class PrefetchHandle:
         return views
 
     def release(self, tensor_ids, *, stream=None):
-        """Unpins ids taken by acquire. With ``stream``, the slot is not
-        reused until the work queued on that stream so far has finished.
+        """Unpins ids taken by acquire. On the CUDA backend the slot is not
+        reused until the work queued so far on ``stream`` (default: torch's
+        current stream of the id's device) has finished.
         Releasing an id that is not acquired raises RuntimeError and changes
         nothing."""
         self._check_open()
@@ -464,9 +495,9 @@ cdef class PrefetchHandle:
         cdef size_t n = ids.shape[0]
         if n == 0:
             return
-        cdef uintptr_t cstream = _as_stream(stream)
+        cdef vector[uintptr_t] streams = self._streams(stream, True)
         with nogil:
-            self._c.Release(&ids[0], n, cstream)
+            self._c.Release(&ids[0], n, streams.data())
 
     # ------------------------------------------------------------- control
 

@@ -9,8 +9,8 @@ views into the device cache.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Mapping, Sequence
 
 import numpy as np
 

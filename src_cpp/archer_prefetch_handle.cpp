@@ -526,7 +526,7 @@ size_t ArcherPrefetchHandle::CancelAtOrBelow(int band) {
 // ---------------------------------------------------------- acquire/release
 
 void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
-                                   uintptr_t stream, double timeout_s,
+                                   const uintptr_t* streams, double timeout_s,
                                    SlotInfo* slots) {
   if (!(timeout_s >= 0) || std::isinf(timeout_s)) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
@@ -633,6 +633,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     slots[i].bytes = e->bytes;
     slots[i].device = e->device;
     if (async && !backend_->Query(e->ready)) {
+      const uintptr_t stream = streams == nullptr ? 0 : streams[e->device];
       if (stream != 0) {
         backend_->StreamWait(stream, e->ready);
       } else {
@@ -660,7 +661,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
 }
 
 void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
-                                   uintptr_t stream) {
+                                   const uintptr_t* streams) {
   if (n == 0) return;
   CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
@@ -681,6 +682,7 @@ void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     mask |= uint64_t{1} << e->device;
+    const uintptr_t stream = streams == nullptr ? 0 : streams[e->device];
     if (stream != 0 && backend_->IsAsync()) {
       // Chain the previous holder's use so one token covers every holder.
       if (!backend_->Query(e->last_use)) {

@@ -108,15 +108,17 @@ class ArcherPrefetchHandle {
   // Removes every queued id in bands >= band (no acquirer waiting).
   size_t CancelAtOrBelow(int band);
 
-  // Waits until every id is resident (or, with a non-zero `stream` on an
-  // async backend, issued: the stream is made to wait on the GPU) and pins
-  // it. Writes where each id lives to slots[i].
+  // Waits until every id is resident and pins it. `streams` (nullptr, or one
+  // per device, 0 = none) names each device's consumer stream: on an async
+  // backend an id whose copy is issued but not finished makes its device's
+  // stream wait on the GPU instead of blocking the CPU; without a stream the
+  // CPU waits for the copy. Writes where each id lives to slots[i].
   // All-or-nothing: on timeout, copy failure or close, nothing stays pinned.
-  void Acquire(const int64_t* ids, size_t n, uintptr_t stream,
+  void Acquire(const int64_t* ids, size_t n, const uintptr_t* streams,
                double timeout_s, SlotInfo* slots);
-  // Unpins. With a non-zero `stream`, the slot is not reused before the work
-  // queued on that stream so far has completed.
-  void Release(const int64_t* ids, size_t n, uintptr_t stream);
+  // Unpins. With a stream for the id's device, the slot is not reused before
+  // the work queued on that stream so far has completed.
+  void Release(const int64_t* ids, size_t n, const uintptr_t* streams);
 
   // Inspection (tests, debugging): queued ids of a device, most urgent band
   // first and FIFO within a band, as (band, id) pairs; resident ids of a

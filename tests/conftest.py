@@ -1,0 +1,59 @@
+"""Markers: `gpu` skips without CUDA; `multi_gpu(n)` skips with fewer than n
+CUDA devices. Both skip cleanly on CI (no GPU)."""
+import os
+
+import numpy as np
+import pytest
+
+
+def _cuda_device_count() -> int:
+    try:
+        import torch
+    except ImportError:
+        return 0
+    try:
+        return torch.cuda.device_count() if torch.cuda.is_available() else 0
+    except Exception:
+        return 0
+
+
+def pytest_collection_modifyitems(config, items):
+    count = _cuda_device_count()
+    for item in items:
+        if "gpu" in item.keywords and count == 0:
+            item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
+        marker = item.get_closest_marker("multi_gpu")
+        if marker is not None:
+            need = marker.args[0] if marker.args else 2
+            if count < need:
+                item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA devices, found {count}"))
+
+
+@pytest.fixture
+def rng():
+    seed = int(os.environ.get("PREFETCH_TEST_SEED", "1234"))
+    return np.random.default_rng(seed)
+
+
+def random_bytes(rng, n: int) -> np.ndarray:
+    """Random contents, never all zeros."""
+    data = rng.integers(0, 256, size=n, dtype=np.uint8)
+    data[0] = 0xA5
+    return data
+
+
+@pytest.fixture
+def make_handle():
+    import prefetch
+
+    handles = []
+
+    def make(**kwargs):
+        kwargs.setdefault("backend", "host")
+        h = prefetch.PrefetchHandle(**kwargs)
+        handles.append(h)
+        return h
+
+    yield make
+    for h in handles:
+        h.close()

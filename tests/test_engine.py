@@ -1,0 +1,413 @@
+"""Engine semantics on the host backend: real bytes, real worker threads."""
+import threading
+import time
+
+import numpy as np
+import pytest
+from conftest import random_bytes
+
+import prefetch
+
+SLOT = 256  # engine slot alignment; tensors of SLOT bytes fill one slot each
+
+
+def register_random(h, rng, ids, size=SLOT, device=0):
+    data = {}
+    for tid in ids:
+        data[tid] = random_bytes(rng, size)
+        h.register(tid, data[tid], device=device)
+    return data
+
+
+def wait_until(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.001)
+    return predicate()
+
+
+def test_acquire_returns_byte_exact_copies(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 20)
+    sizes = [1, 7, 255, 256, 257, 4096, 100_003]
+    data = {i: random_bytes(rng, n) for i, n in enumerate(sizes)}
+    for tid, arr in data.items():
+        h.register(tid, arr)
+    h.prefetch_tensors(list(data))
+    views = h.acquire(list(data), timeout=10)
+    for arr, view in zip(data.values(), views):
+        assert view.dtype == np.uint8 and view.shape == arr.shape
+        np.testing.assert_array_equal(view, arr)
+    h.release(list(data))
+
+
+def test_register_copies_the_source(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    src = random_bytes(rng, 1000)
+    expected = src.copy()
+    h.register(0, src)
+    src[:] = 0  # the engine owns its copy
+    (view,) = h.acquire([0], timeout=10)
+    np.testing.assert_array_equal(view, expected)
+    h.release([0])
+
+
+def test_chunked_copy_is_byte_exact(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 20, copy_chunk_bytes=1000)
+    arr = random_bytes(rng, 123_457)  # not a multiple of the chunk
+    h.register(5, arr)
+    (view,) = h.acquire([5], timeout=10)
+    np.testing.assert_array_equal(view, arr)
+    h.release([5])
+
+
+def test_register_parts_packs_one_buffer(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    a, b = random_bytes(rng, 100), random_bytes(rng, 50)
+    h.register_parts(1, [(a, 0), (b, 256)], total_bytes=400)
+    (view,) = h.acquire([1], timeout=10)
+    np.testing.assert_array_equal(view[:100], a)
+    np.testing.assert_array_equal(view[256:306], b)
+    assert not view[100:256].any() and not view[306:].any()
+    h.release([1])
+
+
+def test_dedup_and_counters(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, range(4))
+    h.prefetch_tensors([0, 1, 2])
+    h.prefetch_tensors([1, 2, 3, 3])
+    s = h.stats()
+    assert s["requests"] == 7
+    assert s["enqueued"] == 4
+    assert s["deduplicated"] == 3
+    assert s["requests"] == s["enqueued"] + s["deduplicated"]
+    assert s["queue_depth"] == 4
+    assert h.queued() == [(1, 0), (1, 1), (1, 2), (1, 3)]
+
+
+def test_requeue_keeps_the_more_urgent_band(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, range(3))
+    h.prefetch_tensors([0, 1, 2], priority=5)
+    h.prefetch_tensors([1], priority=2)  # upgrade
+    h.prefetch_tensors([2], priority=9)  # less urgent: ignored
+    assert h.queued() == [(2, 1), (5, 0), (5, 2)]
+    assert h.stats()["upgraded"] == 1
+
+
+def test_workers_copy_most_urgent_first(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, range(6))
+    h.prefetch_tensors([0, 1], priority=7)
+    h.prefetch_tensors([2, 3], priority=3)
+    h.prefetch_tensors([4, 5], priority=0)
+    h.resume()
+    assert wait_until(lambda: h.stats()["copies"] == 6)
+    # Resident order is copy order (nothing was touched since).
+    assert h.resident() == [4, 5, 2, 3, 0, 1]
+
+
+def test_resident_id_is_touched_not_copied_again(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    register_random(h, rng, range(2))
+    h.prefetch_tensors([0, 1])
+    assert wait_until(lambda: h.stats()["copies"] == 2)
+    assert h.resident() == [0, 1]
+    h.prefetch_tensors([0])
+    s = h.stats()
+    assert s["copies"] == 2 and s["touched"] == 1
+    assert h.resident() == [1, 0]
+
+
+def test_targeted_cancel(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, range(5))
+    h.prefetch_tensors([0, 1, 2, 3])
+    assert h.cancel([1, 3, 4]) == 2  # 4 is registered but not queued
+    assert h.queued() == [(1, 0), (1, 2)]
+    assert h.stats()["cancelled"] == 2
+    h.prefetch_tensors([1])  # a cancelled id can be queued again
+    assert h.queued() == [(1, 0), (1, 2), (1, 1)]
+
+
+def test_cancel_at_or_below_band(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, range(6))
+    for tid, band in zip(range(6), [0, 1, 2, 3, 4, 19]):
+        h.prefetch_tensors([tid], priority=band)
+    assert h.cancel_below(3) == 3
+    assert h.queued() == [(0, 0), (1, 1), (2, 2)]
+    assert h.cancel_all() == 3
+    assert h.queued() == []
+
+
+def test_lru_evicts_least_recently_used(make_handle, rng):
+    h = make_handle(device_budget_bytes=3 * SLOT)
+    data = register_random(h, rng, range(4))
+    for tid in range(3):
+        (v,) = h.acquire([tid], timeout=10)
+        h.release([tid])
+    assert h.resident() == [0, 1, 2]
+    h.acquire([0], timeout=10)  # 0 becomes most recent
+    h.release([0])
+    views = h.acquire([3], timeout=10)  # evicts 1, the least recent
+    np.testing.assert_array_equal(views[0], data[3])
+    h.release([3])
+    assert h.resident() == [2, 0, 3]
+    s = h.stats()
+    assert s["evictions"] == 1
+    assert s["wasted"] == 0  # 1 was acquired before eviction
+
+
+def test_prefetched_then_evicted_unused_counts_as_wasted(make_handle, rng):
+    h = make_handle(device_budget_bytes=2 * SLOT)
+    register_random(h, rng, range(3))
+    h.prefetch_tensors([0, 1])
+    assert wait_until(lambda: h.stats()["copies"] == 2)
+    h.prefetch_tensors([2])
+    assert wait_until(lambda: h.stats()["copies"] == 3)
+    s = h.stats()
+    assert s["evictions"] == 1 and s["wasted"] == 1
+    assert h.resident() == [1, 2]
+
+
+def test_budget_is_never_exceeded(make_handle, rng):
+    budget = 10 * SLOT
+    h = make_handle(device_budget_bytes=budget)
+    sizes = rng.integers(1, 3 * SLOT, size=40)
+    data = {i: random_bytes(rng, int(n)) for i, n in enumerate(sizes)}
+    for tid, arr in data.items():
+        h.register(tid, arr)
+    for _ in range(30):
+        batch = rng.choice(40, size=8, replace=False)
+        h.prefetch_tensors(batch)
+        pick = [int(x) for x in rng.choice(40, size=2, replace=False)]
+        views = h.acquire(pick, timeout=10)
+        for tid, view in zip(pick, views):
+            np.testing.assert_array_equal(view, data[tid])
+        assert h.stats()["resident_bytes"] <= budget
+        h.release(pick)
+    s = h.stats()
+    assert s["resident_bytes"] <= budget
+    assert s["acquires"] == s["hits"] + s["misses"] == 60
+    assert s["late"] <= s["misses"]
+    assert s["wasted"] <= s["evictions"]
+
+
+def test_pinned_entries_are_never_evicted(make_handle, rng):
+    h = make_handle(device_budget_bytes=2 * SLOT)
+    data = register_random(h, rng, range(3))
+    views = h.acquire([0, 1], timeout=10)
+    h.prefetch_tensors([2])  # no room: both slots pinned
+    with pytest.raises(TimeoutError, match="tensor id 2"):
+        h.acquire([2], timeout=0.2)
+    assert sorted(h.resident()) == [0, 1]
+    for tid, view in zip([0, 1], views):
+        np.testing.assert_array_equal(view, data[tid])
+    assert h.stats()["pinned_count"] == 2  # the failed acquire unpinned 2
+    h.release([0])
+    (v2,) = h.acquire([2], timeout=10)
+    np.testing.assert_array_equal(v2, data[2])
+    np.testing.assert_array_equal(views[1], data[1])
+    h.release([1, 2])
+
+
+def test_acquire_waits_until_a_release_frees_room(make_handle, rng):
+    h = make_handle(device_budget_bytes=SLOT)
+    data = register_random(h, rng, range(2))
+    h.acquire([0], timeout=10)
+    got = {}
+
+    def waiter():
+        got["views"] = h.acquire([1], timeout=20)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    time.sleep(0.05)
+    assert t.is_alive()
+    h.release([0])
+    t.join(timeout=20)
+    assert not t.is_alive()
+    np.testing.assert_array_equal(got["views"][0], data[1])
+    h.release([1])
+
+
+def test_tensor_larger_than_budget_is_refused(make_handle):
+    h = make_handle(device_budget_bytes=4096)
+    with pytest.raises(ValueError, match="budget"):
+        h.register(0, np.ones(5000, np.uint8))
+    assert 0 not in h
+    assert h.stats()["registered"] == 0
+
+
+def test_multi_device_routing(make_handle, rng):
+    h = make_handle(device_budget_bytes=[4 * SLOT, 4 * SLOT])
+    assert h.num_devices == 2
+    d0 = register_random(h, rng, [0, 1], device=0)
+    d1 = register_random(h, rng, [2, 3], device=1)
+    h.prefetch_tensors([0, 2, 1, 3])
+    views = h.acquire([0, 1, 2, 3], timeout=10)
+    for tid, view in zip([0, 1, 2, 3], views):
+        np.testing.assert_array_equal(view, {**d0, **d1}[tid])
+    assert sorted(h.resident(0)) == [0, 1]
+    assert sorted(h.resident(1)) == [2, 3]
+    h.release([0, 1, 2, 3])
+
+
+def test_two_handles_are_independent(make_handle, rng):
+    a = make_handle(device_budget_bytes=1 << 16)
+    b = make_handle(device_budget_bytes=1 << 16)
+    da = register_random(a, rng, [0])
+    db = register_random(b, rng, [0])
+    (va,) = a.acquire([0], timeout=10)
+    (vb,) = b.acquire([0], timeout=10)
+    np.testing.assert_array_equal(va, da[0])
+    np.testing.assert_array_equal(vb, db[0])
+    a.release([0])
+    a.close()
+    np.testing.assert_array_equal(vb, db[0])
+    b.release([0])
+    assert b.stats()["acquires"] == 1
+
+
+def test_unregister(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    register_random(h, rng, [0, 1])
+    h.acquire([0], timeout=10)
+    with pytest.raises(RuntimeError, match="acquired"):
+        h.unregister(0)
+    h.release([0])
+    h.unregister(0)
+    assert 0 not in h and 1 in h
+    s = h.stats()
+    assert s["registered"] == 1 and s["resident_count"] == 0
+    with pytest.raises(KeyError):
+        h.prefetch_tensors([0])
+
+
+def test_gil_is_released_during_batched_call(make_handle, rng):
+    # The engine sleeps 300 ms inside the nogil region; a peer Python thread
+    # must make progress inside that window (it could not if the GIL were
+    # held). Both clocks are CLOCK_MONOTONIC.
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True, debug_issue_delay_us=300_000)
+    register_random(h, rng, range(8))
+    stamps = []
+    stop = threading.Event()
+    started = threading.Event()
+
+    def peer():
+        started.set()
+        while not stop.is_set():
+            stamps.append(time.monotonic_ns())
+
+    t = threading.Thread(target=peer)
+    t.start()
+    started.wait()
+    h.prefetch_tensors(np.arange(8, dtype=np.int64))
+    stop.set()
+    t.join()
+    s = h.stats()
+    start, end = s["last_batch_start_ns"], s["last_batch_end_ns"]
+    assert end - start >= 300_000_000
+    inside = [x for x in stamps if start < x < end]
+    assert len(inside) > 100, f"peer thread ran {len(inside)} times during the call"
+    assert s["enqueued"] == 8
+
+
+def test_close_is_idempotent_and_later_calls_raise(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    register_random(h, rng, [0])
+    h.close()
+    h.close()
+    assert h.closed
+    for call in (
+        lambda: h.prefetch_tensors([0]),
+        lambda: h.enqueue_prefetch(0),
+        lambda: h.acquire([0]),
+        lambda: h.release([0]),
+        lambda: h.cancel([0]),
+        lambda: h.cancel_all(),
+        lambda: h.stats(),
+        lambda: h.register(1, b"x"),
+        lambda: h.unregister(0),
+        lambda: h.pause(),
+    ):
+        with pytest.raises(RuntimeError, match="closed"):
+            call()
+    assert 0 not in h
+
+
+def test_close_wakes_a_blocked_acquirer(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, [0])
+    errors = []
+
+    def waiter():
+        try:
+            h.acquire([0], timeout=60)
+        except Exception as exc:  # noqa: BLE001 - recorded and asserted below
+            errors.append(exc)
+
+    t = threading.Thread(target=waiter)
+    t.start()
+    assert wait_until(lambda: h.stats()["pinned_count"] == 1)
+    t0 = time.monotonic()
+    h.close()
+    t.join(timeout=10)
+    assert not t.is_alive()
+    assert time.monotonic() - t0 < 5
+    assert len(errors) == 1 and isinstance(errors[0], RuntimeError)
+    assert "closed" in str(errors[0])
+
+
+def test_close_with_many_queued_is_bounded(rng):
+    h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", start_paused=True)
+    for tid in range(10_000):
+        h.register(tid, b"\x01\x02")
+    h.prefetch_tensors(np.arange(10_000))
+    h.resume()
+    t0 = time.monotonic()
+    h.close()
+    assert time.monotonic() - t0 < 2.0
+
+
+def test_context_manager_closes(rng):
+    with prefetch.PrefetchHandle(device_budget_bytes=1 << 16, backend="host") as h:
+        h.register(0, b"abc")
+        (v,) = h.acquire([0], timeout=10)
+        assert bytes(v) == b"abc"
+        h.release([0])
+    assert h.closed
+
+
+def test_on_demand_acquire_of_unrequested_id(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    data = register_random(h, rng, [0])
+    (v,) = h.acquire([0], timeout=10)
+    np.testing.assert_array_equal(v, data[0])
+    s = h.stats()
+    assert s["misses"] == 1 and s["hits"] == 0 and s["copies"] == 1
+    h.release([0])
+    h.acquire([0], timeout=10)
+    s = h.stats()
+    assert s["hits"] == 1 and s["copies"] == 1
+    h.release([0])
+
+
+def test_acquire_timeout_when_paused_leaves_nothing_pinned(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16, start_paused=True)
+    register_random(h, rng, [0, 1])
+    with pytest.raises(TimeoutError, match="paused"):
+        h.acquire([0, 1], timeout=0.05)
+    assert h.stats()["pinned_count"] == 0
+    with pytest.raises(RuntimeError, match="not acquired"):
+        h.release([0])
+
+
+def test_backend_choice(make_handle):
+    h = make_handle(device_budget_bytes=4096, backend="auto")
+    assert h.backend in ("host", "cuda")
+    with pytest.raises(ValueError, match="backend"):
+        prefetch.PrefetchHandle(device_budget_bytes=4096, backend="tpu")

@@ -1,0 +1,155 @@
+"""ExpertPrefetcher: (layer, expert) mapping, both issuing paths, weights back
+as torch tensors."""
+import numpy as np
+import pytest
+import torch
+
+import prefetch
+from prefetch import ExpertPrefetcher
+
+
+class RecordingEngine:
+    """Records what the prefetcher sends; `batched` decides whether it offers
+    prefetch_tensors (the fallback test uses one without it)."""
+
+    def __init__(self, batched: bool):
+        self.calls = []
+        if batched:
+            self.prefetch_tensors = self._prefetch_tensors
+
+    def register_parts(self, tensor_id, parts, *, total_bytes=None, device=0):
+        pass
+
+    def _prefetch_tensors(self, ids, priority=1):
+        self.calls.append(("batched", [int(i) for i in ids], priority))
+
+    def enqueue_prefetch(self, tensor_id, priority=1):
+        self.calls.append(("single", [int(tensor_id)], priority))
+
+
+def expert_weights(seed: int, dtype=torch.bfloat16, hidden=16, inter=24):
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "w1": torch.randn(inter, hidden, generator=g).to(dtype),
+        "w2": torch.randn(hidden, inter, generator=g).to(dtype),
+        "w3": torch.randn(inter, hidden, generator=g).to(dtype),
+    }
+
+
+def populate(pf, layers=3, experts=5):
+    for layer in range(layers):
+        for expert in range(experts):
+            pf.register_expert(layer, expert, expert_weights(layer * 100 + expert))
+
+
+def test_batched_and_fallback_send_identical_ordered_ids():
+    batched = ExpertPrefetcher(RecordingEngine(batched=True))
+    single = ExpertPrefetcher(RecordingEngine(batched=False))
+    assert batched.batched and not single.batched
+    populate(batched)
+    populate(single)
+    for layer, experts, band in [(0, [4, 0, 2], 1), (2, [1, 1, 3], 6), (1, np.array([2, 4]), 0)]:
+        batched.prefetch_experts_list(layer, experts, priority=band)
+        single.prefetch_experts_list(layer, experts, priority=band)
+    sent_batched = [(i, band) for _, ids, band in batched.engine.calls for i in ids]
+    sent_single = [(i, band) for _, ids, band in single.engine.calls for i in ids]
+    assert sent_batched == sent_single
+    assert len(batched.engine.calls) == 3
+    assert len(single.engine.calls) == 8
+    assert [ids for _, ids, _ in batched.engine.calls][0] == [
+        batched.tensor_id(0, 4),
+        batched.tensor_id(0, 0),
+        batched.tensor_id(0, 2),
+    ]
+
+
+def test_both_paths_leave_the_same_queue_in_a_real_engine(make_handle):
+    queues = []
+    for use_batched in (True, False):
+        h = make_handle(device_budget_bytes=1 << 20, start_paused=True)
+        pf = ExpertPrefetcher(h, use_batched=use_batched)
+        populate(pf)
+        pf.prefetch_experts_list(1, [3, 0, 4], priority=2)
+        pf.prefetch_experts_list(0, [1], priority=5)
+        pf.prefetch_experts_list(1, [4, 2], priority=1)
+        queues.append(h.queued())
+    assert queues[0] == queues[1]
+    assert len(queues[0]) == 5
+
+
+def test_empty_expert_list_is_a_noop():
+    pf = ExpertPrefetcher(RecordingEngine(batched=True))
+    populate(pf)
+    pf.prefetch_experts_list(0, [])
+    pf.prefetch_experts_list(0, np.array([], dtype=np.int64))
+    assert pf.engine.calls == []
+
+
+def test_unknown_experts_raise_keyerror():
+    pf = ExpertPrefetcher(RecordingEngine(batched=True))
+    populate(pf, layers=2, experts=3)
+    for layer, experts in [(5, [0]), (0, [3]), (0, [-1]), (1, [0, 9])]:
+        with pytest.raises(KeyError):
+            pf.prefetch_experts_list(layer, experts)
+    with pytest.raises(TypeError):
+        pf.prefetch_experts_list(0, [0.5])
+    assert pf.engine.calls == []
+
+
+def test_register_expert_rejects_bad_weights():
+    pf = ExpertPrefetcher(RecordingEngine(batched=True))
+    with pytest.raises(ValueError):
+        pf.register_expert(0, 0, {})
+    with pytest.raises(TypeError):
+        pf.register_expert(0, 0, {"w1": np.zeros(3)})
+    pf.register_expert(0, 0, expert_weights(1))
+    with pytest.raises(ValueError, match="already registered"):
+        pf.register_expert(0, 0, expert_weights(1))
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32, torch.int8])
+def test_weights_come_back_exact(make_handle, dtype):
+    h = make_handle(device_budget_bytes=1 << 20)
+    pf = ExpertPrefetcher(h)
+    originals = {}
+    for expert in range(4):
+        w = {k: (v * 10).to(dtype) for k, v in expert_weights(expert, dtype=torch.float32).items()}
+        originals[expert] = w
+        pf.register_expert(0, expert, w)
+    pf.prefetch_experts_list(0, [2, 3])
+    got = pf.acquire_experts(0, [3, 0, 2])
+    for expert, weights in zip([3, 0, 2], got):
+        for name, tensor in weights.items():
+            ref = originals[expert][name]
+            assert tensor.dtype == ref.dtype and tensor.shape == ref.shape
+            assert torch.equal(tensor, ref)
+    pf.release_experts(0, [3, 0, 2])
+    assert h.stats()["pinned_count"] == 0
+
+
+def test_experts_context_manager_releases(make_handle):
+    h = make_handle(device_budget_bytes=1 << 20)
+    pf = ExpertPrefetcher(h)
+    populate(pf, layers=1, experts=2)
+    with pf.experts(0, [1, 0]) as weights:
+        assert torch.equal(weights[0]["w2"], expert_weights(1)["w2"])
+        assert h.stats()["pinned_count"] == 2
+    assert h.stats()["pinned_count"] == 0
+
+
+def test_one_copy_per_expert(make_handle):
+    h = make_handle(device_budget_bytes=1 << 20)
+    pf = ExpertPrefetcher(h)
+    populate(pf, layers=1, experts=3)
+    pf.acquire_experts(0, [0, 1, 2])
+    assert h.stats()["copies"] == 3  # packed: not one per weight
+    pf.release_experts(0, [0, 1, 2])
+
+
+def test_use_batched_true_needs_the_batched_call():
+    with pytest.raises(ValueError):
+        ExpertPrefetcher(RecordingEngine(batched=False), use_batched=True)
+
+
+def test_prefetcher_over_public_handle_api():
+    assert prefetch.ExpertPrefetcher is ExpertPrefetcher
