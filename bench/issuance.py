@@ -32,6 +32,9 @@ if __package__ in (None, ""):
 from bench.common import fmt, machine_info, write_json  # noqa: E402
 
 MODES = ("python-per-expert", "batched-cython", "cpp-internal")
+# Beside the modes: the plain-PyTorch way a user would write by hand (a Python
+# loop of copy_(non_blocking=True) on a side stream). Needs CUDA; else null.
+BY_HAND_MODE = "torch-by-hand"
 DEFAULT_WINDOW_US = 1000.0  # reference route-ahead window
 DEFAULT_EXPERTS = 32
 DEFAULT_LAYERS = 24
@@ -97,7 +100,7 @@ def build_bm2_report(
     """The BM2 JSON report. `mode_samples_ns` maps mode name to a list of
     nanosecond samples, or None for a mode that could not be measured."""
     modes = {}
-    for mode in MODES:
+    for mode in (*MODES, BY_HAND_MODE):
         modes[mode] = percentiles_us(mode_samples_ns.get(mode))
     for mode, samples in mode_samples_ns.items():
         if mode not in modes:
@@ -206,6 +209,34 @@ def measure(backend: str, experts: int, layers: int, warmup: int, iterations: in
         handle.close()
 
 
+def measure_torch_by_hand(n_ids: int, warmup: int, iterations: int, entry_bytes: int = 4096):
+    """Issue time of n_ids copy_(non_blocking=True) calls from pinned host
+    tensors into device tensors on a side stream, as a user would write it.
+    Returns None without CUDA (the mode cannot run, so it is not measured)."""
+    try:
+        import torch
+    except ImportError:
+        return None
+    if not torch.cuda.is_available():
+        return None
+    src = [torch.full((entry_bytes,), i % 251, dtype=torch.uint8).pin_memory() for i in range(n_ids)]
+    dst = [torch.empty(entry_bytes, dtype=torch.uint8, device="cuda") for _ in range(n_ids)]
+    stream = torch.cuda.Stream()
+    samples = []
+    clock = time.perf_counter_ns
+    with torch.cuda.stream(stream):
+        for i in range(warmup + iterations):
+            stream.synchronize()
+            t0 = clock()
+            for d, s in zip(dst, src):
+                d.copy_(s, non_blocking=True)
+            t1 = clock()
+            if i >= warmup:
+                samples.append(t1 - t0)
+    stream.synchronize()
+    return samples
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--backend", default="host", choices=["host", "cuda", "auto"])
@@ -229,6 +260,7 @@ def main(argv=None) -> int:
     except RuntimeError as exc:  # e.g. --backend cuda without a GPU
         print(f"BM2: could not measure on backend {args.backend!r}: {exc}", file=sys.stderr)
         backend, samples = None, {mode: None for mode in MODES}
+    samples[BY_HAND_MODE] = measure_torch_by_hand(args.experts * args.layers, args.warmup, args.iterations)
     report = build_bm2_report(
         samples,
         machine=machine_info(),

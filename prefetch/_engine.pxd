@@ -105,6 +105,9 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
             const int64_t* ids, size_t n
         ) except +prefetch_raise_py_error
         size_t CancelAtOrBelow(int band) except +prefetch_raise_py_error
+        size_t Evict(
+            const int64_t* ids, size_t n
+        ) except +prefetch_raise_py_error
         void Acquire(
             const int64_t* ids, size_t n, const uintptr_t* streams,
             double timeout_s, CSlotInfo* slots
@@ -117,6 +120,9 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         ) except +prefetch_raise_py_error
         vector[int64_t] ResidentSnapshot(
             int device
+        ) except +prefetch_raise_py_error
+        void DebugHoldCopies(
+            int device, uintptr_t stream
         ) except +prefetch_raise_py_error
         void Pause() except +prefetch_raise_py_error
         void Resume() except +prefetch_raise_py_error

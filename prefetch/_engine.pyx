@@ -448,6 +448,42 @@ cdef class PrefetchHandle:
         """Empties the queue (ids acquirers wait for stay)."""
         return self.cancel_below(0)
 
+    def evict(self, tensor_ids):
+        """Drops resident ids from the cache (not acquired ones, nor ones a
+        stream still reads). Returns how many were evicted."""
+        self._check_open()
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        cdef size_t evicted = 0
+        if n == 0:
+            return 0
+        with nogil:
+            evicted = self._c.Evict(&ids[0], n)
+        return evicted
+
+    def _debug_fill_cache(self, int value):
+        """Tests only: overwrite every device arena with `value` (poison)."""
+        self._check_open()
+        for arena in self._arenas:
+            if self.backend == "cuda":
+                arena.fill_(value)
+            else:
+                arena.fill(value)
+        if self.backend == "cuda":
+            import torch
+            torch.cuda.synchronize()  # the copy streams are not ordered after it
+
+    def _debug_hold_copies(self, stream):
+        """Tests only: make this device's copy streams wait on everything
+        queued so far on `stream` (a torch.cuda.Stream), so a test can stall
+        copies on the GPU with a spin kernel and release them later."""
+        self._check_open()
+        if self.backend != "cuda":
+            raise RuntimeError("_debug_hold_copies needs the CUDA backend")
+        device = stream.device.index or 0
+        cdef uintptr_t handle = _stream_handle(stream)
+        self._c.DebugHoldCopies(device, handle)
+
     # ----------------------------------------------------- acquire/release
 
     def acquire(self, tensor_ids, *, stream=None,

@@ -523,6 +523,29 @@ size_t ArcherPrefetchHandle::CancelAtOrBelow(int band) {
   return removed;
 }
 
+size_t ArcherPrefetchHandle::Evict(const int64_t* ids, size_t n) {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  ResolveIdsLocked(ids, n);
+  size_t evicted = 0;
+  uint64_t mask = 0;
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = batch_scratch_[i];
+    if (e->state != EntryState::kResident || e->pins > 0 ||
+        !backend_->Query(e->ready) || !backend_->Query(e->last_use)) {
+      continue;
+    }
+    EvictLocked(devices_[e->device].get(), e);
+    mask |= uint64_t{1} << e->device;
+    ++evicted;
+  }
+  for (int d = 0; d < DeviceCount(); ++d) {
+    if ((mask >> d) & 1u) devices_[d]->work_cv.notify_one();
+  }
+  return evicted;
+}
+
 // ---------------------------------------------------------- acquire/release
 
 void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
@@ -926,6 +949,17 @@ std::vector<int64_t> ArcherPrefetchHandle::ResidentSnapshot(int device) const {
       },
       &out);
   return out;
+}
+
+void ArcherPrefetchHandle::DebugHoldCopies(int device, uintptr_t stream) {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  if (device < 0 || device >= DeviceCount()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "no device " + std::to_string(device));
+  }
+  backend_->HoldCopiesUntil(device, stream);
 }
 
 void ArcherPrefetchHandle::Pause() {

@@ -108,6 +108,10 @@ class ArcherPrefetchHandle {
   // Removes every queued id in bands >= band (no acquirer waiting).
   size_t CancelAtOrBelow(int band);
 
+  // Evicts the listed ids that are resident, unpinned and no longer used on
+  // any stream (others are left alone); returns how many were evicted.
+  size_t Evict(const int64_t* ids, size_t n);
+
   // Waits until every id is resident and pins it. `streams` (nullptr, or one
   // per device, 0 = none) names each device's consumer stream: on an async
   // backend an id whose copy is issued but not finished makes its device's
@@ -125,6 +129,10 @@ class ArcherPrefetchHandle {
   // device in eviction order (next victim first).
   std::vector<std::pair<int, int64_t>> QueueSnapshot(int device) const;
   std::vector<int64_t> ResidentSnapshot(int device) const;
+
+  // Tests: stall the device's copies on the GPU until `stream`'s work so far
+  // completes (CUDA backend only).
+  void DebugHoldCopies(int device, uintptr_t stream);
 
   void Pause();
   void Resume();

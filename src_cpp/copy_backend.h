@@ -19,6 +19,8 @@
 #include <memory>
 #include <string>
 
+#include "errors.h"
+
 namespace prefetch {
 
 using CopyToken = uint64_t;
@@ -64,6 +66,13 @@ class CopyBackend {
   // Records on `stream`; the returned token completes when the stream's work
   // queued so far does.
   virtual CopyToken RecordOnStream(int device, uintptr_t stream) = 0;
+
+  // Tests: makes the device's copy streams wait for the work queued so far
+  // on `stream`, so a test can stall copies on the GPU deterministically.
+  virtual void HoldCopiesUntil(int /*device*/, uintptr_t /*stream*/) {
+    throw PrefetchError(ErrorKind::kUnavailable,
+                        std::string(Name()) + " backend has no copy streams");
+  }
 };
 
 // The embedded default: the device cache is a host-memory arena and a copy is

@@ -278,6 +278,17 @@ class CudaBackend final : public CopyBackend {
     return Record(device, reinterpret_cast<CUstream>(stream));
   }
 
+  void HoldCopiesUntil(int device, uintptr_t stream) override {
+    Device& dev = Prepare(device);
+    ContextGuard guard(this, device);
+    const CopyToken gate = Record(device, reinterpret_cast<CUstream>(stream));
+    Token* t = AsToken(gate);
+    CUresult r = api_.cuStreamWaitEvent(dev.normal, t->event, 0);
+    if (r == kCudaSuccess) r = api_.cuStreamWaitEvent(dev.urgent, t->event, 0);
+    ReleaseToken(gate);  // the waits hold their own reference to the record
+    Check(r, "cuStreamWaitEvent");
+  }
+
  private:
   struct Device {
     CUdevice cu_device = 0;

@@ -411,3 +411,17 @@ def test_backend_choice(make_handle):
     assert h.backend in ("host", "cuda")
     with pytest.raises(ValueError, match="backend"):
         prefetch.PrefetchHandle(device_budget_bytes=4096, backend="tpu")
+
+
+def test_evict_drops_unpinned_residents_only(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    register_random(h, rng, range(3))
+    h.acquire([0, 1, 2], timeout=10)
+    h.release([0, 1])
+    assert h.evict([0, 1, 2]) == 2  # 2 is still acquired
+    assert h.resident() == [2]
+    assert h.evict([0]) == 0  # not resident any more
+    with pytest.raises(KeyError):
+        h.evict([0, 99])
+    h.release([2])
+    assert h.stats()["evictions"] == 2

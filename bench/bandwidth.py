@@ -1,0 +1,166 @@
+"""Engine host-to-device throughput against raw PyTorch copies, same run.
+
+    python bench/bandwidth.py [--sizes-mib 1 4 9.4 64] [--total-mib 2048]
+        [--reps 5] [--json PATH]
+
+For each entry size: `count` entries (total-mib worth) of random bytes.
+  raw     copy_(non_blocking=True) from one pinned host tensor per entry into
+          device tensors on a side stream, timed with CUDA events
+  engine  all entries evicted, then prefetch_tensors(ids) and a CPU-blocking
+          acquire of every id, timed on the host clock (the engine's own copy
+          streams are not visible to CUDA events outside it)
+Also reported: the engine's issue overhead per copy call (worker seconds
+spent in the backend's Copy, over the number of calls), and a byte-exact
+check of every entry after the engine's copies. Needs CUDA; without it every
+figure is null.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import fmt, machine_info, write_json  # noqa: E402
+
+MIB = 1 << 20
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk_bytes: int) -> dict:
+    total = entry_bytes * count
+    # Random bytes made on the GPU and copied down (fast), never zeros.
+    src = torch.empty((count, entry_bytes), dtype=torch.uint8, pin_memory=True)
+    for i in range(count):
+        src[i].copy_(torch.randint(0, 256, (entry_bytes,), dtype=torch.uint8, device="cuda"))
+    dst = torch.empty((count, entry_bytes), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+
+    raw = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            start.record()
+            for i in range(count):
+                dst[i].copy_(src[i], non_blocking=True)
+            end.record()
+        end.synchronize()
+        raw.append(gbps(total, start.elapsed_time(end) / 1e3))
+    raw = raw[1:]  # first rep warms up
+    if not torch.equal(dst, src.cuda()):
+        raise RuntimeError("raw copy mismatch")
+    del dst
+
+    slot = (entry_bytes + 255) // 256 * 256
+    handle = prefetch.PrefetchHandle(
+        device_budget_bytes=slot * count, backend="cuda", copy_chunk_bytes=chunk_bytes
+    )
+    try:
+        for i in range(count):
+            handle.register(i, src[i])
+        ids = list(range(count))
+        engine = []
+        per_call_us = []
+        for rep in range(reps + 1):
+            handle.evict(ids)
+            torch.cuda.synchronize()
+            before = handle.stats()
+            t0 = time.perf_counter()
+            handle.prefetch_tensors(ids)
+            views = handle.acquire(ids)
+            t1 = time.perf_counter()
+            after = handle.stats()
+            if rep == 0:
+                exact = all(torch.equal(v, src[i].cuda()) for i, v in enumerate(views))
+                if not exact:
+                    raise RuntimeError("engine copy mismatch")
+            handle.release(ids)
+            del views
+            if rep > 0:
+                engine.append(gbps(total, t1 - t0))
+                calls = count * -(-entry_bytes // chunk_bytes)
+                per_call_us.append((after["copy_seconds"] - before["copy_seconds"]) / calls * 1e6)
+    finally:
+        handle.close()
+    raw_gbps = statistics.median(raw)
+    engine_gbps = statistics.median(engine)
+    return {
+        "entry_mib": entry_bytes / MIB,
+        "entries": count,
+        "total_mib": total / MIB,
+        "raw_gbps": raw_gbps,
+        "engine_gbps": engine_gbps,
+        "engine_over_raw": engine_gbps / raw_gbps,
+        "issue_us_per_copy_call": statistics.median(per_call_us),
+        "byte_exact": True,
+        "raw_samples_gbps": raw,
+        "engine_samples_gbps": engine,
+    }
+
+
+def format_table(report: dict) -> str:
+    lines = [
+        f"H2D bandwidth ({report['reps']} reps, median; chunk {report['chunk_mib']} MiB)",
+        f"{'entry MiB':>10}{'entries':>9}{'raw GB/s':>10}{'engine GB/s':>13}{'engine/raw':>12}{'issue us/copy':>15}",
+    ]
+    for row in report["rows"]:
+        if row.get("raw_gbps") is None:
+            lines.append(f"{row['entry_mib']:>10.1f}{'null':>9}{'null':>10}{'null':>13}{'null':>12}{'null':>15}")
+            continue
+        lines.append(
+            f"{row['entry_mib']:>10.1f}{row['entries']:>9}{fmt(row['raw_gbps']):>10}{fmt(row['engine_gbps']):>13}"
+            f"{fmt(100 * row['engine_over_raw'], 1) + '%':>12}{fmt(row['issue_us_per_copy_call']):>15}"
+        )
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 9.4, 64])
+    parser.add_argument("--total-mib", type=float, default=2048)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--chunk-mib", type=float, default=4)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    rows = []
+    ok = True
+    try:
+        import torch
+
+        import prefetch
+
+        available = torch.cuda.is_available()
+    except ImportError:
+        available = False
+    for size in args.sizes_mib:
+        entry = int(size * MIB)
+        if not available:
+            rows.append({"entry_mib": size, "raw_gbps": None, "engine_gbps": None})
+            ok = False
+            continue
+        count = max(4, int(args.total_mib * MIB // entry))
+        rows.append(measure_size(torch, prefetch, entry, count, args.reps, int(args.chunk_mib * MIB)))
+        print(f"  {size} MiB done", file=sys.stderr, flush=True)
+    report = {
+        "benchmark": "H2D bandwidth",
+        "machine": machine_info(),
+        "reps": args.reps,
+        "chunk_mib": args.chunk_mib,
+        "rows": rows,
+    }
+    print(format_table(report))
+    if args.json:
+        write_json(args.json, report)
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

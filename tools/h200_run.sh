@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# One device-machine session: GPU suite through tox, then the benchmarks.
+# Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
+# steps: any of tox bm2 bandwidth overlap (default: all). Wheels for tox are
+# taken from .whl/ when present (the machine has no network).
+set -uo pipefail
+out=${1:?output folder}
+shift
+steps=${*:-tox bm2 bandwidth overlap}
+mkdir -p "$out"
+export PYTHONUNBUFFERED=1
+if [ -d .whl ] && ! python3 -c "import tox" 2>/dev/null; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site
+fi
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
+python3 -c "import torch, Cython, sys; print(sys.version.split()[0], torch.__version__, Cython.__version__)" | tee -a "$out/gpu.txt"
+status=0
+for step in $steps; do
+  case $step in
+    tox)
+      python3 -m tox -e gpu -- -ra -q tests 2>&1 | tee "$out/tox_gpu.log" | tail -40 || status=1 ;;
+    bm2)
+      [ -f prefetch/_engine.cpython-*.so ] || python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . >/dev/null
+      python3 bench/issuance.py --backend host --json "$out/bm2_host.json" 2>&1 | tee "$out/bm2_host.txt"
+      python3 bench/issuance.py --backend cuda --json "$out/bm2_cuda.json" 2>&1 | tee "$out/bm2_cuda.txt" ;;
+    bandwidth)
+      python3 bench/bandwidth.py --json "$out/bandwidth.json" 2>&1 | tee "$out/bandwidth.txt" ;;
+    overlap)
+      python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
+    *) echo "unknown step $step"; status=1 ;;
+  esac
+done
+exit $status
