@@ -3,7 +3,7 @@
 # engine errors into ValueError/KeyError/TimeoutError/MemoryError/RuntimeError.
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libcpp cimport bool
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport shared_ptr, unique_ptr
 from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.vector cimport vector
@@ -18,8 +18,15 @@ cdef extern from "copy_backend.h" namespace "prefetch" nogil:
         const char* Name()
         int DeviceCount()
 
+    cdef cppclass CFaultConfig "prefetch::FaultConfig":
+        void Set(const string& name, int64_t value) except +prefetch_raise_py_error
+        int64_t Get(const string& name) except +prefetch_raise_py_error
+
     unique_ptr[CCopyBackend] MakeBackend(
         const string& name, int host_device_count
+    ) except +prefetch_raise_py_error
+    unique_ptr[CCopyBackend] MakeFaultBackend(
+        int device_count, shared_ptr[CFaultConfig] config
     ) except +prefetch_raise_py_error
 
 
@@ -69,6 +76,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         size_t copy_chunk_bytes
         size_t max_bytes_in_flight
         bool start_paused
+        bool poison_freed_slots
         int64_t debug_issue_delay_ns
 
     cdef struct CSlotInfo "prefetch::SlotInfo":

@@ -13,18 +13,20 @@ import numpy as np
 
 from cython.operator cimport dereference as deref
 from libc.stdint cimport int64_t, uintptr_t
-from libcpp.memory cimport unique_ptr
+from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
 from libcpp.utility cimport move
 from libcpp.vector cimport vector
 
 from prefetch._engine cimport (
     CArcherPrefetchHandle,
     CCopyBackend,
+    CFaultConfig,
     CHandleOptions,
     CHostPart,
     CSlotInfo,
     CStats,
     MakeBackend,
+    MakeFaultBackend,
     kDefaultPrefetchBand,
     kMaxTensorId,
     kNumBands,
@@ -203,10 +205,14 @@ cdef class PrefetchHandle:
     one int for every device or a list with one int per device. ``backend``
     is ``"host"`` (the cache is a host arena, copies are memcpy; runs
     anywhere), ``"cuda"`` or ``"auto"`` (CUDA when the driver and a device
-    are present, else host).
+    are present, else host). ``"fault"`` is the host backend with injectable
+    faults for tests (``faults={...}``, see ``set_faults``).
+    ``poison_freed_slots=True`` fills every freed cache slot with 0xDB, so a
+    reader of stale bytes sees them.
     """
 
     cdef unique_ptr[CArcherPrefetchHandle] _owner
+    cdef shared_ptr[CFaultConfig] _faults
     cdef CArcherPrefetchHandle* _c
     cdef list _arenas
     cdef readonly str backend
@@ -223,6 +229,8 @@ cdef class PrefetchHandle:
         copy_chunk_bytes=4 << 20,
         max_bytes_in_flight=256 << 20,
         start_paused=False,
+        poison_freed_slots=False,
+        faults=None,
         debug_issue_delay_us=0,
     ):
         self._c = NULL
@@ -254,9 +262,16 @@ cdef class PrefetchHandle:
         if debug_issue_delay_us < 0:
             raise ValueError("debug_issue_delay_us must be >= 0")
 
-        cdef unique_ptr[CCopyBackend] cbackend = MakeBackend(
-            backend.encode(), len(budgets)
-        )
+        cdef unique_ptr[CCopyBackend] cbackend
+        if backend == "fault":
+            self._faults = make_shared[CFaultConfig]()
+            for key, value in (faults or {}).items():
+                self._faults.get().Set(key.encode(), value)
+            cbackend = MakeFaultBackend(len(budgets), self._faults)
+        else:
+            if faults is not None:
+                raise ValueError("faults= needs backend='fault'")
+            cbackend = MakeBackend(backend.encode(), len(budgets))
         name = deref(cbackend).Name().decode()
         if len(budgets) > deref(cbackend).DeviceCount():
             raise ValueError(
@@ -286,6 +301,7 @@ cdef class PrefetchHandle:
         options.copy_chunk_bytes = copy_chunk_bytes
         options.max_bytes_in_flight = max_bytes_in_flight
         options.start_paused = True if start_paused else False
+        options.poison_freed_slots = True if poison_freed_slots else False
         options.debug_issue_delay_ns = int(debug_issue_delay_us * 1000)
         self._owner.reset(new CArcherPrefetchHandle(options, move(cbackend)))
         self._c = self._owner.get()
@@ -460,6 +476,25 @@ cdef class PrefetchHandle:
         with nogil:
             evicted = self._c.Evict(&ids[0], n)
         return evicted
+
+    def set_faults(self, **settings):
+        """Fault backend only: change injected faults while running.
+        copy_delay_us, fail_every_nth_copy (a PrefetchError), throw_every_nth_copy
+        (a non-std C++ exception), alloc_delay_us, fail_every_nth_alloc; 0 = off."""
+        self._check_open()
+        if self._faults.get() == NULL:
+            raise RuntimeError("set_faults needs backend='fault'")
+        for key, value in settings.items():
+            self._faults.get().Set(key.encode(), operator.index(value))
+
+    def fault_counts(self):
+        """Fault backend only: calls seen and faults injected so far."""
+        if self._faults.get() == NULL:
+            raise RuntimeError("fault_counts needs backend='fault'")
+        return {
+            k: self._faults.get().Get(k.encode())
+            for k in ("copies", "allocs", "copy_failures", "alloc_failures")
+        }
 
     def _debug_fill_cache(self, int value):
         """Tests only: overwrite every device arena with `value` (poison)."""

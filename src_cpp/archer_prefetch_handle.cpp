@@ -35,6 +35,7 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
       copy_chunk_bytes_(options.copy_chunk_bytes),
       max_bytes_in_flight_(options.max_bytes_in_flight),
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
+      poison_freed_slots_(options.poison_freed_slots),
       owner_pid_(static_cast<long>(::getpid())) {
   if (!backend_) {
     throw PrefetchError(ErrorKind::kInvalidArgument, "no copy backend");
@@ -353,7 +354,7 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
       }
       DropInflightLocked(dev, e);
       dev->cache->RemoveResident(e);
-      dev->cache->Free(e->slot_offset, e->slot_bytes);
+      FreeSlotLocked(dev, e);
       backend_->ReleaseToken(e->ready);
       backend_->ReleaseToken(e->last_use);
     } else if (e->state == EntryState::kQueued) {
@@ -722,10 +723,22 @@ void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
 
 // ------------------------------------------------------------------ worker
 
+void ArcherPrefetchHandle::FreeSlotLocked(DeviceState* dev, Entry* e) {
+  if (poison_freed_slots_) {
+    try {
+      backend_->Fill(dev->index, dev->cache->arena() + e->slot_offset,
+                     e->slot_bytes, kPoisonByte);
+    } catch (...) {
+      // Poisoning is a debugging aid; a failure to poison frees the slot as is.
+    }
+  }
+  dev->cache->Free(e->slot_offset, e->slot_bytes);
+}
+
 void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
   DropInflightLocked(dev, e);
   dev->cache->RemoveResident(e);
-  dev->cache->Free(e->slot_offset, e->slot_bytes);
+  FreeSlotLocked(dev, e);
   backend_->ReleaseToken(e->ready);
   backend_->ReleaseToken(e->last_use);
   e->ready = e->last_use = kTokenDone;
@@ -896,7 +909,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
       lk.lock();
       backend_->ReleaseToken(token);
     }
-    dev->cache->Free(e->slot_offset, e->slot_bytes);
+    FreeSlotLocked(dev, e);
     e->state = EntryState::kHost;
     e->error = error;
     ++e->error_seq;

@@ -46,6 +46,7 @@ constexpr int64_t kMaxTensorId = (int64_t{1} << 31) - 1;  // registry bound
 constexpr int kMaxDevices = 64;                            // notify bitmask
 constexpr size_t kDefaultChunkBytes = size_t{4} << 20;     // 4 MiB per copy
 constexpr size_t kDefaultMaxBytesInFlight = size_t{256} << 20;
+constexpr uint8_t kPoisonByte = 0xDB;  // freed slots, with poison_freed_slots
 
 struct HandleOptions {
   // Cache budget of each device in bytes; its size is the device count.
@@ -57,6 +58,7 @@ struct HandleOptions {
   size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
   size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
   bool start_paused = false;         // workers idle until Resume()
+  bool poison_freed_slots = false;   // debug: fill freed slots with kPoisonByte
   int64_t debug_issue_delay_ns = 0;  // tests: sleep inside the batched call
 };
 
@@ -176,11 +178,14 @@ class ArcherPrefetchHandle {
   void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const;
   void UnpinLocked(const int64_t* ids, size_t n);
   void FreeEverythingLocked();
+  // Returns a slot to the cache, poisoning it first when asked to.
+  void FreeSlotLocked(DeviceState* dev, Entry* e);
 
   const std::unique_ptr<CopyBackend> backend_;
   const size_t copy_chunk_bytes_;
   const size_t max_bytes_in_flight_;
   const int64_t debug_issue_delay_ns_;
+  const bool poison_freed_slots_;
   const long owner_pid_;  // process that built the handle (fork detection)
 
   mutable std::mutex mu_;  // Note [One lock]

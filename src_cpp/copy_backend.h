@@ -15,6 +15,7 @@
 #pragma once
 
 #include <cstddef>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <string>
@@ -67,6 +68,10 @@ class CopyBackend {
   // queued so far does.
   virtual CopyToken RecordOnStream(int device, uintptr_t stream) = 0;
 
+  // Fills `bytes` of device memory at `dst` with `value`, complete before
+  // any later copy into it starts (debug poisoning of freed slots).
+  virtual void Fill(int device, void* dst, size_t bytes, uint8_t value) = 0;
+
   // Tests: makes the device's copy streams wait for the work queued so far
   // on `stream`, so a test can stall copies on the GPU deterministically.
   virtual void HoldCopiesUntil(int /*device*/, uintptr_t /*stream*/) {
@@ -94,14 +99,71 @@ class HostBackend final : public CopyBackend {
   void ReleaseToken(CopyToken) noexcept override {}
   void StreamWait(uintptr_t, CopyToken) override {}
   CopyToken RecordOnStream(int, uintptr_t) override { return kTokenDone; }
+  void Fill(int device, void* dst, size_t bytes, uint8_t value) override;
 
  private:
   int device_count_;  // logical devices, each with its own arena and worker
 };
 
+// Faults a FaultBackend injects; tests change them while a handle runs.
+// Every field is atomic: read by workers, written by the test thread.
+struct FaultConfig {
+  std::atomic<int64_t> copy_delay_us{0};        // sleep inside every Copy
+  std::atomic<int64_t> fail_every_nth_copy{0};  // PrefetchError on the Nth
+  std::atomic<int64_t> throw_every_nth_copy{0}; // non-std exception on the Nth
+  std::atomic<int64_t> alloc_delay_us{0};       // sleep inside AllocateHost
+  std::atomic<int64_t> fail_every_nth_alloc{0}; // kOutOfMemory on the Nth
+  std::atomic<int64_t> copies{0};               // Copy calls seen
+  std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
+  std::atomic<int64_t> copy_failures{0};        // injected copy failures
+  std::atomic<int64_t> alloc_failures{0};       // injected alloc failures
+
+  // By name, for bindings; unknown names throw kInvalidArgument.
+  void Set(const std::string& name, int64_t value);
+  int64_t Get(const std::string& name) const;
+};
+
+// The host backend with injectable faults (tests; runs without a GPU).
+class FaultBackend final : public CopyBackend {
+ public:
+  FaultBackend(int device_count, std::shared_ptr<FaultConfig> config)
+      : host_(device_count), config_(std::move(config)) {}
+  const char* Name() const override { return "fault"; }
+  bool IsAsync() const override { return false; }
+  int DeviceCount() const override { return host_.DeviceCount(); }
+  void* AllocateHost(size_t bytes) override;
+  void FreeHost(void* ptr, size_t bytes) noexcept override {
+    host_.FreeHost(ptr, bytes);
+  }
+  void* AllocateDevice(int device, size_t bytes) override {
+    return host_.AllocateDevice(device, bytes);
+  }
+  void FreeDevice(int device, void* ptr, size_t bytes) noexcept override {
+    host_.FreeDevice(device, ptr, bytes);
+  }
+  CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
+                 bool urgent, bool want_token) override;
+  bool Query(CopyToken) override { return true; }
+  void Wait(CopyToken) override {}
+  void ReleaseToken(CopyToken) noexcept override {}
+  void StreamWait(uintptr_t, CopyToken) override {}
+  CopyToken RecordOnStream(int, uintptr_t) override { return kTokenDone; }
+  void Fill(int device, void* dst, size_t bytes, uint8_t value) override {
+    host_.Fill(device, dst, bytes, value);
+  }
+
+ private:
+  HostBackend host_;                     // does the real work
+  std::shared_ptr<FaultConfig> config_;  // shared with the test
+};
+
 // Creates the CUDA backend if the driver library loads and has a device;
 // throws PrefetchError(kUnavailable) with the reason otherwise.
 std::unique_ptr<CopyBackend> MakeCudaBackend();
+
+// A FaultBackend of `device_count` logical devices sharing `config`.
+std::unique_ptr<CopyBackend> MakeFaultBackend(
+    int device_count, std::shared_ptr<FaultConfig> config);
 
 // "host", "cuda" or "auto" (cuda when available, else host).
 std::unique_ptr<CopyBackend> MakeBackend(const std::string& name,

@@ -77,6 +77,7 @@ struct DriverApi {
   CUresult (*cuMemAlloc)(CUdeviceptr*, size_t);
   CUresult (*cuMemFree)(CUdeviceptr);
   CUresult (*cuGetErrorString)(CUresult, const char**);
+  CUresult (*cuMemsetD8Async)(CUdeviceptr, unsigned char, size_t, CUstream);
 };
 
 template <typename Fn>
@@ -131,6 +132,7 @@ class CudaBackend final : public CopyBackend {
       Resolve(l, "cuMemAlloc_v2", &api_.cuMemAlloc);
       Resolve(l, "cuMemFree_v2", &api_.cuMemFree);
       Resolve(l, "cuGetErrorString", &api_.cuGetErrorString);
+      Resolve(l, "cuMemsetD8Async", &api_.cuMemsetD8Async);
       CUresult r = api_.cuInit(0);
       if (r != kCudaSuccess) {
         throw PrefetchError(ErrorKind::kUnavailable,
@@ -276,6 +278,18 @@ class CudaBackend final : public CopyBackend {
     Prepare(device);
     ContextGuard guard(this, device);
     return Record(device, reinterpret_cast<CUstream>(stream));
+  }
+
+  // Debug poisoning: on the prefetch stream, then waited for, so neither
+  // copy stream can write the slot before the fill is done.
+  void Fill(int device, void* dst, size_t bytes, uint8_t value) override {
+    Device& dev = Prepare(device);
+    ContextGuard guard(this, device);
+    Check(api_.cuMemsetD8Async(
+              static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dst)),
+              value, bytes, dev.normal),
+          "cuMemsetD8Async");
+    Check(api_.cuStreamSynchronize(dev.normal), "cuStreamSynchronize");
   }
 
   void HoldCopiesUntil(int device, uintptr_t stream) override {

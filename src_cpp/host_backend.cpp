@@ -1,6 +1,8 @@
 #include <cstdlib>
 #include <cstring>
+#include <chrono>
 #include <new>
+#include <thread>
 
 #include "copy_backend.h"
 #include "errors.h"
@@ -43,6 +45,88 @@ CopyToken HostBackend::Copy(int, void* dst, const void* src, size_t bytes,
                             bool, bool) {
   std::memcpy(dst, src, bytes);
   return kTokenDone;
+}
+
+void HostBackend::Fill(int, void* dst, size_t bytes, uint8_t value) {
+  std::memset(dst, value, bytes);
+}
+
+namespace {
+
+// True when `call` (1-based) is a multiple of n > 0.
+bool NthCall(int64_t n, int64_t call) { return n > 0 && call % n == 0; }
+
+void SleepUs(int64_t us) {
+  if (us > 0) std::this_thread::sleep_for(std::chrono::microseconds(us));
+}
+
+struct InjectedWorkerFault {};  // deliberately not a std::exception
+
+}  // namespace
+
+void FaultConfig::Set(const std::string& name, int64_t value) {
+  if (value < 0) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "fault setting " + name + " must be >= 0");
+  }
+  if (name == "copy_delay_us") copy_delay_us = value;
+  else if (name == "fail_every_nth_copy") fail_every_nth_copy = value;
+  else if (name == "throw_every_nth_copy") throw_every_nth_copy = value;
+  else if (name == "alloc_delay_us") alloc_delay_us = value;
+  else if (name == "fail_every_nth_alloc") fail_every_nth_alloc = value;
+  else
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "unknown fault setting '" + name + "'");
+}
+
+int64_t FaultConfig::Get(const std::string& name) const {
+  if (name == "copy_delay_us") return copy_delay_us;
+  if (name == "fail_every_nth_copy") return fail_every_nth_copy;
+  if (name == "throw_every_nth_copy") return throw_every_nth_copy;
+  if (name == "alloc_delay_us") return alloc_delay_us;
+  if (name == "fail_every_nth_alloc") return fail_every_nth_alloc;
+  if (name == "copies") return copies;
+  if (name == "allocs") return allocs;
+  if (name == "copy_failures") return copy_failures;
+  if (name == "alloc_failures") return alloc_failures;
+  throw PrefetchError(ErrorKind::kInvalidArgument,
+                      "unknown fault counter '" + name + "'");
+}
+
+void* FaultBackend::AllocateHost(size_t bytes) {
+  const int64_t call = ++config_->allocs;
+  SleepUs(config_->alloc_delay_us);
+  if (NthCall(config_->fail_every_nth_alloc, call)) {
+    ++config_->alloc_failures;
+    throw PrefetchError(ErrorKind::kOutOfMemory,
+                        "injected host allocation failure (call " +
+                            std::to_string(call) + ", " +
+                            std::to_string(bytes) + " bytes)");
+  }
+  return host_.AllocateHost(bytes);
+}
+
+CopyToken FaultBackend::Copy(int device, void* dst, const void* src,
+                             size_t bytes, bool urgent, bool want_token) {
+  const int64_t call = ++config_->copies;
+  SleepUs(config_->copy_delay_us);
+  if (NthCall(config_->throw_every_nth_copy, call)) {
+    ++config_->copy_failures;
+    throw InjectedWorkerFault{};
+  }
+  if (NthCall(config_->fail_every_nth_copy, call)) {
+    ++config_->copy_failures;
+    throw PrefetchError(ErrorKind::kCopyFailed,
+                        "injected copy failure (call " + std::to_string(call) +
+                            ")");
+  }
+  return host_.Copy(device, dst, src, bytes, urgent, want_token);
+}
+
+std::unique_ptr<CopyBackend> MakeFaultBackend(
+    int device_count, std::shared_ptr<FaultConfig> config) {
+  if (!config) config = std::make_shared<FaultConfig>();
+  return std::make_unique<FaultBackend>(device_count, std::move(config));
 }
 
 std::unique_ptr<CopyBackend> MakeBackend(const std::string& name,

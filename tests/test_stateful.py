@@ -1,0 +1,329 @@
+"""Hypothesis rule-based state machine: the engine against a plain Python
+model of it. Workers run only inside `drain` and `acquire` steps (the handle
+is otherwise paused), so every step is deterministic and the model can
+predict every counter, the queue, the LRU order and the bytes of every
+acquired tensor.
+
+CI: derandomized, 200 examples of 50 steps."""
+import time
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from payload import check, content
+
+import prefetch
+
+SIZE = 512  # every tensor fills exactly one slot
+CAPACITY = 6  # slots in the budget
+IDS = 10  # ids 0..9 may be registered
+MAX_PINNED = CAPACITY - 2  # so an acquire of 2 misses always finds room
+
+COUNTERS = (
+    "requests", "enqueued", "deduplicated", "upgraded", "touched", "cancelled",
+    "acquires", "hits", "misses", "late", "evictions", "wasted", "copies", "copy_errors",
+)
+
+
+class Model:
+    def __init__(self):
+        self.version = {}  # registered id -> version
+        self.queue = []  # [(band, id)], kept sorted by (band, FIFO)
+        self.lru = []  # resident ids, next victim first
+        self.unused = set()  # resident ids copied by a prefetch, not yet acquired
+        self.pins = {}  # id -> pins
+        self.c = dict.fromkeys(COUNTERS, 0)
+        self.closed = False
+
+    def queued_band(self, tid):
+        for band, qid in self.queue:
+            if qid == tid:
+                return band
+        return None
+
+    def push(self, tid, band):
+        # FIFO within a band: after the last entry of that band.
+        pos = len(self.queue)
+        for i, (b, _) in enumerate(self.queue):
+            if b > band:
+                pos = i
+                break
+        self.queue.insert(pos, (band, tid))
+
+    def remove(self, tid):
+        self.queue = [(b, q) for b, q in self.queue if q != tid]
+
+    def prefetch(self, ids, band):
+        for tid in ids:
+            self.c["requests"] += 1
+            current = self.queued_band(tid)
+            if tid in self.lru:
+                self.lru.remove(tid)
+                self.lru.append(tid)
+                self.c["touched"] += 1
+                self.c["deduplicated"] += 1
+            elif current is not None:
+                if band < current:
+                    self.remove(tid)
+                    self.push(tid, band)
+                    self.c["upgraded"] += 1
+                self.c["deduplicated"] += 1
+            else:
+                self.push(tid, band)
+                self.c["enqueued"] += 1
+
+    def evict_one(self):
+        for victim in self.lru:
+            if self.pins.get(victim, 0) == 0:
+                self.lru.remove(victim)
+                self.c["evictions"] += 1
+                if victim in self.unused:
+                    self.unused.discard(victim)
+                    self.c["wasted"] += 1
+                return
+        raise AssertionError("model: no victim (the test keeps pins below capacity)")
+
+    def drain(self):
+        while self.queue:
+            _, tid = self.queue.pop(0)
+            if len(self.lru) >= CAPACITY:
+                self.evict_one()
+            self.lru.append(tid)
+            self.c["copies"] += 1
+            if self.pins.get(tid, 0) == 0:
+                self.unused.add(tid)
+            else:
+                self.unused.discard(tid)
+
+    def acquire(self, ids):
+        for tid in ids:
+            self.pins[tid] = self.pins.get(tid, 0) + 1
+            self.c["acquires"] += 1
+            if tid in self.lru:
+                self.c["hits"] += 1
+                continue
+            self.c["misses"] += 1
+            current = self.queued_band(tid)
+            if current is None:
+                self.push(tid, 0)
+            elif current != 0:
+                self.remove(tid)
+                self.push(tid, 0)
+                self.c["upgraded"] += 1
+        self.drain()
+        for tid in ids:
+            self.unused.discard(tid)
+            self.lru.remove(tid)
+            self.lru.append(tid)
+
+    def pinned(self):
+        return sorted(t for t, n in self.pins.items() if n > 0)
+
+
+class EngineMachine(RuleBasedStateMachine):
+    def __init__(self):
+        super().__init__()
+        self.h = prefetch.PrefetchHandle(
+            device_budget_bytes=CAPACITY * SIZE, backend="host", start_paused=True, poison_freed_slots=True
+        )
+        self.m = Model()
+        self.held = []  # acquired ids (with repeats), in acquire order
+        self.steps = 0  # steps taken (the invariant runs after each)
+
+    def teardown(self):
+        self.h.close()
+
+    def _run_workers(self, fn):
+        self.h.resume()
+        try:
+            result = fn()
+            deadline = time.monotonic() + 10
+            while True:
+                s = self.h.stats()
+                if s["queue_depth"] == 0 and s["bytes_in_flight"] == 0:
+                    break
+                assert time.monotonic() < deadline, "workers did not drain"
+                time.sleep(0.0002)
+        finally:
+            self.h.pause()
+        return result
+
+    # ---------------------------------------------------------------- rules
+
+    @rule(tid=st.integers(0, IDS - 1))
+    def register(self, tid):
+        if self.m.closed:
+            with pytest.raises(RuntimeError, match="closed"):
+                self.h.register(tid, b"x")
+            return
+        if tid in self.m.version:
+            with pytest.raises(ValueError, match="already registered"):
+                self.h.register(tid, content(tid, 0, SIZE))
+            return
+        version = self.m.version.get(("next", tid), 0)
+        self.h.register(tid, content(tid, version, SIZE))
+        self.m.version[tid] = version
+
+    @rule(tid=st.integers(0, IDS - 1))
+    def reregister(self, tid):
+        """Unregister and register a new version (stale bytes would show)."""
+        if self.m.closed or tid not in self.m.version or self.m.pins.get(tid, 0) > 0:
+            return
+        self.h.unregister(tid)
+        self.m.remove(tid)
+        if tid in self.m.lru:
+            self.m.lru.remove(tid)
+        self.m.unused.discard(tid)
+        version = self.m.version.pop(tid) + 1
+        self.h.register(tid, content(tid, version, SIZE))
+        self.m.version[tid] = version
+
+    @rule(data=st.data(), band=st.integers(0, 19), bad=st.sampled_from([None, 99, -1, 2**40, 1.5, True]))
+    def prefetch(self, data, band, bad):
+        if self.m.closed:
+            with pytest.raises(RuntimeError, match="closed"):
+                self.h.prefetch_tensors([0], priority=band)
+            return
+        known = sorted(self.m.version)
+        ids = data.draw(st.lists(st.sampled_from(known), max_size=8)) if known else []
+        if bad is not None:
+            ids = [*ids, bad]
+            with pytest.raises((KeyError, TypeError)):
+                self.h.prefetch_tensors(ids, priority=band)
+            return
+        self.h.prefetch_tensors(ids, priority=band)
+        self.m.prefetch(ids, band)
+
+    @rule()
+    def drain(self):
+        if self.m.closed:
+            return
+        self._run_workers(lambda: None)
+        self.m.drain()
+
+    @rule(data=st.data())
+    def acquire(self, data):
+        if self.m.closed:
+            with pytest.raises(RuntimeError, match="closed"):
+                self.h.acquire([0])
+            return
+        known = sorted(self.m.version)
+        room = MAX_PINNED - len(self.m.pinned())
+        if not known or room <= 0:
+            return
+        ids = data.draw(st.lists(st.sampled_from(known), min_size=1, max_size=min(2, room), unique=True))
+        self.drain()
+        views = self._run_workers(lambda: self.h.acquire(ids, timeout=10))
+        self.m.acquire(ids)
+        for tid, view in zip(ids, views):
+            check(view, tid, self.m.version[tid])
+        self.held.extend(ids)
+
+    @rule(data=st.data())
+    def release(self, data):
+        if self.m.closed or not self.held:
+            return
+        tid = data.draw(st.sampled_from(self.held))
+        self.h.release([tid])
+        self.held.remove(tid)
+        self.m.pins[tid] -= 1
+
+    @rule(tid=st.integers(0, IDS - 1))
+    def release_without_acquire(self, tid):
+        if self.m.closed or tid not in self.m.version or self.m.pins.get(tid, 0) > 0:
+            return
+        with pytest.raises(RuntimeError, match="not acquired"):
+            self.h.release([tid])
+
+    @rule(data=st.data())
+    def cancel(self, data):
+        if self.m.closed or not self.m.version:
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.m.version)), max_size=4, unique=True))
+        removed = self.h.cancel(ids)
+        expected = [t for t in ids if self.m.queued_band(t) is not None and self.m.pins.get(t, 0) == 0]
+        for t in expected:
+            self.m.remove(t)
+        self.m.c["cancelled"] += len(expected)
+        assert removed == len(expected)
+
+    @rule(band=st.integers(0, 19))
+    def cancel_below(self, band):
+        if self.m.closed:
+            return
+        removed = self.h.cancel_below(band)
+        expected = [t for b, t in self.m.queue if b >= band and self.m.pins.get(t, 0) == 0]
+        for t in expected:
+            self.m.remove(t)
+        self.m.c["cancelled"] += len(expected)
+        assert removed == len(expected)
+
+    @rule(data=st.data())
+    def evict(self, data):
+        if self.m.closed or not self.m.version:
+            return
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.m.version)), max_size=3, unique=True))
+        expected = [t for t in ids if t in self.m.lru and self.m.pins.get(t, 0) == 0]
+        assert self.h.evict(ids) == len(expected)
+        for t in expected:
+            self.m.lru.remove(t)
+            self.m.c["evictions"] += 1
+            if t in self.m.unused:  # prefetched, never acquired: wasted either way
+                self.m.unused.discard(t)
+                self.m.c["wasted"] += 1
+
+    @rule()
+    def pressure(self):
+        """Prefetch everything registered: more than the budget holds."""
+        if self.m.closed or not self.m.version:
+            return
+        ids = sorted(self.m.version)
+        self.h.prefetch_tensors(ids, priority=7)
+        self.m.prefetch(ids, 7)
+        self.drain()
+
+    # Close late, so most of each run exercises an open handle.
+    @precondition(lambda self: not self.m.closed and self.steps >= 40)
+    @rule()
+    def close(self):
+        self.h.close()
+        self.m.closed = True
+        self.held.clear()
+
+    # ----------------------------------------------------------- invariants
+
+    @invariant()
+    def matches_model(self):
+        self.steps += 1
+        if self.m.closed:
+            with pytest.raises(RuntimeError, match="closed"):
+                self.h.stats()
+            return
+        s = self.h.stats()
+        got = {k: s[k] for k in COUNTERS}
+        assert got == self.m.c
+        assert s["resident_bytes"] <= CAPACITY * SIZE
+        assert s["resident_bytes"] == len(self.m.lru) * SIZE
+        assert s["acquires"] == s["hits"] + s["misses"]
+        assert s["requests"] == s["enqueued"] + s["deduplicated"]
+        assert s["pinned_count"] == len(self.m.pinned())
+        assert s["registered"] == len(self.m.version)
+        assert self.h.resident() == self.m.lru
+        assert self.h.queued() == self.m.queue
+        assert set(self.m.pinned()) <= set(self.m.lru)  # acquired ids are resident
+
+
+EngineMachine.TestCase.settings = settings(
+    max_examples=int(__import__("os").environ.get("PREFETCH_STATEFUL_EXAMPLES", "200")),
+    stateful_step_count=50,
+    derandomize=True,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
+)
+TestEngineStateMachine = EngineMachine.TestCase
+
+
+def test_model_payload_never_zero():
+    assert np.asarray(content(0, 0, SIZE)).any()
