@@ -48,6 +48,7 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t hits
         uint64_t misses
         uint64_t late
+        uint64_t on_demand
         uint64_t evictions
         uint64_t wasted
         uint64_t copies

@@ -611,6 +611,7 @@ cdef class PrefetchHandle:
             "hits": s.hits,
             "misses": s.misses,
             "late": s.late,
+            "on_demand": s.on_demand,
             "evictions": s.evictions,
             "wasted": s.wasted,
             "copies": s.copies,

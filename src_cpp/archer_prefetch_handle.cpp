@@ -588,6 +588,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     if (e->state == EntryState::kHost) {
       q.PushBack(e, kOnDemandBand);
       e->state = EntryState::kQueued;
+      ++stats_.on_demand;
       wake_mask |= uint64_t{1} << e->device;
     } else if (e->state == EntryState::kQueued && e->band != kOnDemandBand) {
       q.Remove(e);

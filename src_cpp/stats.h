@@ -1,7 +1,9 @@
 // Engine counters, read as one consistent snapshot under the handle's lock.
 //
 // Invariants (tested): requests == enqueued + deduplicated;
-// acquires == hits + misses; late <= misses; wasted <= evictions.
+// acquires == hits + misses; late <= misses; wasted <= evictions; and, with
+// no unregister, enqueued + on_demand == copies + copy_errors + cancelled +
+// queue_depth (every queued id leaves the queue exactly once).
 #pragma once
 
 #include <cstdint>
@@ -19,6 +21,7 @@ struct Stats {
   uint64_t hits = 0;              // acquired while resident and complete
   uint64_t misses = 0;            // acquired while not resident or pending
   uint64_t late = 0;              // misses whose copy was already under way
+  uint64_t on_demand = 0;         // ids queued (at band 0) by acquire
   uint64_t evictions = 0;         // resident entries evicted
   uint64_t wasted = 0;            // evicted after a prefetch, never acquired
   uint64_t copies = 0;            // completed copies

@@ -23,7 +23,7 @@ MAX_PINNED = CAPACITY - 2  # so an acquire of 2 misses always finds room
 
 COUNTERS = (
     "requests", "enqueued", "deduplicated", "upgraded", "touched", "cancelled",
-    "acquires", "hits", "misses", "late", "evictions", "wasted", "copies", "copy_errors",
+    "acquires", "hits", "misses", "late", "on_demand", "evictions", "wasted", "copies", "copy_errors",
 )
 
 
@@ -108,6 +108,7 @@ class Model:
             current = self.queued_band(tid)
             if current is None:
                 self.push(tid, 0)
+                self.c["on_demand"] += 1
             elif current != 0:
                 self.remove(tid)
                 self.push(tid, 0)

@@ -1,0 +1,109 @@
+// C++-level stress of the queue and cache: T threads hammer one handle with
+// batched prefetches, acquire/verify/release, cancels and evictions, then the
+// counters must reconcile. Usage: stress THREADS OPS_PER_THREAD
+// Exit 0 on success; prints the first violation and exits 1 otherwise.
+#include <atomic>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <random>
+#include <thread>
+#include <vector>
+
+#include "archer_prefetch_handle.h"
+
+using prefetch::ArcherPrefetchHandle;
+
+namespace {
+
+constexpr int kIds = 512;
+constexpr size_t kBytes = 700;  // not a multiple of the slot alignment
+constexpr size_t kSlots = 96;
+
+uint8_t Expected(int64_t id, size_t i) {
+  return static_cast<uint8_t>((i * (2 * id + 1) + id * 31 + 7) % 251 + 1);
+}
+
+std::atomic<bool> g_failed{false};
+
+void Fail(const char* what, long a, long b) {
+  if (!g_failed.exchange(true)) std::fprintf(stderr, "FAIL: %s (%ld, %ld)\n", what, a, b);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const int threads = argc > 1 ? std::atoi(argv[1]) : 4;
+  const int ops = argc > 2 ? std::atoi(argv[2]) : 2000;
+  prefetch::HandleOptions options;
+  options.device_budget_bytes = {kSlots * prefetch::AlignSlot(kBytes)};
+  options.poison_freed_slots = true;
+  ArcherPrefetchHandle handle(options, std::make_unique<prefetch::HostBackend>());
+  std::vector<uint8_t> buf(kBytes);
+  for (int64_t id = 0; id < kIds; ++id) {
+    for (size_t i = 0; i < kBytes; ++i) buf[i] = Expected(id, i);
+    prefetch::HostPart part{buf.data(), kBytes, 0};
+    handle.RegisterTensor(id, kBytes, 0, &part, 1);
+  }
+  const char* arena = reinterpret_cast<const char*>(handle.ArenaAddress(0));
+  std::atomic<uint64_t> requested{0}, acquired{0};
+  std::vector<std::thread> pool;
+  for (int t = 0; t < threads; ++t) {
+    pool.emplace_back([&, t] {
+      std::mt19937_64 rng(1234 + t);
+      std::vector<int64_t> ids;
+      std::vector<prefetch::SlotInfo> slots(3);
+      for (int k = 0; k < ops && !g_failed; ++k) {
+        const int op = static_cast<int>(rng() % 10);
+        try {
+          if (op < 4) {
+            ids.resize(1 + rng() % 64);
+            for (auto& id : ids) id = static_cast<int64_t>(rng() % kIds);
+            handle.EnqueuePrefetchTensors(ids.data(), ids.size(), 1 + rng() % 19);
+            requested += ids.size();
+          } else if (op < 8) {
+            ids.resize(1 + rng() % 3);
+            for (auto& id : ids) id = static_cast<int64_t>(rng() % kIds);
+            handle.Acquire(ids.data(), ids.size(), nullptr, 60.0, slots.data());
+            acquired += ids.size();
+            for (size_t j = 0; j < ids.size(); ++j) {
+              const uint8_t* p = reinterpret_cast<const uint8_t*>(arena + slots[j].offset);
+              for (size_t i = 0; i < kBytes; i += 37) {
+                if (p[i] != Expected(ids[j], i)) Fail("bytes differ", ids[j], static_cast<long>(i));
+              }
+            }
+            handle.Release(ids.data(), ids.size(), nullptr);
+          } else if (op < 9) {
+            int64_t id = static_cast<int64_t>(rng() % kIds);
+            handle.Cancel(&id, 1);
+          } else {
+            int64_t id = static_cast<int64_t>(rng() % kIds);
+            handle.Evict(&id, 1);
+            prefetch::Stats s = handle.GetStats();
+            if (s.resident_bytes > options.device_budget_bytes[0]) {
+              Fail("budget exceeded", static_cast<long>(s.resident_bytes), 0);
+            }
+          }
+        } catch (const std::exception& e) {
+          Fail(e.what(), t, k);
+        }
+      }
+    });
+  }
+  for (auto& th : pool) th.join();
+  prefetch::Stats s = handle.GetStats();
+  if (s.requests != requested) Fail("requests", static_cast<long>(s.requests), static_cast<long>(requested));
+  if (s.requests != s.enqueued + s.deduplicated) Fail("requests split", static_cast<long>(s.enqueued), static_cast<long>(s.deduplicated));
+  if (s.acquires != acquired || s.acquires != s.hits + s.misses) Fail("acquires", static_cast<long>(s.acquires), static_cast<long>(acquired));
+  if (s.enqueued + s.on_demand != s.copies + s.copy_errors + s.cancelled + s.queue_depth) {
+    Fail("queue accounting", static_cast<long>(s.enqueued + s.on_demand), static_cast<long>(s.copies + s.cancelled + s.queue_depth));
+  }
+  if (s.copies != s.resident_count + s.evictions) Fail("copy accounting", static_cast<long>(s.copies), static_cast<long>(s.resident_count + s.evictions));
+  if (s.pinned_count != 0) Fail("pins left", static_cast<long>(s.pinned_count), 0);
+  handle.Close();
+  if (g_failed) return 1;
+  std::printf("ok threads=%d ops=%d requests=%llu acquires=%llu copies=%llu evictions=%llu\n", threads, ops,
+              static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.acquires),
+              static_cast<unsigned long long>(s.copies), static_cast<unsigned long long>(s.evictions));
+  return 0;
+}

@@ -1,0 +1,37 @@
+"""Builds tests/cpp/stress.cpp against the engine sources and runs it with 1,
+4, 16 and 64 threads. Skips only where no C++ compiler exists."""
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+SOURCES = [
+    "src_cpp/archer_prefetch_handle.cpp",
+    "src_cpp/device_cache.cpp",
+    "src_cpp/host_backend.cpp",
+    "src_cpp/cuda_backend.cpp",
+]
+
+
+@pytest.fixture(scope="module")
+def stress_binary(tmp_path_factory):
+    cxx = os.environ.get("CXX") or shutil.which("g++") or shutil.which("clang++")
+    if cxx is None:
+        pytest.skip("no C++ compiler")
+    out = tmp_path_factory.mktemp("stress") / "stress"
+    flags = os.environ.get("PREFETCH_STRESS_CXXFLAGS", "-O2").split()
+    cmd = [cxx, "-std=c++17", *flags, "-pthread", "-I", str(ROOT / "src_cpp"), str(ROOT / "tests/cpp/stress.cpp")]
+    cmd += [str(ROOT / s) for s in SOURCES] + ["-ldl", "-o", str(out)]
+    subprocess.run(cmd, check=True, timeout=300)
+    return out
+
+
+@pytest.mark.parametrize("threads", [1, 4, 16, 64])
+def test_cpp_stress(stress_binary, threads):
+    ops = max(200, 16000 // threads)
+    proc = subprocess.run([str(stress_binary), str(threads), str(ops)], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr + proc.stdout
+    assert proc.stdout.startswith(f"ok threads={threads}")

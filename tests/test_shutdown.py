@@ -1,0 +1,128 @@
+"""Shutdown paths, each in its own interpreter with a timeout: a hang fails
+the test instead of hanging the suite."""
+import subprocess
+import sys
+import textwrap
+import time
+
+PRELUDE = """
+import os, sys, threading, time
+import numpy as np
+import prefetch
+"""
+
+
+def run(code: str, timeout: float):
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-c", PRELUDE + textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    return proc, time.monotonic() - t0
+
+
+def test_close_with_10000_queued_is_fast_and_wakes_acquirers():
+    proc, _ = run(
+        """
+        # Two slots, both pinned: the worker is stuck for room, 10,000 prefetches
+        # wait behind it and four acquirers wait for ids that cannot arrive.
+        h = prefetch.PrefetchHandle(device_budget_bytes=512, backend="fault",
+                                    faults={"copy_delay_us": 1000})
+        for tid in range(10_006):
+            h.register(tid, b"abcd")
+        h.acquire([0, 1], timeout=10)
+        h.prefetch_tensors(np.arange(2, 10_002))
+        errors = []
+        def acquirer(tid):
+            try:
+                h.acquire([tid], timeout=60)
+            except RuntimeError as exc:
+                errors.append(str(exc))
+        threads = [threading.Thread(target=acquirer, args=(10_002 + k,)) for k in range(4)]
+        for t in threads: t.start()
+        time.sleep(0.3)
+        assert h.stats()["queue_depth"] == 10_004
+        t0 = time.monotonic()
+        h.close()
+        elapsed = time.monotonic() - t0
+        for t in threads: t.join(10)
+        assert not any(t.is_alive() for t in threads)
+        assert len(errors) == 4 and all("closed" in e for e in errors), errors
+        print(f"close took {elapsed:.3f} s")
+        assert elapsed < 2.0, elapsed
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "close took" in proc.stdout
+
+
+def test_dropping_a_handle_mid_copy_exits_cleanly():
+    proc, elapsed = run(
+        """
+        h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="fault",
+                                    faults={"copy_delay_us": 300_000})
+        for tid in range(50):
+            h.register(tid, b"x" * 1000)
+        h.prefetch_tensors(range(50))
+        time.sleep(0.1)  # a copy is under way
+        del h
+        print("dropped")
+        """,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert "dropped" in proc.stdout
+    assert elapsed < 10
+
+
+def test_interpreter_exit_mid_copy_exits_zero():
+    proc, elapsed = run(
+        """
+        h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="fault",
+                                    faults={"copy_delay_us": 300_000})
+        for tid in range(50):
+            h.register(tid, b"x" * 1000)
+        h.prefetch_tensors(range(50))
+        blocked = threading.Thread(target=lambda: h.acquire([49], timeout=600), daemon=True)
+        blocked.start()
+        time.sleep(0.1)
+        sys.exit(0)  # handle still open, a copy under way, an acquirer blocked
+        """,
+        timeout=30,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert elapsed < 10
+
+
+def test_use_in_a_forked_child_raises_instead_of_hanging():
+    proc, _ = run(
+        """
+        h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="fault",
+                                    faults={"copy_delay_us": 200_000})
+        for tid in range(8):
+            h.register(tid, b"x" * 100)
+        h.prefetch_tensors(range(8))  # a worker holds copies (and the lock) on and off
+        pid = os.fork()
+        if pid == 0:
+            raised = 0
+            for call in (lambda: h.prefetch_tensors([0]), lambda: h.acquire([1], timeout=5),
+                         lambda: h.stats(), lambda: h.release([0])):
+                try:
+                    call()
+                except RuntimeError as exc:
+                    raised += "forked child" in str(exc)
+            h.close()  # must not hang either
+            os._exit(0 if raised == 4 else 3)
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        print("child exit", code)
+        h.close()
+        sys.exit(code)
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "child exit 0" in proc.stdout
