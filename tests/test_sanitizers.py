@@ -1,0 +1,29 @@
+"""The CPU suite again under AddressSanitizer+UBSan and under
+ThreadSanitizer (tools/run_sanitized.py), so CI runs them too. Clean runs are
+the bar: any report aborts the inner run and fails here."""
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+pytestmark = pytest.mark.sanitizer
+
+
+@pytest.mark.parametrize("mode", ["address", "thread"])
+def test_cpu_suite_under_sanitizer(mode, tmp_path):
+    if shutil.which("gcc") is None:
+        pytest.skip("no gcc for the sanitizer runtime")
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "tools/run_sanitized.py"), mode, str(tmp_path / "src"),
+         "tests", "-m", "not sanitizer and not gpu", "-x"],
+        capture_output=True,
+        text=True,
+        timeout=1800,
+    )
+    tail = (proc.stdout + proc.stderr)[-6000:]
+    assert proc.returncode == 0, tail
+    assert "Sanitizer" not in proc.stderr, tail
+    assert " passed" in proc.stdout, tail
