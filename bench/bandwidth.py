@@ -6,9 +6,12 @@
 For each entry size: `count` entries (total-mib worth) of random bytes.
   raw     copy_(non_blocking=True) from one pinned host tensor per entry into
           device tensors on a side stream, timed with CUDA events
-  engine  all entries evicted, then prefetch_tensors(ids) and a CPU-blocking
-          acquire of every id, timed on the host clock (the engine's own copy
-          streams are not visible to CUDA events outside it)
+  engine  all entries evicted; a timing stream records a start event, then
+          prefetch_tensors(ids) and acquire(last id, stream=timing): the
+          timing stream waits on the GPU for the last copy (one worker, one
+          copy stream, FIFO within a band: it lands last), then records the
+          end event. Also timed on the host clock around prefetch and a
+          CPU-blocking acquire of every id ("engine host-clock").
 Also reported: the engine's issue overhead per copy call (worker seconds
 spent in the backend's Copy, over the number of calls), and a byte-exact
 check of every entry after the engine's copies. Needs CUDA; without it every
@@ -67,17 +70,29 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         for i in range(count):
             handle.register(i, src[i])
         ids = list(range(count))
-        engine = []
+        engine, engine_host = [], []
         per_call_us = []
+        timing = torch.cuda.Stream()
         for rep in range(reps + 1):
+            # GPU-timed pass.
             handle.evict(ids)
             torch.cuda.synchronize()
             before = handle.stats()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record(timing)
+            handle.prefetch_tensors(ids)
+            handle.acquire([ids[-1]], stream=timing)
+            end.record(timing)
+            handle.release([ids[-1]], stream=timing)
+            end.synchronize()
+            after = handle.stats()
+            # Host-clock pass with a CPU-blocking acquire of every id.
+            handle.evict(ids)
+            torch.cuda.synchronize()
             t0 = time.perf_counter()
             handle.prefetch_tensors(ids)
             views = handle.acquire(ids)
             t1 = time.perf_counter()
-            after = handle.stats()
             if rep == 0:
                 exact = all(torch.equal(v, src[i].cuda()) for i, v in enumerate(views))
                 if not exact:
@@ -85,7 +100,8 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
             handle.release(ids)
             del views
             if rep > 0:
-                engine.append(gbps(total, t1 - t0))
+                engine.append(gbps(total, start.elapsed_time(end) / 1e3))
+                engine_host.append(gbps(total, t1 - t0))
                 calls = count * -(-entry_bytes // chunk_bytes)
                 per_call_us.append((after["copy_seconds"] - before["copy_seconds"]) / calls * 1e6)
     finally:
@@ -93,6 +109,7 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
     raw_gbps = statistics.median(raw)
     engine_gbps = statistics.median(engine)
     return {
+        "engine_host_clock_gbps": statistics.median(engine_host),
         "entry_mib": entry_bytes / MIB,
         "entries": count,
         "total_mib": total / MIB,
@@ -103,21 +120,26 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         "byte_exact": True,
         "raw_samples_gbps": raw,
         "engine_samples_gbps": engine,
+        "engine_host_clock_samples_gbps": engine_host,
     }
 
 
 def format_table(report: dict) -> str:
     lines = [
         f"H2D bandwidth ({report['reps']} reps, median; chunk {report['chunk_mib']} MiB)",
-        f"{'entry MiB':>10}{'entries':>9}{'raw GB/s':>10}{'engine GB/s':>13}{'engine/raw':>12}{'issue us/copy':>15}",
+        f"{'entry MiB':>10}{'entries':>9}{'raw GB/s':>10}{'engine GB/s':>13}{'engine/raw':>12}{'issue us/copy':>15}"
+        f"{'host-clock GB/s':>17}",
     ]
     for row in report["rows"]:
         if row.get("raw_gbps") is None:
-            lines.append(f"{row['entry_mib']:>10.1f}{'null':>9}{'null':>10}{'null':>13}{'null':>12}{'null':>15}")
+            lines.append(
+                f"{row['entry_mib']:>10.1f}{'null':>9}{'null':>10}{'null':>13}{'null':>12}{'null':>15}{'null':>17}"
+            )
             continue
         lines.append(
             f"{row['entry_mib']:>10.1f}{row['entries']:>9}{fmt(row['raw_gbps']):>10}{fmt(row['engine_gbps']):>13}"
             f"{fmt(100 * row['engine_over_raw'], 1) + '%':>12}{fmt(row['issue_us_per_copy_call']):>15}"
+            f"{fmt(row['engine_host_clock_gbps']):>17}"
         )
     return "\n".join(lines)
 
@@ -143,7 +165,7 @@ def main(argv=None) -> int:
     for size in args.sizes_mib:
         entry = int(size * MIB)
         if not available:
-            rows.append({"entry_mib": size, "raw_gbps": None, "engine_gbps": None})
+            rows.append({"entry_mib": size, "raw_gbps": None, "engine_gbps": None, "engine_host_clock_gbps": None})
             ok = False
             continue
         count = max(4, int(args.total_mib * MIB // entry))
