@@ -26,6 +26,22 @@ for step in $steps; do
       python3 bench/issuance.py --backend cuda --json "$out/bm2_cuda.json" 2>&1 | tee "$out/bm2_cuda.txt" ;;
     bandwidth)
       python3 bench/bandwidth.py --json "$out/bandwidth.json" 2>&1 | tee "$out/bandwidth.txt" ;;
+    bandwidth16)
+      python3 bench/bandwidth.py --chunk-mib 16 --json "$out/bandwidth_chunk16.json" 2>&1 | tee "$out/bandwidth_chunk16.txt" ;;
+    soak)
+      python3 tools/soak.py --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>"$out/soak.log" | tee "$out/soak.txt" || status=1 ;;
+    sanitizer)
+      # compute-sanitizer over the GPU tests; probe first (not every runtime allows it).
+      if compute-sanitizer --version >/dev/null 2>&1; then
+        for tool in memcheck synccheck initcheck; do
+          echo "== compute-sanitizer --tool $tool"
+          compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
+            python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "not leak" 2>&1 | tail -15 | tee "$out/csan_$tool.txt"
+          echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan_$tool.txt"
+        done
+      else
+        echo "compute-sanitizer not available" | tee "$out/csan.txt"
+      fi ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
