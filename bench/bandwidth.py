@@ -5,13 +5,16 @@
 
 For each entry size: `count` entries (total-mib worth) of random bytes.
   raw     copy_(non_blocking=True) from one pinned host tensor per entry into
-          device tensors on a side stream, timed with CUDA events
+          device tensors on a side stream, timed with CUDA events (the
+          baseline of the engine/raw ratio); also on two side streams taking
+          entries in turn ("raw x2": what two copy engines give)
   engine  all entries evicted; a timing stream records a start event, then
-          prefetch_tensors(ids) and acquire(last id, stream=timing): the
-          timing stream waits on the GPU for the last copy (one worker, one
-          copy stream, FIFO within a band: it lands last), then records the
-          end event. Also timed on the host clock around prefetch and a
-          CPU-blocking acquire of every id ("engine host-clock").
+          prefetch_tensors(ids); once every copy is issued the timing stream
+          is made to wait (acquire with a stream: GPU-side) on each id still
+          in flight, then records the end event. Also timed on the host clock
+          around prefetch and a CPU-blocking acquire of every id ("engine
+          host-clock"; acquire moves ids not yet issued to the on-demand
+          stream, so more copy engines may work at once).
 Also reported: the engine's issue overhead per copy call (worker seconds
 spent in the backend's Copy, over the number of calls), and a byte-exact
 check of every entry after the engine's copies. Needs CUDA; without it every
@@ -37,7 +40,7 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk_bytes: int) -> dict:
+def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk_bytes: int, lanes: int) -> dict:
     total = entry_bytes * count
     # Random bytes made on the GPU and copied down (fast), never zeros.
     src = torch.empty((count, entry_bytes), dtype=torch.uint8, pin_memory=True)
@@ -46,25 +49,32 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
     dst = torch.empty((count, entry_bytes), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
 
-    raw = []
-    for _ in range(reps + 1):
+    streams = [stream, torch.cuda.Stream()]
+
+    def raw_pass(n_streams: int, dst) -> float:
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         torch.cuda.synchronize()
-        with torch.cuda.stream(stream):
-            start.record()
-            for i in range(count):
+        start.record(stream)
+        for s in streams[1:n_streams]:
+            s.wait_event(start)
+        for i in range(count):
+            with torch.cuda.stream(streams[i % n_streams]):
                 dst[i].copy_(src[i], non_blocking=True)
-            end.record()
+        for s in streams[1:n_streams]:
+            stream.wait_stream(s)
+        end.record(stream)
         end.synchronize()
-        raw.append(gbps(total, start.elapsed_time(end) / 1e3))
-    raw = raw[1:]  # first rep warms up
+        return gbps(total, start.elapsed_time(end) / 1e3)
+
+    raw = [raw_pass(1, dst) for _ in range(reps + 1)][1:]  # first rep warms up
+    raw2 = [raw_pass(2, dst) for _ in range(reps + 1)][1:]
     if not torch.equal(dst, src.cuda()):
         raise RuntimeError("raw copy mismatch")
     del dst
 
     slot = (entry_bytes + 255) // 256 * 256
     handle = prefetch.PrefetchHandle(
-        device_budget_bytes=slot * count, backend="cuda", copy_chunk_bytes=chunk_bytes
+        device_budget_bytes=slot * count, backend="cuda", copy_chunk_bytes=chunk_bytes, copy_lanes=lanes
     )
     try:
         for i in range(count):
@@ -73,22 +83,29 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         engine, engine_host = [], []
         per_call_us = []
         timing = torch.cuda.Stream()
+        def evict_all():
+            torch.cuda.synchronize()
+            if handle.evict(ids) != count or handle.stats()["resident_count"] != 0:
+                raise RuntimeError("could not evict every entry between passes")
+
         for rep in range(reps + 1):
             # GPU-timed pass.
-            handle.evict(ids)
-            torch.cuda.synchronize()
+            evict_all()
             before = handle.stats()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record(timing)
             handle.prefetch_tensors(ids)
-            handle.acquire([ids[-1]], stream=timing)
+            while handle.stats()["queue_depth"] > 0:  # wait until all are issued
+                time.sleep(0.0001)
+            handle.acquire(ids, stream=timing)  # no upgrade: all issued
             end.record(timing)
-            handle.release([ids[-1]], stream=timing)
+            handle.release(ids, stream=timing)
             end.synchronize()
             after = handle.stats()
+            if after["copies"] - before["copies"] != count or after["upgraded"] != before["upgraded"]:
+                raise RuntimeError("GPU-timed pass did not copy every entry exactly once at its band")
             # Host-clock pass with a CPU-blocking acquire of every id.
-            handle.evict(ids)
-            torch.cuda.synchronize()
+            evict_all()
             t0 = time.perf_counter()
             handle.prefetch_tensors(ids)
             views = handle.acquire(ids)
@@ -107,6 +124,7 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
     finally:
         handle.close()
     raw_gbps = statistics.median(raw)
+    raw2_gbps = statistics.median(raw2)
     engine_gbps = statistics.median(engine)
     return {
         "engine_host_clock_gbps": statistics.median(engine_host),
@@ -114,6 +132,8 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         "entries": count,
         "total_mib": total / MIB,
         "raw_gbps": raw_gbps,
+        "raw_two_streams_gbps": raw2_gbps,
+        "copy_lanes": lanes,
         "engine_gbps": engine_gbps,
         "engine_over_raw": engine_gbps / raw_gbps,
         "issue_us_per_copy_call": statistics.median(per_call_us),
@@ -126,18 +146,21 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
 
 def format_table(report: dict) -> str:
     lines = [
-        f"H2D bandwidth ({report['reps']} reps, median; chunk {report['chunk_mib']} MiB)",
-        f"{'entry MiB':>10}{'entries':>9}{'raw GB/s':>10}{'engine GB/s':>13}{'engine/raw':>12}{'issue us/copy':>15}"
-        f"{'host-clock GB/s':>17}",
+        f"H2D bandwidth ({report['reps']} reps, median; chunk {report['chunk_mib']} MiB, "
+        f"{report['copy_lanes']} copy lane(s))",
+        f"{'entry MiB':>10}{'entries':>9}{'raw GB/s':>10}{'raw x2 GB/s':>13}{'engine GB/s':>13}{'engine/raw':>12}"
+        f"{'issue us/copy':>15}{'host-clock GB/s':>17}",
     ]
     for row in report["rows"]:
         if row.get("raw_gbps") is None:
             lines.append(
-                f"{row['entry_mib']:>10.1f}{'null':>9}{'null':>10}{'null':>13}{'null':>12}{'null':>15}{'null':>17}"
+                f"{row['entry_mib']:>10.1f}{'null':>9}{'null':>10}{'null':>13}{'null':>13}{'null':>12}{'null':>15}"
+                f"{'null':>17}"
             )
             continue
         lines.append(
-            f"{row['entry_mib']:>10.1f}{row['entries']:>9}{fmt(row['raw_gbps']):>10}{fmt(row['engine_gbps']):>13}"
+            f"{row['entry_mib']:>10.1f}{row['entries']:>9}{fmt(row['raw_gbps']):>10}{fmt(row['raw_two_streams_gbps']):>13}"
+            f"{fmt(row['engine_gbps']):>13}"
             f"{fmt(100 * row['engine_over_raw'], 1) + '%':>12}{fmt(row['issue_us_per_copy_call']):>15}"
             f"{fmt(row['engine_host_clock_gbps']):>17}"
         )
@@ -150,6 +173,7 @@ def main(argv=None) -> int:
     parser.add_argument("--total-mib", type=float, default=2048)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--chunk-mib", type=float, default=4)
+    parser.add_argument("--lanes", type=int, default=2, help="engine copy lanes (prefetch streams) per device")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     rows = []
@@ -169,13 +193,14 @@ def main(argv=None) -> int:
             ok = False
             continue
         count = max(4, int(args.total_mib * MIB // entry))
-        rows.append(measure_size(torch, prefetch, entry, count, args.reps, int(args.chunk_mib * MIB)))
+        rows.append(measure_size(torch, prefetch, entry, count, args.reps, int(args.chunk_mib * MIB), args.lanes))
         print(f"  {size} MiB done", file=sys.stderr, flush=True)
     report = {
         "benchmark": "H2D bandwidth",
         "machine": machine_info(),
         "reps": args.reps,
         "chunk_mib": args.chunk_mib,
+        "copy_lanes": args.lanes,
         "rows": rows,
     }
     print(format_table(report))

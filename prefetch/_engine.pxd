@@ -76,6 +76,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         string eviction_policy
         size_t copy_chunk_bytes
         size_t max_bytes_in_flight
+        int copy_lanes
         bool start_paused
         bool poison_freed_slots
         int64_t debug_issue_delay_ns

@@ -228,6 +228,7 @@ cdef class PrefetchHandle:
         eviction_policy="lru",
         copy_chunk_bytes=4 << 20,
         max_bytes_in_flight=256 << 20,
+        copy_lanes=2,
         start_paused=False,
         poison_freed_slots=False,
         faults=None,
@@ -300,6 +301,7 @@ cdef class PrefetchHandle:
         options.eviction_policy = eviction_policy.encode()
         options.copy_chunk_bytes = copy_chunk_bytes
         options.max_bytes_in_flight = max_bytes_in_flight
+        options.copy_lanes = operator.index(copy_lanes)
         options.start_paused = True if start_paused else False
         options.poison_freed_slots = True if poison_freed_slots else False
         options.debug_issue_delay_ns = int(debug_issue_delay_us * 1000)

@@ -34,6 +34,7 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
     : backend_(std::move(backend)),
       copy_chunk_bytes_(options.copy_chunk_bytes),
       max_bytes_in_flight_(options.max_bytes_in_flight),
+      copy_lanes_(options.copy_lanes),
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
       poison_freed_slots_(options.poison_freed_slots),
       owner_pid_(static_cast<long>(::getpid())) {
@@ -55,6 +56,11 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
   if (!options.device_arenas.empty() && options.device_arenas.size() != n) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "device_arenas must be empty or one per device");
+  }
+  if (copy_lanes_ < 1 || copy_lanes_ > kMaxCopyLanes) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "copy_lanes must be in 1.." +
+                            std::to_string(kMaxCopyLanes));
   }
   if (copy_chunk_bytes_ == 0) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
@@ -857,6 +863,9 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
   e->state = EntryState::kCopying;
   dev->copying = e;
   const bool urgent = e->band == kOnDemandBand;
+  // Every chunk of an entry goes down one lane, so the last chunk's token
+  // covers the whole entry; entries alternate between lanes.
+  const int lane = urgent ? 0 : static_cast<int>(dev->next_lane++ % copy_lanes_);
   char* dst = dev->cache->arena() + e->slot_offset;
   const char* src = static_cast<const char*>(e->host_ptr);
   CopyToken token = kTokenDone;
@@ -869,7 +878,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     try {
       const CopyToken t =
           backend_->Copy(dev->index, dst + done, src + done, chunk, urgent,
-                         /*want_token=*/true);
+                         lane, /*want_token=*/true);
       backend_->ReleaseToken(token);
       token = t;
     } catch (const std::exception& ex) {

@@ -57,6 +57,7 @@ struct HandleOptions {
   std::string eviction_policy = "lru";
   size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
   size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
+  int copy_lanes = 2;  // prefetch streams per device (1..kMaxCopyLanes)
   bool start_paused = false;         // workers idle until Resume()
   bool poison_freed_slots = false;   // debug: fill freed slots with kPoisonByte
   int64_t debug_issue_delay_ns = 0;  // tests: sleep inside the batched call
@@ -153,6 +154,7 @@ class ArcherPrefetchHandle {
     std::condition_variable work_cv;     // wakes the worker
     bool worker_waiting = false;         // worker sleeps on work_cv
     Entry* copying = nullptr;            // entry the worker is copying
+    uint64_t next_lane = 0;              // round-robin over copy lanes
     std::deque<Entry*> inflight;         // async: issued, ready pending
     size_t inflight_bytes = 0;           // bytes of `inflight`
     std::thread worker;
@@ -184,6 +186,7 @@ class ArcherPrefetchHandle {
   const std::unique_ptr<CopyBackend> backend_;
   const size_t copy_chunk_bytes_;
   const size_t max_bytes_in_flight_;
+  const int copy_lanes_;
   const int64_t debug_issue_delay_ns_;
   const bool poison_freed_slots_;
   const long owner_pid_;  // process that built the handle (fork detection)

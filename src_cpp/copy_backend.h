@@ -25,6 +25,7 @@
 namespace prefetch {
 
 using CopyToken = uint64_t;
+constexpr int kMaxCopyLanes = 8;  // prefetch streams per device, at most
 constexpr CopyToken kTokenDone = 0;
 
 class CopyBackend {
@@ -50,12 +51,14 @@ class CopyBackend {
   virtual void FreeDevice(int device, void* ptr, size_t bytes) noexcept = 0;
 
   // Copies `bytes` from host `src` to device `dst`. `urgent` selects the
-  // on-demand path (a high-priority stream for CUDA). When `want_token` the
-  // return value names completion of this and every earlier copy issued with
-  // the same `urgent` value on this device; otherwise it is kTokenDone.
-  // Throws PrefetchError(kCopyFailed) on failure.
+  // on-demand path (a high-priority stream for CUDA); otherwise `lane`
+  // (0..kMaxCopyLanes-1) picks one of the prefetch streams, so copies of
+  // different entries can run on several copy engines at once. When
+  // `want_token` the return value names completion of this and every earlier
+  // copy issued on the same path (urgent, or the same lane) of this device;
+  // otherwise it is kTokenDone. Throws PrefetchError(kCopyFailed) on failure.
   virtual CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
-                         bool urgent, bool want_token) = 0;
+                         bool urgent, int lane, bool want_token) = 0;
 
   // Token bookkeeping (see Note [Completion tokens]).
   virtual bool Query(CopyToken token) = 0;
@@ -93,7 +96,7 @@ class HostBackend final : public CopyBackend {
   void* AllocateDevice(int device, size_t bytes) override;
   void FreeDevice(int device, void* ptr, size_t bytes) noexcept override;
   CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
-                 bool urgent, bool want_token) override;
+                 bool urgent, int lane, bool want_token) override;
   bool Query(CopyToken) override { return true; }
   void Wait(CopyToken) override {}
   void ReleaseToken(CopyToken) noexcept override {}
@@ -142,7 +145,7 @@ class FaultBackend final : public CopyBackend {
     host_.FreeDevice(device, ptr, bytes);
   }
   CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
-                 bool urgent, bool want_token) override;
+                 bool urgent, int lane, bool want_token) override;
   bool Query(CopyToken) override { return true; }
   void Wait(CopyToken) override {}
   void ReleaseToken(CopyToken) noexcept override {}

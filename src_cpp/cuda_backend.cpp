@@ -155,10 +155,14 @@ class CudaBackend final : public CopyBackend {
       Device& dev = devices_[d];
       if (dev.context == nullptr) continue;
       ContextGuard guard(this, static_cast<int>(d));
-      if (dev.normal) api_.cuStreamSynchronize(dev.normal);
+      for (CUstream s : dev.lanes) {
+        if (s) api_.cuStreamSynchronize(s);
+      }
       if (dev.urgent) api_.cuStreamSynchronize(dev.urgent);
       for (auto& t : dev.all_tokens) api_.cuEventDestroy(t->event);
-      if (dev.normal) api_.cuStreamDestroy(dev.normal);
+      for (CUstream s : dev.lanes) {
+        if (s) api_.cuStreamDestroy(s);
+      }
       if (dev.urgent) api_.cuStreamDestroy(dev.urgent);
     }
     for (size_t d = 0; d < devices_.size(); ++d) {
@@ -223,10 +227,10 @@ class CudaBackend final : public CopyBackend {
   }
 
   CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
-                 bool urgent, bool want_token) override {
+                 bool urgent, int lane, bool want_token) override {
     Device& dev = Prepare(device);
     ContextGuard guard(this, device);
-    CUstream stream = urgent ? dev.urgent : dev.normal;
+    CUstream stream = urgent ? dev.urgent : LaneStream(device, dev, lane);
     CUresult r = api_.cuMemcpyHtoDAsync(
         static_cast<CUdeviceptr>(reinterpret_cast<uintptr_t>(dst)), src, bytes,
         stream);
@@ -280,8 +284,8 @@ class CudaBackend final : public CopyBackend {
     return Record(device, reinterpret_cast<CUstream>(stream));
   }
 
-  // Debug poisoning: on the prefetch stream, then waited for, so neither
-  // copy stream can write the slot before the fill is done.
+  // Debug poisoning: on lane 0, then waited for, so no copy stream can write
+  // the slot before the fill is done.
   void Fill(int device, void* dst, size_t bytes, uint8_t value) override {
     Device& dev = Prepare(device);
     ContextGuard guard(this, device);
@@ -297,8 +301,10 @@ class CudaBackend final : public CopyBackend {
     ContextGuard guard(this, device);
     const CopyToken gate = Record(device, reinterpret_cast<CUstream>(stream));
     Token* t = AsToken(gate);
-    CUresult r = api_.cuStreamWaitEvent(dev.normal, t->event, 0);
-    if (r == kCudaSuccess) r = api_.cuStreamWaitEvent(dev.urgent, t->event, 0);
+    CUresult r = api_.cuStreamWaitEvent(dev.urgent, t->event, 0);
+    for (int lane = 0; lane < kMaxCopyLanes && r == kCudaSuccess; ++lane) {
+      r = api_.cuStreamWaitEvent(LaneStream(device, dev, lane), t->event, 0);
+    }
     ReleaseToken(gate);  // the waits hold their own reference to the record
     Check(r, "cuStreamWaitEvent");
   }
@@ -307,7 +313,9 @@ class CudaBackend final : public CopyBackend {
   struct Device {
     CUdevice cu_device = 0;
     CUcontext context = nullptr;         // retained primary context
-    CUstream normal = nullptr;           // prefetch copies
+    CUstream normal = nullptr;           // prefetch copies, lane 0
+    CUstream lanes[kMaxCopyLanes] = {};  // prefetch lanes (lanes[0] == normal)
+    int least_priority = 0;              // stream priority of the lanes
     CUstream urgent = nullptr;           // on-demand copies (highest priority)
     std::vector<Token*> free_tokens;     // pooled events, GUARDED_BY(mu_)
     std::vector<std::unique_ptr<Token>> all_tokens;  // owner of every token
@@ -378,6 +386,8 @@ class CudaBackend final : public CopyBackend {
     CUresult r = api_.cuCtxGetStreamPriorityRange(&least, &greatest);
     if (r == kCudaSuccess) {
       r = api_.cuStreamCreateWithPriority(&dev.normal, kStreamNonBlocking, least);
+      dev.lanes[0] = dev.normal;
+      dev.least_priority = least;
     }
     if (r == kCudaSuccess) {
       r = api_.cuStreamCreateWithPriority(&dev.urgent, kStreamNonBlocking,
@@ -393,6 +403,25 @@ class CudaBackend final : public CopyBackend {
                               std::to_string(device) + ": " + ErrorText(r));
     }
     return dev;
+  }
+
+  // The stream of prefetch lane `lane`, made on first use.
+  // REQUIRES: the device's context current.
+  CUstream LaneStream(int device, Device& dev, int lane) {
+    if (lane <= 0 || lane >= kMaxCopyLanes) return dev.normal;
+    std::lock_guard<std::mutex> lk(mu_);
+    if (dev.lanes[lane] == nullptr) {
+      CUresult r = api_.cuStreamCreateWithPriority(
+          &dev.lanes[lane], kStreamNonBlocking, dev.least_priority);
+      if (r != kCudaSuccess) {
+        dev.lanes[lane] = nullptr;
+        throw PrefetchError(ErrorKind::kCopyFailed,
+                            "could not create copy lane " +
+                                std::to_string(lane) + " on device " +
+                                std::to_string(device) + ": " + ErrorText(r));
+      }
+    }
+    return dev.lanes[lane];
   }
 
   // REQUIRES: the device's context current.

@@ -42,7 +42,7 @@ void HostBackend::FreeDevice(int, void* ptr, size_t) noexcept {
 }
 
 CopyToken HostBackend::Copy(int, void* dst, const void* src, size_t bytes,
-                            bool, bool) {
+                            bool, int, bool) {
   std::memcpy(dst, src, bytes);
   return kTokenDone;
 }
@@ -107,7 +107,8 @@ void* FaultBackend::AllocateHost(size_t bytes) {
 }
 
 CopyToken FaultBackend::Copy(int device, void* dst, const void* src,
-                             size_t bytes, bool urgent, bool want_token) {
+                             size_t bytes, bool urgent, int lane,
+                             bool want_token) {
   const int64_t call = ++config_->copies;
   SleepUs(config_->copy_delay_us);
   if (NthCall(config_->throw_every_nth_copy, call)) {
@@ -120,7 +121,7 @@ CopyToken FaultBackend::Copy(int device, void* dst, const void* src,
                         "injected copy failure (call " + std::to_string(call) +
                             ")");
   }
-  return host_.Copy(device, dst, src, bytes, urgent, want_token);
+  return host_.Copy(device, dst, src, bytes, urgent, lane, want_token);
 }
 
 std::unique_ptr<CopyBackend> MakeFaultBackend(

@@ -12,10 +12,22 @@ ROOT = Path(__file__).resolve().parent.parent
 pytestmark = pytest.mark.sanitizer
 
 
+def runtime_missing(mode: str) -> str | None:
+    """Why the sanitizer runtime cannot be used here, or None."""
+    if shutil.which("gcc") is None:
+        return "no gcc"
+    for lib in ("libasan.so" if mode == "address" else "libtsan.so", "libstdc++.so"):
+        path = subprocess.run(["gcc", f"-print-file-name={lib}"], capture_output=True, text=True).stdout.strip()
+        if not path.startswith("/"):
+            return f"gcc has no {lib}"
+    return None
+
+
 @pytest.mark.parametrize("mode", ["address", "thread"])
 def test_cpu_suite_under_sanitizer(mode, tmp_path):
-    if shutil.which("gcc") is None:
-        pytest.skip("no gcc for the sanitizer runtime")
+    missing = runtime_missing(mode)
+    if missing:
+        pytest.skip(f"sanitizer runtime unavailable: {missing}")
     proc = subprocess.run(
         [sys.executable, str(ROOT / "tools/run_sanitized.py"), mode, str(tmp_path / "src"),
          "tests", "-m", "not sanitizer and not gpu", "-x"],

@@ -4,8 +4,11 @@
 # steps: any of tox bm2 bandwidth overlap (default: all). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
-out=${1:?output folder}
+final=${1:?output folder}
 shift
+# Everything goes under $out and is packed into one archive at the end (the
+# device tool brings back at most 8 files).
+out="$final/raw"
 steps=${*:-tox bm2 bandwidth overlap}
 mkdir -p "$out"
 export PYTHONUNBUFFERED=1
@@ -15,19 +18,23 @@ if [ -d .whl ] && ! python3 -c "import tox" 2>/dev/null; then
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, Cython, sys; print(sys.version.split()[0], torch.__version__, Cython.__version__)" | tee -a "$out/gpu.txt"
+# Steps other than tox use the system python3 with an in-place build.
+ls prefetch/_engine.cpython-*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 for step in $steps; do
   case $step in
     tox)
-      python3 -m tox -e gpu -- -ra -q tests 2>&1 | tee "$out/tox_gpu.log" | tail -40 || status=1 ;;
+      python3 -m tox -e gpu -- -ra -q tests -m "not sanitizer" 2>&1 | tee "$out/tox_gpu.log" | tail -40 || status=1 ;;
     bm2)
-      [ -f prefetch/_engine.cpython-*.so ] || python3 -m pip install -q --no-build-isolation --no-deps --no-index -e . >/dev/null
       python3 bench/issuance.py --backend host --json "$out/bm2_host.json" 2>&1 | tee "$out/bm2_host.txt"
       python3 bench/issuance.py --backend cuda --json "$out/bm2_cuda.json" 2>&1 | tee "$out/bm2_cuda.txt" ;;
     bandwidth)
       python3 bench/bandwidth.py --json "$out/bandwidth.json" 2>&1 | tee "$out/bandwidth.txt" ;;
     bandwidth16)
       python3 bench/bandwidth.py --chunk-mib 16 --json "$out/bandwidth_chunk16.json" 2>&1 | tee "$out/bandwidth_chunk16.txt" ;;
+    bandwidth1lane)
+      python3 bench/bandwidth.py --lanes 1 --json "$out/bandwidth_1lane.json" 2>&1 | tee "$out/bandwidth_1lane.txt" ;;
     soak)
       python3 tools/soak.py --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>"$out/soak.log" | tee "$out/soak.txt" || status=1 ;;
     sanitizer)
@@ -47,4 +54,5 @@ for step in $steps; do
     *) echo "unknown step $step"; status=1 ;;
   esac
 done
+tar -czf "$final/results.tgz" -C "$final" raw && rm -rf "$out"
 exit $status
