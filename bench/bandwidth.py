@@ -85,7 +85,8 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         timing = torch.cuda.Stream()
         def evict_all():
             torch.cuda.synchronize()
-            if handle.evict(ids) != count or handle.stats()["resident_count"] != 0:
+            handle.evict(ids)
+            if handle.stats()["resident_count"] != 0:
                 raise RuntimeError("could not evict every entry between passes")
 
         for rep in range(reps + 1):

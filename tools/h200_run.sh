@@ -40,10 +40,10 @@ for step in $steps; do
     sanitizer)
       # compute-sanitizer over the GPU tests; probe first (not every runtime allows it).
       if compute-sanitizer --version >/dev/null 2>&1; then
-        for tool in memcheck synccheck initcheck; do
+        for tool in ${CSAN_TOOLS:-memcheck synccheck initcheck}; do
           echo "== compute-sanitizer --tool $tool"
-          compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
-            python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "not leak" 2>&1 | tail -15 | tee "$out/csan_$tool.txt"
+          timeout "${CSAN_TIMEOUT:-170}" compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
+            python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "${CSAN_TESTS:-not leak}" 2>&1 | tail -15 | tee "$out/csan_$tool.txt"
           echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan_$tool.txt"
         done
       else
