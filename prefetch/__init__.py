@@ -13,6 +13,16 @@ from prefetch._engine import (
 )
 from prefetch.expert_prefetcher import ExpertPrefetcher
 
+
+def __getattr__(name):
+    # The model integration needs torch; import it on first use so that
+    # `import prefetch` stays light.
+    if name in ("offload_moe_experts", "integration"):
+        import prefetch.integration as integration
+
+        return integration if name == "integration" else integration.offload_moe_experts
+    raise AttributeError(f"module 'prefetch' has no attribute {name!r}")
+
 __all__ = [
     "DEFAULT_ACQUIRE_TIMEOUT_S",
     "DEFAULT_PRIORITY",
@@ -21,5 +31,6 @@ __all__ = [
     "ExpertPrefetcher",
     "PrefetchHandle",
     "as_id_array",
+    "offload_moe_experts",
 ]
 __version__ = "0.1.0"

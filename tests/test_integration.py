@@ -1,0 +1,253 @@
+"""Offloaded MoE models compute exactly what the original computes: tiny
+random-weight configs of each supported transformers family (no downloads),
+greedy decoding, logits compared bit for bit against the untouched model
+(both on the eager experts implementation, whose arithmetic the offloaded
+path reproduces). Plus the generic block, the predictors and traces."""
+import copy
+import json
+
+import pytest
+import torch
+from torch import nn
+
+import prefetch
+from prefetch.integration import (
+    NextLayerGatePredictor,
+    OffloadedExperts,
+    OffloadedMoEBlock,
+    OraclePredictor,
+    RoutingTrace,
+    TracePredictor,
+    belady_misses,
+    find_hf_moe_blocks,
+    offload_moe_experts,
+)
+
+transformers = pytest.importorskip("transformers")
+
+COMMON = dict(vocab_size=96, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+              max_position_embeddings=128)
+
+
+def family_configs():
+    out = {}
+    out["mixtral"] = transformers.MixtralConfig(**COMMON, intermediate_size=48, num_local_experts=6,
+                                                num_experts_per_tok=2)
+    out["qwen3_moe"] = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=40,
+                                                   num_experts=8, num_experts_per_tok=2, head_dim=8,
+                                                   decoder_sparse_step=1, mlp_only_layers=[], norm_topk_prob=True)
+    out["olmoe"] = transformers.OlmoeConfig(**COMMON, intermediate_size=40, num_experts=8, num_experts_per_tok=2)
+    out["qwen2_moe"] = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=40,
+                                                   shared_expert_intermediate_size=48, num_experts=8,
+                                                   num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    return out
+
+
+def build(cfg, device="cpu", dtype=torch.float32):
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(device, dtype)
+    return model.eval()
+
+
+def expert_bytes(model):
+    _, experts, _ = find_hf_moe_blocks(model)[0]
+    per = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
+    return per * experts.gate_up_proj.element_size(), experts.gate_up_proj.shape[0]
+
+
+def greedy(model, ids, steps=4):
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                         output_logits=True, return_dict_in_generate=True, pad_token_id=0)
+    return out.sequences, out.logits
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("predictor", [None, "next-layer"])
+def test_offloaded_model_matches_original(family, predictor):
+    cfg = family_configs()[family]
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    per, num_experts = expert_bytes(model)
+    # Room for one layer's experts and a few more: later layers evict earlier ones.
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
+                              predictor=NextLayerGatePredictor() if predictor else None)
+    try:
+        assert sum(isinstance(m, OffloadedExperts) for m in model.modules()) == cfg.num_hidden_layers
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        report = ctl.report()
+        s = ctl.handle.stats()
+        assert s["evictions"] > 0  # the budget really was too small for all experts
+        assert s["pinned_count"] == 0
+        if predictor:
+            assert 0 < report["prediction_precision"] <= 1 and 0 < report["prediction_recall"] <= 1
+    finally:
+        ctl.close()
+
+
+def test_offloaded_experts_hold_no_weights():
+    model = build(family_configs()["mixtral"])
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
+    try:
+        for m in model.modules():
+            if isinstance(m, OffloadedExperts):
+                assert not list(m.parameters())
+        assert ctl.handle.stats()["registered"] == 3 * 6
+    finally:
+        ctl.close()
+
+
+class TinyExpert(nn.Module):
+    def __init__(self, h, i):
+        super().__init__()
+        self.w1 = nn.Linear(h, i, bias=False)
+        self.w3 = nn.Linear(h, i, bias=False)
+        self.w2 = nn.Linear(i, h, bias=False)
+
+    def forward(self, x):
+        return self.w2(nn.functional.silu(self.w1(x)) * self.w3(x))
+
+
+class ReferenceBlock(nn.Module):
+    def __init__(self, router, experts, top_k):
+        super().__init__()
+        self.router, self.experts, self.top_k = router, experts, top_k
+
+    def forward(self, x):
+        h = x.reshape(-1, x.shape[-1])
+        probs = torch.softmax(self.router(h).float(), dim=-1)
+        w, idx = torch.topk(probs, self.top_k, dim=-1)
+        w = (w / w.sum(-1, keepdim=True)).to(h.dtype)
+        out = torch.zeros_like(h)
+        for e in sorted(set(idx.flatten().tolist())):
+            tok, pos = torch.where(idx == e)
+            out.index_add_(0, tok, self.experts[e](h[tok]) * w[tok, pos, None])
+        return out.reshape(x.shape)
+
+
+def test_generic_block_matches_reference():
+    torch.manual_seed(3)
+    layers_ref, layers_off = nn.ModuleList(), nn.ModuleList()
+    for _ in range(4):
+        router = nn.Linear(16, 5, bias=False)
+        experts = nn.ModuleList(TinyExpert(16, 24) for _ in range(5))
+        layers_ref.append(ReferenceBlock(router, experts, 2))
+        clone = copy.deepcopy(experts)
+        layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), list(clone), 2))
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=7 * 4 * (3 * 16 * 24) + 4096, backend="host",
+                              predictor=NextLayerGatePredictor())
+    try:
+        x = torch.randn(3, 2, 16)
+        for _ in range(3):
+            a, b = x, x
+            for ref_layer, off_layer in zip(layers_ref, layers_off):
+                a = a + ref_layer(a)
+                b = b + off_layer(b)
+            assert torch.equal(a, b)
+            x = torch.randn(3, 2, 16)
+        assert ctl.handle.stats()["evictions"] > 0
+    finally:
+        ctl.close()
+
+
+def test_generic_block_rejects_bad_input():
+    with pytest.raises(ValueError):
+        OffloadedMoEBlock(nn.Linear(4, 2), [], 1)
+    with pytest.raises(ValueError):
+        OffloadedMoEBlock(nn.Linear(4, 2), [TinyExpert(4, 4), TinyExpert(4, 4)], 3)
+    block = OffloadedMoEBlock(nn.Linear(4, 2), [TinyExpert(4, 4), TinyExpert(4, 4)], 1)
+    with pytest.raises(RuntimeError, match="not attached"):
+        block(torch.randn(1, 4))
+    with pytest.raises(ValueError, match="no MoE block"):
+        offload_moe_experts(nn.Linear(3, 3), device_budget_bytes=1 << 20, backend="host")
+
+
+def record(model, ids):
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", record_trace=True)
+    greedy(model, ids)
+    return ctl
+
+
+def test_oracle_replays_a_recorded_trace_exactly(tmp_path):
+    cfg = family_configs()["olmoe"]
+    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(2))
+    recorder = record(build(cfg), ids)
+    trace = recorder.trace
+    recorder.close()
+    path = tmp_path / "trace.json"
+    trace.save(str(path))
+    loaded = RoutingTrace.load(str(path))
+    assert loaded.steps == trace.steps and len(loaded.steps) == 4  # prefill + 3 decode steps
+    model = build(cfg)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", predictor=OraclePredictor(loaded))
+    try:
+        greedy(model, ids)
+        report = ctl.report()
+        assert report["prediction_precision"] == 1.0 and report["prediction_recall"] == 1.0
+    finally:
+        ctl.close()
+
+
+def test_trace_file_is_validated(tmp_path):
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps({"format": "other"}))
+    with pytest.raises(ValueError, match="not a prefetch routing trace"):
+        RoutingTrace.load(str(path))
+    path.write_text(json.dumps({"format": "prefetch-routing-trace/1", "num_layers": 2, "num_experts": 4,
+                                "steps": [[[0], [9]]]}))
+    with pytest.raises(ValueError, match="out of range"):
+        RoutingTrace.load(str(path))
+
+
+def test_trace_predictor_learns_from_past_requests():
+    cfg = family_configs()["mixtral"]
+    model = build(cfg)
+    predictor = TracePredictor(distance=1)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", predictor=predictor)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
+        greedy(model, ids)
+        assert ctl.predicted_total == 0  # nothing learned yet
+        ctl.new_sequence()
+        greedy(model, ids)  # the same request again: the past matrix matches
+        report = ctl.report()
+        assert report["prediction_recall"] > 0.5
+    finally:
+        ctl.close()
+
+
+def test_belady_floor():
+    # Accesses 0 1 0 2 0 1 3. Capacity 2: miss 0, 1; hit 0; miss 2 (evict 1,
+    # next used later than 0); hit 0; miss 1; miss 3 -> 5 loads.
+    trace = RoutingTrace(1, 4, [[[0, 1]], [[0, 2]], [[0, 1]], [[3]]])
+    assert belady_misses(trace, 2) == 5
+    assert belady_misses(trace, 4) == 4  # compulsory misses only
+    assert belady_misses(trace, 1) == 7
+
+
+@pytest.mark.gpu
+def test_offloaded_model_on_gpu_matches_original():
+    cfg = family_configs()["qwen3_moe"]
+    ref = build(cfg, device="cuda")
+    model = copy.deepcopy(ref)
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
+                              predictor=NextLayerGatePredictor())
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert ctl.handle.backend == "cuda" and ctl.handle.stats()["evictions"] > 0
+    finally:
+        ctl.close()
+
+
+def test_package_exposes_offload():
+    assert prefetch.offload_moe_experts is offload_moe_experts
