@@ -11,7 +11,7 @@ from prefetch._engine import (
     PrefetchHandle,
     as_id_array,
 )
-from prefetch.expert_prefetcher import ExpertPrefetcher
+from prefetch.expert_prefetcher import ExpertPrefetcher, pack_expert
 
 
 def __getattr__(name):
@@ -32,5 +32,6 @@ __all__ = [
     "PrefetchHandle",
     "as_id_array",
     "offload_moe_experts",
+    "pack_expert",
 ]
 __version__ = "0.1.0"

@@ -103,6 +103,9 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
             int64_t id, size_t total_bytes, int device,
             const CHostPart* parts, size_t n_parts
         ) except +prefetch_raise_py_error
+        void RegisterExternal(
+            int64_t id, const void* host_ptr, size_t bytes, int device
+        ) except +prefetch_raise_py_error
         void UnregisterTensor(int64_t id) except +prefetch_raise_py_error
         bool IsRegistered(int64_t id) except +prefetch_raise_py_error
         void EnqueuePrefetch(

@@ -215,6 +215,7 @@ cdef class PrefetchHandle:
     cdef shared_ptr[CFaultConfig] _faults
     cdef CArcherPrefetchHandle* _c
     cdef list _arenas
+    cdef dict _external  # id -> caller object kept alive for register_external
     cdef readonly str backend
     cdef readonly int num_devices
     cdef bint _closed
@@ -308,6 +309,7 @@ cdef class PrefetchHandle:
         self._owner.reset(new CArcherPrefetchHandle(options, move(cbackend)))
         self._c = self._owner.get()
         self._arenas = arenas
+        self._external = {}
         self.backend = name
         self.num_devices = len(budgets)
         self._closed = False
@@ -399,12 +401,42 @@ cdef class PrefetchHandle:
                 tid, ctotal, dev, cparts.data(), cparts.size()
             )
 
+    def register_external(self, tensor_id, data, *, device=0):
+        """Registers `data` (a contiguous CPU torch tensor or numpy array)
+        without copying it: the engine copies straight from its memory. The
+        handle keeps a reference to `data` until unregister or close; do not
+        change its bytes meanwhile. On CUDA, page-locked memory (e.g.
+        ``torch.empty(..., pin_memory=True)``) gives full-speed copies."""
+        self._check_open()
+        cdef int64_t tid = _as_single_id(tensor_id)
+        cdef uintptr_t address
+        cdef size_t nbytes
+        if _is_torch_tensor(data):
+            if data.device.type != "cpu" or not data.is_contiguous():
+                raise ValueError("register_external needs a contiguous CPU tensor")
+            address = data.data_ptr()
+            nbytes = data.numel() * data.element_size()
+        elif isinstance(data, np.ndarray):
+            if not data.flags.c_contiguous:
+                raise ValueError("register_external needs a C-contiguous array")
+            address = data.ctypes.data
+            nbytes = data.nbytes
+        else:
+            raise TypeError(
+                "register_external needs a CPU torch tensor or a numpy array, "
+                f"got {type(data).__name__}"
+            )
+        cdef int dev = operator.index(device)
+        self._c.RegisterExternal(tid, <const void*>address, nbytes, dev)
+        self._external[tid] = data
+
     def unregister(self, tensor_id):
         """Forgets a tensor (it must not be acquired or mid-copy)."""
         self._check_open()
         cdef int64_t tid = _as_single_id(tensor_id)
         with nogil:
             self._c.UnregisterTensor(tid)
+        self._external.pop(tid, None)
 
     def __contains__(self, tensor_id):
         if self._closed or type(tensor_id) is _PY_BOOL:
@@ -650,6 +682,7 @@ cdef class PrefetchHandle:
         self._closed = True
         with nogil:
             self._c.Close()
+        self._external.clear()  # the workers are joined: nothing reads them
 
     def __enter__(self):
         self._check_open()

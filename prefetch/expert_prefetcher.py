@@ -34,6 +34,48 @@ def _align(n: int) -> int:
     return (n + PART_ALIGNMENT_BYTES - 1) // PART_ALIGNMENT_BYTES * PART_ALIGNMENT_BYTES
 
 
+def _weight_items(weights) -> dict:
+    if isinstance(weights, Mapping):
+        items = dict(weights)
+    else:
+        items = {str(i): w for i, w in enumerate(weights)}
+    if not items:
+        raise ValueError("an expert needs at least one weight tensor")
+    return items
+
+
+def expert_layout(weights) -> tuple[PartLayout, ...]:
+    """Where each weight goes in an expert's packed buffer (each part aligned
+    to PART_ALIGNMENT_BYTES). Weights: CPU torch tensors, by name or in order."""
+    import torch
+
+    layout = []
+    offset = 0
+    for name, tensor in _weight_items(weights).items():
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"weight {name!r} must be on the CPU, got {tensor.device}")
+        nbytes = tensor.numel() * tensor.element_size()
+        layout.append(PartLayout(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
+        offset = _align(offset + nbytes)
+    return tuple(layout)
+
+
+def pack_expert(weights, *, pin_memory: bool = False):
+    """Packs an expert's weights into one contiguous uint8 CPU tensor (page-
+    locked with pin_memory) and returns (buffer, layout) for register_packed."""
+    import torch
+
+    layout = expert_layout(weights)
+    total = layout[-1].offset + layout[-1].nbytes
+    buffer = torch.zeros(total, dtype=torch.uint8, pin_memory=pin_memory)
+    for part, tensor in zip(layout, _weight_items(weights).values()):
+        flat = tensor.detach().contiguous().reshape(-1).view(torch.uint8)
+        buffer[part.offset : part.offset + part.nbytes].copy_(flat)
+    return buffer, layout
+
+
 class ExpertPrefetcher:
     """Maps (layer, expert) to tensor ids and issues their prefetches.
 
@@ -65,36 +107,38 @@ class ExpertPrefetcher:
         device: int = 0,
     ) -> int:
         """Packs an expert's weights (CPU torch tensors, by name or in order)
-        into one engine tensor and returns its id."""
-        import torch
+        into one engine tensor (one host copy) and returns its id."""
+        layer_id, expert_id = self._check_new(layer_id, expert_id)
+        layout = expert_layout(weights)
+        parts = [(tensor, part.offset) for part, tensor in zip(layout, _weight_items(weights).values())]
+        total = layout[-1].offset + layout[-1].nbytes
+        tensor_id = self._next_id
+        self.engine.register_parts(tensor_id, parts, total_bytes=total, device=device)
+        return self._remember(layer_id, expert_id, tensor_id, layout)
 
+    def register_packed(self, layer_id: int, expert_id: int, buffer, layout, *, device: int = 0) -> int:
+        """Registers an expert already packed by `pack_expert` without
+        copying: the engine reads `buffer` (keep it unchanged; page-locked
+        for full-speed CUDA copies) directly."""
+        layer_id, expert_id = self._check_new(layer_id, expert_id)
+        layout = tuple(layout)
+        need = layout[-1].offset + layout[-1].nbytes
+        if buffer.numel() * buffer.element_size() < need:
+            raise ValueError(f"buffer holds {buffer.numel() * buffer.element_size()} bytes, layout needs {need}")
+        tensor_id = self._next_id
+        self.engine.register_external(tensor_id, buffer, device=device)
+        return self._remember(layer_id, expert_id, tensor_id, layout)
+
+    def _check_new(self, layer_id, expert_id) -> tuple[int, int]:
         layer_id = int(layer_id)
         expert_id = int(expert_id)
         if layer_id < 0 or expert_id < 0:
             raise ValueError("layer and expert ids must be >= 0")
         if self._lookup(layer_id, expert_id) >= 0:
             raise ValueError(f"expert ({layer_id}, {expert_id}) is already registered")
-        if isinstance(weights, Mapping):
-            items = list(weights.items())
-        else:
-            items = [(str(i), w) for i, w in enumerate(weights)]
-        if not items:
-            raise ValueError("an expert needs at least one weight tensor")
-        layout = []
-        parts = []
-        offset = 0
-        for name, tensor in items:
-            if not isinstance(tensor, torch.Tensor):
-                raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
-            if tensor.device.type != "cpu":
-                raise ValueError(f"weight {name!r} must be on the CPU, got {tensor.device}")
-            nbytes = tensor.numel() * tensor.element_size()
-            layout.append(PartLayout(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
-            parts.append((tensor, offset))
-            offset = _align(offset + nbytes)
-        total = layout[-1].offset + layout[-1].nbytes
-        tensor_id = self._next_id
-        self.engine.register_parts(tensor_id, parts, total_bytes=total, device=device)
+        return layer_id, expert_id
+
+    def _remember(self, layer_id: int, expert_id: int, tensor_id: int, layout) -> int:
         self._next_id += 1
         table = self._ids.get(layer_id)
         if table is None or table.shape[0] <= expert_id:

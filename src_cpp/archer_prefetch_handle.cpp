@@ -231,6 +231,60 @@ void ArcherPrefetchHandle::UnpinLocked(const int64_t* ids, size_t n) {
 
 // ------------------------------------------------------------ registration
 
+void ArcherPrefetchHandle::CheckRegistrationLocked(int64_t id, size_t bytes,
+                                                   int device) const {
+  if (id < 0 || id > kMaxTensorId) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + " out of range 0.." +
+                            std::to_string(kMaxTensorId));
+  }
+  if (device < 0 || device >= DeviceCount()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "device " + std::to_string(device) +
+                            " out of range 0.." +
+                            std::to_string(DeviceCount() - 1));
+  }
+  if (bytes == 0) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + ": cannot register an empty tensor");
+  }
+  const size_t budget = devices_[device]->cache->budget_bytes();
+  if (AlignSlot(bytes) > budget) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + " needs " +
+                            std::to_string(AlignSlot(bytes)) +
+                            " bytes of cache but device " +
+                            std::to_string(device) + " has a budget of " +
+                            std::to_string(budget));
+  }
+  if (LookupLocked(id) != nullptr) {
+    throw PrefetchError(ErrorKind::kAlreadyExists,
+                        IdText(id) + " is already registered");
+  }
+}
+
+void ArcherPrefetchHandle::InsertEntryLocked(int64_t id, void* host,
+                                             size_t bytes, int device,
+                                             bool owns_host) {
+  const size_t page = static_cast<size_t>(id) >> kPageBits;
+  try {
+    if (page >= pages_.size()) pages_.resize(page + 1);
+    if (!pages_[page]) pages_[page].reset(new Entry[kPageSize]);
+  } catch (const std::bad_alloc&) {
+    throw PrefetchError(ErrorKind::kOutOfMemory,
+                        IdText(id) + ": no memory for the registry page");
+  }
+  Entry* entry = &pages_[page][static_cast<size_t>(id) & (kPageSize - 1)];
+  *entry = Entry();
+  entry->id = id;
+  entry->host_ptr = host;
+  entry->owns_host = owns_host;
+  entry->bytes = bytes;
+  entry->device = device;
+  ++registered_;
+  registered_bytes_ += bytes;
+}
+
 void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
                                           int device, const HostPart* parts,
                                           size_t n_parts) {
@@ -238,29 +292,7 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
     CheckNotForked();
     std::lock_guard<std::mutex> lk(mu_);
     CheckUsableLocked();
-    if (id < 0 || id > kMaxTensorId) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          IdText(id) + " out of range 0.." +
-                              std::to_string(kMaxTensorId));
-    }
-    if (device < 0 || device >= DeviceCount()) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          "device " + std::to_string(device) +
-                              " out of range 0.." +
-                              std::to_string(DeviceCount() - 1));
-    }
-    if (total_bytes == 0) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          IdText(id) + ": cannot register an empty tensor");
-    }
-    if (AlignSlot(total_bytes) > devices_[device]->cache->budget_bytes()) {
-      throw PrefetchError(
-          ErrorKind::kInvalidArgument,
-          IdText(id) + " needs " + std::to_string(AlignSlot(total_bytes)) +
-              " bytes of cache but device " + std::to_string(device) +
-              " has a budget of " +
-              std::to_string(devices_[device]->cache->budget_bytes()));
-    }
+    CheckRegistrationLocked(id, total_bytes, device);
     for (size_t p = 0; p < n_parts; ++p) {
       if (parts[p].offset > total_bytes ||
           parts[p].bytes > total_bytes - parts[p].offset) {
@@ -269,10 +301,6 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
                                 " runs past the tensor's " +
                                 std::to_string(total_bytes) + " bytes");
       }
-    }
-    if (LookupLocked(id) != nullptr) {
-      throw PrefetchError(ErrorKind::kAlreadyExists,
-                          IdText(id) + " is already registered");
     }
     ++active_calls_;
   }
@@ -300,35 +328,28 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
   --active_calls_;
   if (active_calls_ == 0) idle_cv_.notify_all();
   if (!failure.empty()) throw PrefetchError(failure_kind, failure);
-  std::string refusal;
-  ErrorKind refusal_kind = ErrorKind::kAlreadyExists;
-  if (closed_) {
-    refusal = "PrefetchHandle is closed";
-    refusal_kind = ErrorKind::kClosed;
-  } else if (LookupLocked(id) != nullptr) {
-    refusal = IdText(id) + " is already registered";
-  }
-  if (!refusal.empty()) {
-    backend_->FreeHost(host, total_bytes);
-    throw PrefetchError(refusal_kind, refusal);
-  }
-  const size_t page = static_cast<size_t>(id) >> kPageBits;
   try {
-    if (page >= pages_.size()) pages_.resize(page + 1);
-    if (!pages_[page]) pages_[page].reset(new Entry[kPageSize]);
-  } catch (const std::bad_alloc&) {
+    CheckUsableLocked();
+    CheckRegistrationLocked(id, total_bytes, device);  // raced with another
+    InsertEntryLocked(id, host, total_bytes, device, /*owns_host=*/true);
+  } catch (...) {
     backend_->FreeHost(host, total_bytes);
-    throw PrefetchError(ErrorKind::kOutOfMemory,
-                        IdText(id) + ": no memory for the registry page");
+    throw;
   }
-  Entry* entry = &pages_[page][static_cast<size_t>(id) & (kPageSize - 1)];
-  *entry = Entry();
-  entry->id = id;
-  entry->host_ptr = host;
-  entry->bytes = total_bytes;
-  entry->device = device;
-  ++registered_;
-  registered_bytes_ += total_bytes;
+}
+
+void ArcherPrefetchHandle::RegisterExternal(int64_t id, const void* host_ptr,
+                                            size_t bytes, int device) {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  if (host_ptr == nullptr) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + ": null host pointer");
+  }
+  CheckRegistrationLocked(id, bytes, device);
+  InsertEntryLocked(id, const_cast<void*>(host_ptr), bytes, device,
+                    /*owns_host=*/false);
 }
 
 void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
@@ -366,14 +387,14 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
     } else if (e->state == EntryState::kQueued) {
       dev->queue.Remove(e);
     }
-    host = e->host_ptr;
+    host = e->owns_host ? e->host_ptr : nullptr;
     bytes = e->bytes;
     *e = Entry();  // id -1: the registry slot is free again
     --registered_;
     registered_bytes_ -= bytes;
     dev->work_cv.notify_one();  // a freed slot may unblock the worker
   }
-  backend_->FreeHost(host, bytes);
+  if (host != nullptr) backend_->FreeHost(host, bytes);
 }
 
 bool ArcherPrefetchHandle::IsRegistered(int64_t id) const {
@@ -1070,7 +1091,7 @@ void ArcherPrefetchHandle::FreeEverythingLocked() {
         }
         backend->ReleaseToken(e->ready);
         backend->ReleaseToken(e->last_use);
-        backend->FreeHost(e->host_ptr, e->bytes);
+        if (e->owns_host) backend->FreeHost(e->host_ptr, e->bytes);
         *e = Entry();
       },
       backend_.get());

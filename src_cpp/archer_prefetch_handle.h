@@ -95,6 +95,12 @@ class ArcherPrefetchHandle {
   // 0 <= id <= kMaxTensorId, 0 < total_bytes <= the device's budget.
   void RegisterTensor(int64_t id, size_t total_bytes, int device,
                       const HostPart* parts, size_t n_parts);
+  // Registers caller-owned host memory as `id` without copying it. The
+  // caller keeps it alive and unchanged until the id is unregistered or the
+  // handle closed; for DMA backends it must be page-locked (e.g. a torch
+  // tensor made with pin_memory=True) or copies fall back to slow paths.
+  void RegisterExternal(int64_t id, const void* host_ptr, size_t bytes,
+                        int device);
   // Forgets `id` and frees its memory. REQUIRES: not acquired, not copying.
   void UnregisterTensor(int64_t id);
   bool IsRegistered(int64_t id) const;
@@ -175,6 +181,11 @@ class ArcherPrefetchHandle {
   static void CheckPriority(int priority);
   Entry* LookupLocked(int64_t id) const;
   void ValidateIdsLocked(const int64_t* ids, size_t n) const;
+  // Throws unless `id` can be registered with `bytes` on `device`.
+  void CheckRegistrationLocked(int64_t id, size_t bytes, int device) const;
+  // Adds a registry entry (throws kOutOfMemory without changing anything).
+  void InsertEntryLocked(int64_t id, void* host, size_t bytes, int device,
+                         bool owns_host);
   // Validates and stores the entries in batch_scratch_.
   void ResolveIdsLocked(const int64_t* ids, size_t n);
   void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const;

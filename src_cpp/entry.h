@@ -35,7 +35,8 @@ struct alignas(64) Entry {
   Entry* lru_prev = nullptr;         // EvictionPolicy links
   Entry* lru_next = nullptr;
   // Cold.
-  void* host_ptr = nullptr;          // engine-owned host copy of the bytes
+  void* host_ptr = nullptr;          // host bytes (engine-owned unless external)
+  bool owns_host = true;             // false: registered with RegisterExternal
   size_t bytes = 0;                  // registered size in bytes
   int32_t pins = 0;                  // acquirers holding (or waiting for) it
   uint64_t error_seq = 0;            // bumped on every failed copy

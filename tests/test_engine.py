@@ -425,3 +425,25 @@ def test_evict_drops_unpinned_residents_only(make_handle, rng):
         h.evict([0, 99])
     h.release([2])
     assert h.stats()["evictions"] == 2
+
+
+def test_register_external_copies_from_caller_memory(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    arr = random_bytes(rng, 3000)
+    h.register_external(0, arr)
+    (v,) = h.acquire([0], timeout=10)
+    np.testing.assert_array_equal(v, arr)  # read from the caller's array, no copy at registration
+    h.release([0])
+    assert h.evict([0]) == 1
+    arr[:10] = 7  # the engine reads the caller's bytes at copy time
+    (v,) = h.acquire([0], timeout=10)
+    assert (v[:10] == 7).all()
+    h.release([0])
+    with pytest.raises(ValueError):
+        h.register_external(1, arr[::2])  # not contiguous
+    with pytest.raises(TypeError):
+        h.register_external(1, b"bytes")
+    with pytest.raises(ValueError, match="already registered"):
+        h.register_external(0, arr)
+    h.unregister(0)
+    assert h.stats()["registered"] == 0

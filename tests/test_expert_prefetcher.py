@@ -153,3 +153,19 @@ def test_use_batched_true_needs_the_batched_call():
 
 def test_prefetcher_over_public_handle_api():
     assert prefetch.ExpertPrefetcher is ExpertPrefetcher
+
+
+def test_pack_and_register_packed_is_zero_copy(make_handle):
+    h = make_handle(device_budget_bytes=1 << 20)
+    pf = ExpertPrefetcher(h)
+    w = expert_weights(7)
+    buffer, layout = prefetch.pack_expert(w)
+    pf.register_packed(0, 0, buffer, layout)
+    pf.register_expert(0, 1, expert_weights(8))
+    got = pf.acquire_experts(0, [0, 1])
+    for name in w:
+        assert torch.equal(got[0][name], w[name])
+        assert torch.equal(got[1][name], expert_weights(8)[name])
+    pf.release_experts(0, [0, 1])
+    with pytest.raises(ValueError, match="layout needs"):
+        pf.register_packed(0, 2, buffer[:10], layout)
