@@ -509,11 +509,21 @@ def offload_moe_experts(
     return controller
 
 
-def belady_misses(trace: RoutingTrace, capacity: int) -> int:
+def belady_misses(trace: RoutingTrace, capacity: int, start_step: int = 0) -> int:
     """Fewest expert loads any cache of `capacity` experts needs to serve
     `trace` (Belady's MIN: evict the expert used furthest in the future);
-    the floor for bytes that had to move."""
-    seq = [(layer, e) for step in trace.steps for layer, experts in enumerate(step) for e in experts]
+    the floor for bytes that had to move. Loads before `start_step` (a
+    warm-up) are not counted, though the cache fills during them."""
+    if capacity < 1:
+        raise ValueError("capacity must be >= 1 expert")
+    seq = []
+    first_counted = None
+    for s, step in enumerate(trace.steps):
+        if s == start_step:
+            first_counted = len(seq)
+        seq.extend((layer, e) for layer, experts in enumerate(step) for e in experts)
+    if first_counted is None:
+        first_counted = len(seq)
     next_use = [0] * len(seq)
     last = {}
     for i in range(len(seq) - 1, -1, -1):
@@ -527,7 +537,8 @@ def belady_misses(trace: RoutingTrace, capacity: int) -> int:
             cache[key] = next_use[i]
             heapq.heappush(heap, (-next_use[i], key))
             continue
-        misses += 1
+        if i >= first_counted:
+            misses += 1
         if len(cache) >= capacity:
             while True:
                 neg, victim = heapq.heappop(heap)

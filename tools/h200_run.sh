@@ -35,6 +35,10 @@ for step in $steps; do
       python3 bench/bandwidth.py --chunk-mib 16 --json "$out/bandwidth_chunk16.json" 2>&1 | tee "$out/bandwidth_chunk16.txt" ;;
     bandwidth1lane)
       python3 bench/bandwidth.py --lanes 1 --json "$out/bandwidth_1lane.json" 2>&1 | tee "$out/bandwidth_1lane.txt" ;;
+    e2e)
+      python3 bench/e2e.py --warmup "${E2E_WARMUP:-2}" --steps "${E2E_STEPS:-8}" --train 2 \
+        --budget-s "${E2E_BUDGET_S:-300}" --json "$out/e2e.json" --plots "$out/plots" \
+        --trace-out "$out/traces" 2>"$out/e2e.log" | tee "$out/e2e.txt" || status=1 ;;
     soak)
       python3 tools/soak.py --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>"$out/soak.log" | tee "$out/soak.txt" || status=1 ;;
     sanitizer)
@@ -42,7 +46,7 @@ for step in $steps; do
       if compute-sanitizer --version >/dev/null 2>&1; then
         for tool in ${CSAN_TOOLS:-memcheck synccheck initcheck}; do
           echo "== compute-sanitizer --tool $tool"
-          timeout "${CSAN_TIMEOUT:-170}" compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
+          PREFETCH_TEST_SPIN_CYCLES=${CSAN_SPIN:-4000000000} timeout "${CSAN_TIMEOUT:-170}" compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
             python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "${CSAN_TESTS:-not leak}" 2>&1 | tail -15 | tee "$out/csan_$tool.txt"
           echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan_$tool.txt"
         done

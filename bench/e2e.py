@@ -1,0 +1,585 @@
+"""BM5: end-to-end decode of an offloaded MoE decoder at real expert shapes.
+
+    python bench/e2e.py [--models olmoe-1b-7b qwen3-30b-a3b] [--batches 1 8]
+        [--shares 0.1 0.25 0.5] [--warmup 3] [--steps 10] [--budget-s 420]
+        [--trace-out DIR] [--trace-in FILE] [--json PATH] [--plots DIR]
+
+The decoder: per layer RMSNorm, a dense HxH projection standing in for
+attention, RMSNorm, a router (softmax, top-k, renormalised), SwiGLU experts
+(real bf16 matmuls: gate|up [2I, H], down [H, I]), residual adds. Weights are
+random bf16 (never zeros); expert (layer, e) uses the bytes of one of
+--pool distinct random experts, registered zero-copy from page-locked host
+memory, so copies move real bytes over PCIe into distinct cache slots.
+Routing comes from the model itself (inputs are fixed per step, so every
+policy sees the same routing), or from --trace-in (a routing trace, see
+docs/trace_format.md), which then overrides the router's choice.
+
+Policies, one run each (fresh cache, same inputs):
+  all-resident     every expert on the GPU: the compute-only step
+  on-demand        engine, no prediction: misses are fetched at band 0
+  next-layer-gate  engine + router of layer L+1 applied to layer L's input
+  trace            engine + activation-matrix predictor trained on --train
+                   other requests first
+  oracle           engine + replay of the routing this request really takes
+  torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
+                   side stream into an LRU of device slots kept in Python
+Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
+rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
+floor: Belady-minimum bytes for this routing and cache size over raw H2D
+bandwidth measured in the same run. Runs past --budget-s are reported null.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from collections import OrderedDict
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import fmt, machine_info, write_json  # noqa: E402
+
+MODELS = {
+    "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
+    "qwen3-30b-a3b": dict(layers=48, experts=128, top_k=8, hidden=2048, inter=768),
+}
+POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "torch-by-hand")
+ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle")
+
+
+class Decoder:
+    """The synthetic MoE decoder's dense weights (GPU) and expert pool."""
+
+    def __init__(self, torch, spec: dict, pool: int, seed: int = 0, device: str = "cuda"):
+        self.torch = torch
+        self.spec = spec
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        L, E, H, inter = spec["layers"], spec["experts"], spec["hidden"], spec["inter"]
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        bf16 = torch.bfloat16
+        dev = self.device
+        self.router = (torch.randn(L, E, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        self.attn = (torch.randn(L, H, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        # Residual updates stay small against the stream, as in trained
+        # models: consecutive layers see similar hidden states.
+        self.attn_scale = 0.1
+        self.pool_gpu = []
+        self.pool_host = []  # (pinned packed buffer, layout)
+        import prefetch
+
+        for _ in range(pool):
+            gate_up = (torch.randn(2 * inter, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+            down = (torch.randn(H, inter, device=dev, generator=g) / math.sqrt(inter) * 0.1).to(bf16)
+            self.pool_gpu.append((gate_up, down))
+            self.pool_host.append(prefetch.pack_expert({"gate_up": gate_up.cpu(), "down": down.cpu()},
+                                                       pin_memory=self.cuda))
+        self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
+        self.slot_bytes = (self.expert_bytes + 255) // 256 * 256
+
+    def pool_index(self, layer: int, expert: int) -> int:
+        return (layer * self.spec["experts"] + expert * 7 + layer) % len(self.pool_gpu)
+
+    def inputs(self, steps: int, batch: int, seed: int):
+        g = self.torch.Generator(device=self.device).manual_seed(1000 + seed)
+        x = self.torch.randn(steps, batch, self.spec["hidden"], device=self.device, generator=g)
+        return x.to(self.torch.bfloat16)
+
+    def sync(self):
+        if self.cuda:
+            self.torch.cuda.synchronize()
+
+    def stream(self):
+        return self.torch.cuda.current_stream() if self.cuda else None
+
+    def rms(self, x):
+        xf = x.float()
+        return (xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def step(self, x0, provider, forced=None):
+        """One decode step of every layer; returns the final hidden state.
+        `forced`: per layer, expert lists to use instead of the router's."""
+        torch = self.torch
+        h = x0
+        k = self.spec["top_k"]
+        for layer in range(self.spec["layers"]):
+            x = self.rms(h)
+            h = h + (x @ self.attn[layer].T) * self.attn_scale
+            x = self.rms(h)
+            probs = torch.softmax((x @ self.router[layer].T).float(), dim=-1)
+            top_w, top_i = torch.topk(probs, k, dim=-1)
+            if forced is not None:
+                allowed = torch.tensor(forced[layer], device=self.device)
+                masked = torch.full_like(probs, -1.0)
+                masked[:, allowed] = probs[:, allowed]
+                top_w, top_i = torch.topk(masked, min(k, len(forced[layer])), dim=-1)
+            top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+            experts = sorted(set(top_i.flatten().tolist()))
+            weights = provider.acquire(layer, x, experts)
+            out = torch.zeros_like(x)
+            for e, (gate_up, down) in zip(experts, weights):
+                tok, pos = torch.where(top_i == e)
+                gate, up = (x[tok] @ gate_up.T).chunk(2, dim=-1)
+                y = (torch.nn.functional.silu(gate) * up) @ down.T
+                out.index_add_(0, tok, y * top_w[tok, pos, None])
+            provider.release(layer, experts)
+            h = h + out
+        return h
+
+
+class ResidentProvider:
+    def __init__(self, dec):
+        self.dec = dec
+        self.trace = []  # per step, per layer experts
+
+    def acquire(self, layer, x, experts):
+        if layer == 0:
+            self.trace.append([])
+        self.trace[-1].append(experts)
+        return [self.dec.pool_gpu[self.dec.pool_index(layer, e)] for e in experts]
+
+    def release(self, layer, experts):
+        pass
+
+    def stats(self):
+        return {}
+
+
+class EngineProvider:
+    """Experts through the engine; prediction through prefetch.integration."""
+
+    def __init__(self, dec, budget: int, predictor):
+        import prefetch
+        from prefetch.integration import OffloadController
+
+        self.torch = dec.torch
+        self.dec = dec
+        self.handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend="cuda" if dec.cuda else "host")
+        routers = [lambda x, layer=layer: x @ dec.router[layer].T for layer in range(dec.spec["layers"])]
+        self.ctl = OffloadController(self.handle, num_layers=dec.spec["layers"], num_experts=dec.spec["experts"],
+                                     top_k=dec.spec["top_k"], predictor=predictor, routers=routers)
+        for layer in range(dec.spec["layers"]):
+            for e in range(dec.spec["experts"]):
+                buffer, layout = dec.pool_host[dec.pool_index(layer, e)]
+                self.ctl.prefetcher.register_packed(layer, e, buffer, layout)
+
+    def acquire(self, layer, x, experts):
+        self.ctl.on_routed(layer, x, experts)
+        got = self.ctl.prefetcher.acquire_experts(layer, experts, stream=self.dec.stream())
+        return [(w["gate_up"], w["down"]) for w in got]
+
+    def release(self, layer, experts):
+        self.ctl.prefetcher.release_experts(layer, experts, stream=self.dec.stream())
+
+    def stats(self):
+        s = self.handle.stats()
+        r = self.ctl.report()
+        return {"hits": s["hits"], "misses": s["misses"], "bytes": s["bytes_copied"], "late": s["late"],
+                "wasted": s["wasted"], "precision": r["prediction_precision"], "recall": r["prediction_recall"]}
+
+    def close(self):
+        self.handle.close()
+
+
+class ByHandProvider:
+    """What a user writes by hand: an LRU of device slots in Python, a
+    copy_(non_blocking=True) per missing expert on a side stream, an event
+    per copy that the compute stream waits on, and an event per use so a slot
+    is not overwritten while a kernel still reads it."""
+
+    def __init__(self, dec, budget: int):
+        torch = dec.torch
+        self.torch = torch
+        self.dec = dec
+        n_slots = budget // dec.slot_bytes
+        self.slots = [torch.empty(dec.expert_bytes, dtype=torch.uint8, device=dec.device) for _ in range(n_slots)]
+        self.free = list(range(n_slots))
+        self.lru = OrderedDict()  # (layer, expert) -> slot
+        self.ready = {}  # slot -> event (copy done)
+        self.used = {}  # slot -> event (last read done)
+        self.side = torch.cuda.Stream() if dec.cuda else None
+        self.layout = dec.pool_host[0][1]
+        self.hits = self.misses = self.bytes = 0
+
+    def _views(self, slot):
+        raw = self.slots[slot]
+        out = []
+        for part in self.layout:
+            out.append(raw[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape))
+        return tuple(out)
+
+    def acquire(self, layer, x, experts):
+        torch = self.torch
+        cuda = self.dec.cuda
+        compute = self.dec.stream()
+        result = []
+        busy = {self.lru[(layer, e)] for e in experts if (layer, e) in self.lru}
+        for e in experts:
+            key = (layer, e)
+            if key in self.lru:
+                self.hits += 1
+                self.lru.move_to_end(key)
+                slot = self.lru[key]
+            else:
+                self.misses += 1
+                if self.free:
+                    slot = self.free.pop()
+                else:
+                    victim = next(k for k, s in self.lru.items() if s not in busy)
+                    slot = self.lru.pop(victim)
+                    if cuda:
+                        self.side.wait_event(self.used[slot])
+                src = self.dec.pool_host[self.dec.pool_index(layer, e)][0]
+                if cuda:
+                    with torch.cuda.stream(self.side):
+                        self.slots[slot].copy_(src, non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(self.side)
+                    self.ready[slot] = ev
+                else:
+                    self.slots[slot].copy_(src)
+                self.lru[key] = slot
+                busy.add(slot)
+                self.bytes += self.dec.expert_bytes
+            if cuda:
+                compute.wait_event(self.ready[slot])
+            result.append(self._views(slot))
+        return result
+
+    def release(self, layer, experts):
+        if not self.dec.cuda:
+            return
+        compute = self.dec.stream()
+        for e in experts:
+            slot = self.lru[(layer, e)]
+            ev = self.torch.cuda.Event()
+            ev.record(compute)
+            self.used[slot] = ev
+
+    def stats(self):
+        return {"hits": self.hits, "misses": self.misses, "bytes": self.bytes, "late": None, "wasted": None,
+                "precision": None, "recall": None}
+
+    def close(self):
+        self.slots.clear()
+
+
+def raw_h2d_gbps(torch, nbytes_each: int, count: int = 64) -> float:
+    src = torch.empty((count, nbytes_each), dtype=torch.uint8, pin_memory=True).fill_(7)
+    dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    best = []
+    for _ in range(4):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        with torch.cuda.stream(stream):
+            start.record()
+            for i in range(count):
+                dst[i].copy_(src[i], non_blocking=True)
+            end.record()
+        end.synchronize()
+        best.append(count * nbytes_each / (start.elapsed_time(end) / 1e3) / 1e9)
+    return statistics.median(best[1:])
+
+
+def make_provider(dec, policy, budget, trace):
+    from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
+
+    spec = dec.spec
+    if policy == "all-resident":
+        return ResidentProvider(dec)
+    if policy == "torch-by-hand":
+        return ByHandProvider(dec, budget)
+    predictor = None
+    if policy == "next-layer-gate":
+        predictor = NextLayerGatePredictor()
+    elif policy == "trace":
+        predictor = TracePredictor(distance=2)
+    elif policy == "oracle":
+        predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2)
+    return EngineProvider(dec, budget, predictor)
+
+
+def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None):
+    """Decodes `inputs` (one tensor per step) under `policy`. Returns the
+    measured step latencies (after `warmup` steps), the provider's counters
+    over the measured steps, and the routing trace (all-resident only).
+    `forced`: a routing trace's steps, replayed instead of the router."""
+
+    def route(i):
+        return forced[i % len(forced)] if forced else None
+
+    provider = make_provider(dec, policy, budget, trace)
+    try:
+        if policy == "trace":  # learn from other requests first
+            for request in train_inputs:
+                for i, x in enumerate(request):
+                    dec.step(x, provider, route(i))
+                provider.ctl.new_sequence()
+        lat = []
+        before = {}
+        for i, x in enumerate(inputs):
+            dec.sync()
+            if i == warmup:
+                before = provider.stats()
+                if hasattr(provider, "ctl"):  # score predictions on measured steps only
+                    provider.ctl.prediction_hits = provider.ctl.predicted_total = provider.ctl.actual_total = 0
+            t0 = time.perf_counter()
+            dec.step(x, provider, route(i))
+            dec.sync()
+            if i >= warmup:
+                lat.append(time.perf_counter() - t0)
+        after = provider.stats()
+        delta = {key: after[key] - before.get(key, 0) for key in ("hits", "misses", "bytes") if key in after}
+        delta["precision"] = after.get("precision")
+        delta["recall"] = after.get("recall")
+        return lat, delta, getattr(provider, "trace", None)
+    finally:
+        if hasattr(provider, "close"):
+            provider.close()
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def timeline(torch, dec, inputs, budget, path_png, path_json):
+    """Profiles one next-layer-gate step (after a warm-up step) and plots GPU
+    kernels against host-to-device copies on one time axis."""
+    import tempfile
+
+    provider = make_provider(dec, "next-layer-gate", budget, None)
+    try:
+        dec.step(inputs[0], provider)
+        torch.cuda.synchronize()
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+            dec.step(inputs[1], provider)
+            torch.cuda.synchronize()
+    finally:
+        provider.close()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        trace_path = f.name
+    prof.export_chrome_trace(trace_path)
+    with open(trace_path) as f:
+        events = json.load(f).get("traceEvents", [])
+    os.unlink(trace_path)
+    kernels = [(e["ts"], e["dur"]) for e in events if e.get("cat") == "kernel" and "dur" in e]
+    copies = [(e["ts"], e["dur"]) for e in events
+              if e.get("cat") == "gpu_memcpy" and "dur" in e and "HtoD" in e.get("name", "")]
+    if not kernels:
+        return None
+    t0 = min(t for t, _ in kernels + copies)
+    summary = {"kernels": len(kernels), "copies": len(copies),
+               "kernel_busy_ms": sum(d for _, d in kernels) / 1e3, "copy_busy_ms": sum(d for _, d in copies) / 1e3,
+               "span_ms": (max(t + d for t, d in kernels + copies) - t0) / 1e3}
+    with open(path_json, "w") as f:
+        json.dump({"summary": summary, "kernels_us": [(t - t0, d) for t, d in kernels],
+                   "copies_us": [(t - t0, d) for t, d in copies]}, f)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(12, 2.8))
+    ax.broken_barh([((t - t0) / 1e3, max(d / 1e3, 0.002)) for t, d in kernels], (10, 8), color="tab:blue")
+    ax.broken_barh([((t - t0) / 1e3, max(d / 1e3, 0.002)) for t, d in copies], (0, 8), color="tab:orange")
+    ax.set_yticks([4, 14], ["H2D copies", "compute kernels"])
+    ax.set_xlabel("ms since the step's first GPU activity")
+    ax.set_title(f"one decode step, {dec.spec['name']}, next-layer-gate, batch {inputs.shape[1]}")
+    fig.tight_layout()
+    fig.savefig(path_png, dpi=120)
+    plt.close(fig)
+    return summary
+
+
+def plot_latency(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    groups = sorted({(r["model"], r["batch"]) for r in rows})
+    fig, axes = plt.subplots(1, len(groups), figsize=(5 * len(groups), 4), squeeze=False)
+    for ax, (model, batch) in zip(axes[0], groups):
+        sub = [r for r in rows if r["model"] == model and r["batch"] == batch]
+        for policy in POLICIES:
+            pts = sorted((r["cache_share"], r["p50_ms"]) for r in sub if r["policy"] == policy and r["p50_ms"])
+            if pts:
+                ax.plot([p[0] * 100 for p in pts], [p[1] for p in pts], marker="o", label=policy)
+        floors = sorted({(r["cache_share"], r["floor_ms"]) for r in sub if r.get("floor_ms")})
+        if floors:
+            ax.plot([f[0] * 100 for f in floors], [f[1] for f in floors], "k--", label="max(compute, IO floor)")
+        ax.set_title(f"{model}, batch {batch}")
+        ax.set_xlabel("GPU cache share of expert bytes (%)")
+        ax.set_ylabel("step latency p50 (ms)")
+        ax.set_yscale("log")
+        ax.grid(alpha=0.3)
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.25, 0.5])
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--train", type=int, default=3, help="past requests the trace predictor learns from")
+    parser.add_argument("--pool", type=int, default=48, help="distinct random experts behind all (layer, expert)")
+    parser.add_argument("--budget-s", type=float, default=420, help="stop starting runs after this many seconds")
+    parser.add_argument("--trace-in", help="routing trace to replay (overrides the router)")
+    parser.add_argument("--trace-out", help="folder to write each model/batch routing trace to")
+    parser.add_argument("--json")
+    parser.add_argument("--plots", help="folder for latency_vs_share.png and timeline.png")
+    parser.add_argument("--smoke-cpu", action="store_true",
+                        help="tiny shapes on the CPU with the host backend: checks the logic, measures nothing")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if args.smoke_cpu:
+        return smoke_cpu(torch, args)
+    if not torch.cuda.is_available():
+        print("BM5 needs CUDA: not measured", file=sys.stderr)
+        report = {"benchmark": "BM5 e2e", "machine": machine_info(), "rows": None}
+        if args.json:
+            write_json(args.json, report)
+        return 1
+    from prefetch.integration import RoutingTrace, belady_misses
+
+    forced_trace = RoutingTrace.load(args.trace_in) if args.trace_in else None
+    started = time.monotonic()
+    rows = []
+    timeline_summary = None
+    for name in args.models:
+        spec = dict(MODELS[name], name=name)
+        dec = Decoder(torch, spec, args.pool)
+        raw = raw_h2d_gbps(torch, dec.expert_bytes)
+        total = spec["layers"] * spec["experts"] * dec.slot_bytes
+        print(f"{name}: expert {dec.expert_bytes / 2**20:.2f} MiB, all experts {total / 2**30:.1f} GiB, "
+              f"raw H2D {raw:.1f} GB/s", file=sys.stderr, flush=True)
+        for batch in args.batches:
+            n = args.warmup + args.steps
+            inputs = dec.inputs(n, batch, seed=batch)
+            train = [dec.inputs(n, batch, seed=100 + r) for r in range(args.train)]
+            forced = forced_trace.steps if forced_trace else None
+            lat_res, _, trace = run_policy(torch, dec, "all-resident", inputs, args.warmup, 0, forced=forced)
+            compute_p50 = statistics.median(lat_res)
+            if args.trace_out:
+                os.makedirs(args.trace_out, exist_ok=True)
+                RoutingTrace(spec["layers"], spec["experts"], trace).save(
+                    os.path.join(args.trace_out, f"trace_{name}_b{batch}.json"))
+            used = [len(set(e)) for step in trace[args.warmup:] for e in step]
+            for share in args.shares:
+                budget = int(share * total) // dec.slot_bytes * dec.slot_bytes
+                capacity = budget // dec.slot_bytes
+                rt = RoutingTrace(spec["layers"], spec["experts"], trace)
+                misses = belady_misses(rt, capacity, start_step=args.warmup)
+                io_floor_s = misses * dec.expert_bytes / args.steps / (raw * 1e9)
+                floor_s = max(compute_p50, io_floor_s)
+                for policy in args.policies:
+                    row = {"model": name, "batch": batch, "cache_share": share, "policy": policy,
+                           "budget_gib": budget / 2**30, "compute_only_ms": compute_p50 * 1e3,
+                           "io_floor_ms": io_floor_s * 1e3, "floor_ms": floor_s * 1e3,
+                           "raw_h2d_gbps": raw, "experts_per_layer_mean": statistics.mean(used),
+                           "p50_ms": None, "p90_ms": None}
+                    if time.monotonic() - started > args.budget_s:
+                        row["note"] = "not measured: time budget spent"
+                        rows.append(row)
+                        continue
+                    if policy == "all-resident":
+                        lat, delta = lat_res, {"hits": None, "misses": None, "bytes": 0}
+                    else:
+                        lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
+                                                   forced=forced)
+                    total_s = sum(lat)
+                    acquired = (delta.get("hits") or 0) + (delta.get("misses") or 0)
+                    row.update({
+                        "p50_ms": statistics.median(lat) * 1e3,
+                        "p90_ms": percentile(lat, 0.9) * 1e3,
+                        "stall_ms": (statistics.median(lat) - compute_p50) * 1e3,
+                        "hit_rate": delta["hits"] / acquired if acquired else None,
+                        "bytes_moved": delta.get("bytes"),
+                        "achieved_gbps": (delta.get("bytes") or 0) / total_s / 1e9 if total_s else None,
+                        "precision": delta.get("precision"),
+                        "recall": delta.get("recall"),
+                        "over_floor": statistics.median(lat) / floor_s,
+                    })
+                    rows.append(row)
+                    print(f"  {name} b{batch} {share:.0%} {policy:<16} p50 {row['p50_ms']:8.2f} ms "
+                          f"(floor {floor_s * 1e3:7.2f}) hit {fmt(row['hit_rate'])}", file=sys.stderr, flush=True)
+            if args.plots and timeline_summary is None and batch == args.batches[0]:
+                os.makedirs(args.plots, exist_ok=True)
+                budget = int(0.25 * total) // dec.slot_bytes * dec.slot_bytes
+                timeline_summary = timeline(torch, dec, inputs, budget, os.path.join(args.plots, "timeline.png"),
+                                            os.path.join(args.plots, "timeline.json"))
+        del dec
+        torch.cuda.empty_cache()
+    report = {"benchmark": "BM5 e2e", "machine": machine_info(), "warmup": args.warmup, "steps": args.steps,
+              "pool": args.pool, "rows": rows, "timeline": timeline_summary}
+    print(format_table(rows))
+    if args.plots:
+        plot_latency(rows, os.path.join(args.plots, "latency_vs_share.png"))
+    if args.json:
+        write_json(args.json, report)
+    return 0
+
+
+def smoke_cpu(torch, args) -> int:
+    """Every policy on tiny shapes on the CPU (host backend): the outputs of
+    every policy must equal all-resident's, bit for bit. No figures."""
+    spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="smoke")
+    dec = Decoder(torch, spec, pool=5, device="cpu")
+    inputs = dec.inputs(4, 2, seed=0)
+    outs = {}
+    trace = None
+    for policy in POLICIES:
+        budget = 6 * dec.slot_bytes
+        provider = make_provider(dec, policy, budget, trace)
+        try:
+            if policy == "trace":
+                for x in dec.inputs(4, 2, seed=1):
+                    dec.step(x, provider)
+                provider.ctl.new_sequence()
+            outs[policy] = [dec.step(x, provider) for x in inputs]
+            if policy == "all-resident":
+                trace = provider.trace
+        finally:
+            if hasattr(provider, "close"):
+                provider.close()
+    for policy, out in outs.items():
+        for a, b in zip(out, outs["all-resident"]):
+            if not torch.equal(a, b):
+                print(f"smoke: {policy} differs from all-resident", file=sys.stderr)
+                return 1
+    print("smoke ok: " + ", ".join(outs))
+    return 0
+
+
+def format_table(rows) -> str:
+    head = (f"{'model':<14}{'b':>3}{'share':>6}  {'policy':<16}{'p50 ms':>9}{'p90 ms':>9}{'stall':>8}"
+            f"{'hit':>6}{'GB moved':>9}{'GB/s':>7}{'prec':>6}{'recall':>7}{'floor':>8}{'x floor':>8}")
+    lines = [head]
+    for r in rows:
+        gb = None if r.get("bytes_moved") is None else r["bytes_moved"] / 1e9
+        lines.append(
+            f"{r['model']:<14}{r['batch']:>3}{r['cache_share']:>6.0%}  {r['policy']:<16}{fmt(r['p50_ms']):>9}"
+            f"{fmt(r['p90_ms']):>9}{fmt(r.get('stall_ms')):>8}{fmt(r.get('hit_rate')):>6}{fmt(gb):>9}"
+            f"{fmt(r.get('achieved_gbps'), 1):>7}{fmt(r.get('precision')):>6}{fmt(r.get('recall')):>7}"
+            f"{fmt(r['floor_ms']):>8}{fmt(r.get('over_floor')):>8}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
