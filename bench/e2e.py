@@ -6,7 +6,9 @@
 
 The decoder: per layer RMSNorm, a dense HxH projection standing in for
 attention, RMSNorm, a router (softmax, top-k, renormalised), SwiGLU experts
-(real bf16 matmuls: gate|up [2I, H], down [H, I]), residual adds. Weights are
+(real bf16 matmuls: gate|up [2I, H], down [H, I]; each routed expert runs on
+the whole batch with its dense routing weight, so a layer has one host sync,
+for the expert list), residual adds. Weights are
 random bf16 (never zeros); expert (layer, e) uses the bytes of one of
 --pool distinct random experts, registered zero-copy from page-locked host
 memory, so copies move real bytes over PCIe into distinct cache slots.
@@ -119,14 +121,19 @@ class Decoder:
                 masked[:, allowed] = probs[:, allowed]
                 top_w, top_i = torch.topk(masked, min(k, len(forced[layer])), dim=-1)
             top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+            # Routing weights as a dense [batch, experts] matrix: each routed
+            # expert runs on the whole batch, weighted by its (possibly zero)
+            # weight, so the only host sync per layer is reading the expert
+            # list the CPU needs to acquire.
+            dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
+            dense.scatter_(1, top_i, top_w)
             experts = sorted(set(top_i.flatten().tolist()))
             weights = provider.acquire(layer, x, experts)
             out = torch.zeros_like(x)
             for e, (gate_up, down) in zip(experts, weights):
-                tok, pos = torch.where(top_i == e)
-                gate, up = (x[tok] @ gate_up.T).chunk(2, dim=-1)
+                gate, up = (x @ gate_up.T).chunk(2, dim=-1)
                 y = (torch.nn.functional.silu(gate) * up) @ down.T
-                out.index_add_(0, tok, y * top_w[tok, pos, None])
+                out += y * dense[:, e : e + 1]
             provider.release(layer, experts)
             h = h + out
         return h

@@ -52,6 +52,7 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t evictions
         uint64_t wasted
         uint64_t copies
+        uint64_t caller_copies
         uint64_t copy_errors
         uint64_t bytes_copied
         double copy_seconds

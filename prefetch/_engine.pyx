@@ -649,6 +649,7 @@ cdef class PrefetchHandle:
             "evictions": s.evictions,
             "wasted": s.wasted,
             "copies": s.copies,
+            "caller_copies": s.caller_copies,
             "copy_errors": s.copy_errors,
             "bytes_copied": s.bytes_copied,
             "copy_seconds": s.copy_seconds,

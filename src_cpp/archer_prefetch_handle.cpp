@@ -632,9 +632,27 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     WakeWorkersLocked(wake_mask);
     throw PrefetchError(ErrorKind::kCopyFailed, message);
   }
+  ++active_calls_;
+  // Note [Caller-runs on-demand copies]: on an async backend issuing a copy
+  // costs microseconds, so the acquirer issues the copies of ids it is
+  // waiting for itself, at band 0, instead of handing them to the worker
+  // and waiting for two thread wake-ups. On the host backend the copy is the
+  // memcpy itself and stays on the worker, so `timeout` bounds the wait.
+  if (async && !paused_) {
+    for (size_t i = 0; i < n && !stop_; ++i) {
+      Entry* e = LookupLocked(ids[i]);
+      if (e->state != EntryState::kQueued) continue;  // issued, or ours already
+      DeviceState* dev = devices_[e->device].get();
+      bool wait_for_events = false;
+      if (!ReserveSlotLocked(dev, e, &wait_for_events)) continue;  // worker's job
+      dev->queue.Remove(e);
+      e->band = kOnDemandBand;
+      CopyEntryLocked(dev, e, lk);
+      if (e->state == EntryState::kResident) ++stats_.caller_copies;
+    }
+  }
   WakeWorkersLocked(wake_mask);
 
-  ++active_calls_;
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(timeout_s));
@@ -882,7 +900,7 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
 void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
                                            std::unique_lock<std::mutex>& lk) {
   e->state = EntryState::kCopying;
-  dev->copying = e;
+  dev->copying_bytes += e->bytes;
   const bool urgent = e->band == kOnDemandBand;
   // Every chunk of an entry goes down one lane, so the last chunk's token
   // covers the whole entry; entries alternate between lanes.
@@ -923,13 +941,11 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
       bool wait_for_events = false;
       if (ReserveSlotLocked(dev, u, &wait_for_events)) {
         dev->queue.Remove(u);
-        dev->copying = nullptr;
         CopyEntryLocked(dev, u, lk);  // urgent: never recurses further
-        dev->copying = e;
       }
     }
   }
-  dev->copying = nullptr;
+  dev->copying_bytes -= e->bytes;
   if (!error.empty()) {
     if (token != kTokenDone) {
       lk.unlock();
@@ -1030,7 +1046,7 @@ Stats ArcherPrefetchHandle::GetStats() const {
     s.queue_depth += dev->queue.size();
     s.resident_count += dev->cache->resident_count();
     s.resident_bytes += dev->cache->used_bytes();
-    if (dev->copying != nullptr) s.bytes_in_flight += dev->copying->bytes;
+    s.bytes_in_flight += dev->copying_bytes;
     s.bytes_in_flight += dev->inflight_bytes;
   }
   s.registered = registered_;

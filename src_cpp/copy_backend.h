@@ -116,6 +116,7 @@ struct FaultConfig {
   std::atomic<int64_t> throw_every_nth_copy{0}; // non-std exception on the Nth
   std::atomic<int64_t> alloc_delay_us{0};       // sleep inside AllocateHost
   std::atomic<int64_t> fail_every_nth_alloc{0}; // kOutOfMemory on the Nth
+  std::atomic<int64_t> report_async{0};  // 1: claim IsAsync (caller-runs paths)
   std::atomic<int64_t> copies{0};               // Copy calls seen
   std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
   std::atomic<int64_t> copy_failures{0};        // injected copy failures
@@ -132,7 +133,9 @@ class FaultBackend final : public CopyBackend {
   FaultBackend(int device_count, std::shared_ptr<FaultConfig> config)
       : host_(device_count), config_(std::move(config)) {}
   const char* Name() const override { return "fault"; }
-  bool IsAsync() const override { return false; }
+  // Copies still complete before Copy returns (every token is done), but
+  // with report_async the engine takes its async paths, so they run on CPUs.
+  bool IsAsync() const override { return config_->report_async != 0; }
   int DeviceCount() const override { return host_.DeviceCount(); }
   void* AllocateHost(size_t bytes) override;
   void FreeHost(void* ptr, size_t bytes) noexcept override {

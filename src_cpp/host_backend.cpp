@@ -74,6 +74,7 @@ void FaultConfig::Set(const std::string& name, int64_t value) {
   else if (name == "throw_every_nth_copy") throw_every_nth_copy = value;
   else if (name == "alloc_delay_us") alloc_delay_us = value;
   else if (name == "fail_every_nth_alloc") fail_every_nth_alloc = value;
+  else if (name == "report_async") report_async = value;
   else
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "unknown fault setting '" + name + "'");
@@ -85,6 +86,7 @@ int64_t FaultConfig::Get(const std::string& name) const {
   if (name == "throw_every_nth_copy") return throw_every_nth_copy;
   if (name == "alloc_delay_us") return alloc_delay_us;
   if (name == "fail_every_nth_alloc") return fail_every_nth_alloc;
+  if (name == "report_async") return report_async;
   if (name == "copies") return copies;
   if (name == "allocs") return allocs;
   if (name == "copy_failures") return copy_failures;

@@ -25,6 +25,7 @@ struct Stats {
   uint64_t evictions = 0;         // resident entries evicted
   uint64_t wasted = 0;            // evicted after a prefetch, never acquired
   uint64_t copies = 0;            // completed copies
+  uint64_t caller_copies = 0;     // of those, issued by an acquirer itself
   uint64_t copy_errors = 0;       // failed copies
   uint64_t bytes_copied = 0;      // bytes of completed copies
   double copy_seconds = 0;        // worker time spent issuing/doing copies

@@ -8,6 +8,7 @@ import threading
 import time
 
 import numpy as np
+import pytest
 from payload import check, content
 
 import prefetch
@@ -19,10 +20,16 @@ SIZE = 1024
 HANG_S = 120
 
 
-def test_many_threads_one_handle():
+@pytest.mark.parametrize("mode", ["host", "caller-runs"])
+def test_many_threads_one_handle(mode):
     # Budget: 64 slots for 256 ids, so eviction runs all the time; at most
-    # 8 threads x 3 pinned ids can never fill it.
-    h = prefetch.PrefetchHandle(device_budget_bytes=64 * SIZE, backend="host", poison_freed_slots=True)
+    # 8 threads x 3 pinned ids can never fill it. "caller-runs": the fault
+    # backend claims to be asynchronous, so acquirers issue their own
+    # on-demand copies (the CUDA path) while the worker copies prefetches.
+    backend = "host" if mode == "host" else "fault"
+    faults = {"report_async": 1} if mode == "caller-runs" else None
+    h = prefetch.PrefetchHandle(device_budget_bytes=64 * SIZE, backend=backend, faults=faults,
+                                poison_freed_slots=True)
     for tid in range(IDS):
         h.register(tid, content(tid, 0, SIZE))
     counts = [dict(requests=0, acquires=0, cancels=0, stats=0, errors=0) for _ in range(THREADS)]
@@ -83,6 +90,10 @@ def test_many_threads_one_handle():
     assert s["copy_errors"] == 0
     assert s["bytes_copied"] == s["copies"] * SIZE
     assert s["pinned_count"] == 0
+    if mode == "caller-runs":
+        assert s["caller_copies"] > 0  # acquirers really issued copies themselves
+    else:
+        assert s["caller_copies"] == 0
     # Every copy either is still resident or was evicted.
     assert s["copies"] == s["resident_count"] + s["evictions"]
     # Every id that entered a queue left it exactly once (or is still there).

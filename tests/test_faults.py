@@ -145,3 +145,21 @@ def test_fault_settings_are_validated():
     with prefetch.PrefetchHandle(device_budget_bytes=4096, backend="host") as h:
         with pytest.raises(RuntimeError, match="fault"):
             h.set_faults(copy_delay_us=1)
+
+
+def test_caller_runs_on_demand_copies_on_async_backends():
+    # With an async backend the acquirer issues on-demand copies itself: even
+    # with the worker stuck behind a slow prefetch, an acquire of another id
+    # completes at once.
+    with fault_handle(faults={"report_async": 1}) as h:
+        register(h, range(3))
+        h.set_faults(copy_delay_us=0)
+        views = h.acquire([0, 1], timeout=10)
+        check(views[0], 0, 0)
+        check(views[1], 1, 0)
+        s = h.stats()
+        assert s["misses"] == 2 and s["on_demand"] == 2 and s["copies"] == 2 == s["caller_copies"]
+        h.release([0, 1])
+        h.pause()
+        with pytest.raises(TimeoutError, match="paused"):
+            h.acquire([2], timeout=0.05)  # paused means no copies, also by callers

@@ -57,6 +57,8 @@ for step in $steps; do
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
+  # Pack after every step: a run cut short still brings back what it made.
+  tar -czf "$final/results.tgz" -C "$final" raw
 done
-tar -czf "$final/results.tgz" -C "$final" raw && rm -rf "$out"
+rm -rf "$out"
 exit $status

@@ -1,6 +1,8 @@
 // C++-level stress of the queue and cache: T threads hammer one handle with
 // batched prefetches, acquire/verify/release, cancels and evictions, then the
-// counters must reconcile. Usage: stress THREADS OPS_PER_THREAD
+// counters must reconcile. Usage: stress THREADS OPS_PER_THREAD [host|async]
+// ("async": the fault backend claiming to be asynchronous, so acquirers
+// issue their own on-demand copies, as on CUDA).
 // Exit 0 on success; prints the first violation and exits 1 otherwise.
 #include <atomic>
 #include <chrono>
@@ -39,7 +41,16 @@ int main(int argc, char** argv) {
   prefetch::HandleOptions options;
   options.device_budget_bytes = {kSlots * prefetch::AlignSlot(kBytes)};
   options.poison_freed_slots = true;
-  ArcherPrefetchHandle handle(options, std::make_unique<prefetch::HostBackend>());
+  const bool async = argc > 3 && std::strcmp(argv[3], "async") == 0;
+  std::unique_ptr<prefetch::CopyBackend> backend;
+  if (async) {
+    auto config = std::make_shared<prefetch::FaultConfig>();
+    config->report_async = 1;
+    backend = prefetch::MakeFaultBackend(1, config);
+  } else {
+    backend = std::make_unique<prefetch::HostBackend>();
+  }
+  ArcherPrefetchHandle handle(options, std::move(backend));
   std::vector<uint8_t> buf(kBytes);
   for (int64_t id = 0; id < kIds; ++id) {
     for (size_t i = 0; i < kBytes; ++i) buf[i] = Expected(id, i);
@@ -109,6 +120,10 @@ int main(int argc, char** argv) {
   if (s.pinned_count != 0) Fail("pins left", static_cast<long>(s.pinned_count), 0);
   handle.Close();
   if (g_failed) return 1;
+  if (async && s.caller_copies == 0) {
+    std::fprintf(stderr, "FAIL: no caller-run copies in async mode\n");
+    return 1;
+  }
   std::printf("ok threads=%d ops=%d requests=%llu acquires=%llu copies=%llu evictions=%llu\n", threads, ops,
               static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.acquires),
               static_cast<unsigned long long>(s.copies), static_cast<unsigned long long>(s.evictions));
