@@ -14,6 +14,7 @@ cdef extern from "_errors.h":
 
 
 cdef extern from "copy_backend.h" namespace "prefetch" nogil:
+    const uintptr_t kNoStream
     cdef cppclass CCopyBackend "prefetch::CopyBackend":
         const char* Name()
         int DeviceCount()

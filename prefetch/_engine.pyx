@@ -27,6 +27,7 @@ from prefetch._engine cimport (
     CStats,
     MakeBackend,
     MakeFaultBackend,
+    kNoStream,
     kDefaultPrefetchBand,
     kMaxTensorId,
     kNumBands,
@@ -320,15 +321,14 @@ cdef class PrefetchHandle:
         pass
 
     cdef vector[uintptr_t] _streams(self, object stream, bint for_release):
-        """One stream handle per device (0 = none). `stream` is None, one
-        stream (for the device it belongs to; device 0 when that is
-        unknown), or a dict device -> stream. On the CUDA backend a release
-        without a stream for a device uses torch's current stream there, so
-        a slot is never reused under a kernel still reading it."""
+        """One stream handle per device (kNoStream = none; 0 is CUDA's legacy
+        default stream, torch's default stream, and a real one). `stream` is
+        None, one stream (for the device it belongs to; device 0 when that
+        is unknown), or a dict device -> stream. On the CUDA backend a
+        release without a stream for a device uses torch's current stream
+        there, so a slot is never reused under a kernel still reading it."""
         cdef vector[uintptr_t] out
-        out.resize(self.num_devices, 0)
-        if self.backend != "cuda":
-            return out
+        out.resize(self.num_devices, kNoStream)
         if isinstance(stream, dict):
             for device, s in stream.items():
                 d = operator.index(device)
@@ -341,10 +341,10 @@ cdef class PrefetchHandle:
             if d < 0 or d >= self.num_devices:
                 raise ValueError(f"stream is on device {d}, not one of ours")
             out[d] = _stream_handle(stream)
-        if for_release:
+        if for_release and self.backend == "cuda":
             import torch
             for d in range(self.num_devices):
-                if out[d] == 0:
+                if out[d] == kNoStream:
                     out[d] = torch.cuda.current_stream(d).cuda_stream
         return out
 
@@ -527,7 +527,7 @@ cdef class PrefetchHandle:
             raise RuntimeError("fault_counts needs backend='fault'")
         return {
             k: self._faults.get().Get(k.encode())
-            for k in ("copies", "allocs", "copy_failures", "alloc_failures")
+            for k in ("copies", "allocs", "copy_failures", "alloc_failures", "stream_records")
         }
 
     def _debug_fill_cache(self, int value):

@@ -703,8 +703,8 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     slots[i].bytes = e->bytes;
     slots[i].device = e->device;
     if (async && !backend_->Query(e->ready)) {
-      const uintptr_t stream = streams == nullptr ? 0 : streams[e->device];
-      if (stream != 0) {
+      const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
+      if (stream != kNoStream) {
         backend_->StreamWait(stream, e->ready);
       } else {
         cpu_waits.push_back(e->ready);
@@ -752,8 +752,8 @@ void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     mask |= uint64_t{1} << e->device;
-    const uintptr_t stream = streams == nullptr ? 0 : streams[e->device];
-    if (stream != 0 && backend_->IsAsync()) {
+    const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
+    if (stream != kNoStream && backend_->IsAsync()) {
       // Chain the previous holder's use so one token covers every holder.
       if (!backend_->Query(e->last_use)) {
         backend_->StreamWait(stream, e->last_use);

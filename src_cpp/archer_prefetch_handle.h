@@ -122,7 +122,8 @@ class ArcherPrefetchHandle {
   size_t Evict(const int64_t* ids, size_t n);
 
   // Waits until every id is resident and pins it. `streams` (nullptr, or one
-  // per device, 0 = none) names each device's consumer stream: on an async
+  // per device, kNoStream = none; 0 is the legacy default stream, a real
+  // one) names each device's consumer stream: on an async
   // backend an id whose copy is issued but not finished makes its device's
   // stream wait on the GPU instead of blocking the CPU; without a stream the
   // CPU waits for the copy. Writes where each id lives to slots[i].

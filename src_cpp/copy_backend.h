@@ -25,6 +25,9 @@
 namespace prefetch {
 
 using CopyToken = uint64_t;
+// "No consumer stream". Not 0: 0 is CUDA's legacy default stream, which is
+// torch's default stream, and a real stream to wait on and record on.
+constexpr uintptr_t kNoStream = ~uintptr_t{0};
 constexpr int kMaxCopyLanes = 8;  // prefetch streams per device, at most
 constexpr CopyToken kTokenDone = 0;
 
@@ -121,6 +124,7 @@ struct FaultConfig {
   std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
   std::atomic<int64_t> copy_failures{0};        // injected copy failures
   std::atomic<int64_t> alloc_failures{0};       // injected alloc failures
+  std::atomic<int64_t> stream_records{0};       // RecordOnStream calls seen
 
   // By name, for bindings; unknown names throw kInvalidArgument.
   void Set(const std::string& name, int64_t value);
@@ -153,7 +157,10 @@ class FaultBackend final : public CopyBackend {
   void Wait(CopyToken) override {}
   void ReleaseToken(CopyToken) noexcept override {}
   void StreamWait(uintptr_t, CopyToken) override {}
-  CopyToken RecordOnStream(int, uintptr_t) override { return kTokenDone; }
+  CopyToken RecordOnStream(int, uintptr_t) override {
+    ++config_->stream_records;
+    return kTokenDone;
+  }
   void Fill(int device, void* dst, size_t bytes, uint8_t value) override {
     host_.Fill(device, dst, bytes, value);
   }

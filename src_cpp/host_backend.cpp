@@ -91,6 +91,7 @@ int64_t FaultConfig::Get(const std::string& name) const {
   if (name == "allocs") return allocs;
   if (name == "copy_failures") return copy_failures;
   if (name == "alloc_failures") return alloc_failures;
+  if (name == "stream_records") return stream_records;
   throw PrefetchError(ErrorKind::kInvalidArgument,
                       "unknown fault counter '" + name + "'");
 }

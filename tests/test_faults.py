@@ -163,3 +163,21 @@ def test_caller_runs_on_demand_copies_on_async_backends():
         h.pause()
         with pytest.raises(TimeoutError, match="paused"):
             h.acquire([2], timeout=0.05)  # paused means no copies, also by callers
+
+
+def test_stream_zero_is_a_real_stream():
+    # 0 is CUDA's legacy default stream (torch's default stream): a release on
+    # it must record a last-use token, exactly like any other stream; no
+    # stream at all records nothing. (Regression: 0 once meant "no stream",
+    # which made default-stream users wait on the CPU and skip the token.)
+    with fault_handle(faults={"report_async": 1}) as h:
+        register(h, range(2))
+        h.acquire([0, 1], stream=0, timeout=10)
+        h.release([0, 1], stream=0)
+        assert h.fault_counts()["stream_records"] == 2
+        h.acquire([0], timeout=10)
+        h.release([0])
+        assert h.fault_counts()["stream_records"] == 2
+        h.acquire([1], stream={0: 0}, timeout=10)
+        h.release([1], stream={0: 0})
+        assert h.fault_counts()["stream_records"] == 3
