@@ -379,11 +379,7 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
                             IdText(id) + " is still in use on a stream; "
                                          "retry after it synchronises");
       }
-      DropInflightLocked(dev, e);
-      dev->cache->RemoveResident(e);
-      FreeSlotLocked(dev, e);
-      backend_->ReleaseToken(e->ready);
-      backend_->ReleaseToken(e->last_use);
+      DropSlotLocked(dev, e);
     } else if (e->state == EntryState::kQueued) {
       dev->queue.Remove(e);
     }
@@ -401,19 +397,6 @@ bool ArcherPrefetchHandle::IsRegistered(int64_t id) const {
   CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   return !closed_ && LookupLocked(id) != nullptr;
-}
-
-uintptr_t ArcherPrefetchHandle::HostAddress(int64_t id) const {
-  CheckNotForked();
-  CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
-  CheckUsableLocked();
-  Entry* e = LookupLocked(id);
-  if (e == nullptr) {
-    throw PrefetchError(ErrorKind::kUnknownId,
-                        IdText(id) + " is not registered");
-  }
-  return reinterpret_cast<uintptr_t>(e->host_ptr);
 }
 
 // ---------------------------------------------------------------- prefetch
@@ -781,13 +764,17 @@ void ArcherPrefetchHandle::FreeSlotLocked(DeviceState* dev, Entry* e) {
   dev->cache->Free(e->slot_offset, e->slot_bytes);
 }
 
-void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
+void ArcherPrefetchHandle::DropSlotLocked(DeviceState* dev, Entry* e) {
   DropInflightLocked(dev, e);
   dev->cache->RemoveResident(e);
   FreeSlotLocked(dev, e);
   backend_->ReleaseToken(e->ready);
   backend_->ReleaseToken(e->last_use);
   e->ready = e->last_use = kTokenDone;
+}
+
+void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
+  DropSlotLocked(dev, e);
   e->state = EntryState::kHost;
   ++stats_.evictions;
   if (e->prefetched_unused) ++stats_.wasted;

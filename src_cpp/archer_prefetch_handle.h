@@ -104,8 +104,6 @@ class ArcherPrefetchHandle {
   // Forgets `id` and frees its memory. REQUIRES: not acquired, not copying.
   void UnregisterTensor(int64_t id);
   bool IsRegistered(int64_t id) const;
-  // Host address of a registered tensor's bytes (engine-owned).
-  uintptr_t HostAddress(int64_t id) const;
 
   // Prefetch at `priority` (0..kNumBands-1). All ids are validated first:
   // one unknown id throws kUnknownId and nothing is enqueued.
@@ -172,6 +170,9 @@ class ArcherPrefetchHandle {
   void CopyEntryLocked(DeviceState* dev, Entry* e,
                        std::unique_lock<std::mutex>& lk);
   bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events);
+  // A resident entry leaves the cache: policy, slot, in-flight list, tokens.
+  void DropSlotLocked(DeviceState* dev, Entry* e);
+  // DropSlotLocked, counted as an eviction (and as waste if never acquired).
   void EvictLocked(DeviceState* dev, Entry* e);
   void RetireInflightLocked(DeviceState* dev);
   void DropInflightLocked(DeviceState* dev, Entry* e);
