@@ -35,7 +35,7 @@ def test_cpu_suite_under_sanitizer(mode, tmp_path):
         text=True,
         timeout=1800,
     )
-    tail = (proc.stdout + proc.stderr)[-6000:]
+    tail = (proc.stdout[-3000:] + "\n" + proc.stderr)[-12000:]
     assert proc.returncode == 0, tail
     assert "Sanitizer" not in proc.stderr, tail
     assert " passed" in proc.stdout, tail
