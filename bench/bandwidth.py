@@ -145,6 +145,69 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
     }
 
 
+def measure_devices(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk_bytes: int, lanes: int,
+                    ndev: int) -> dict:
+    """All `ndev` devices prefetching at once through one handle (per-device
+    caches, queues, streams and workers): aggregate host-clock throughput of
+    prefetch + CPU-blocking acquire of every id, against the sum of each
+    device's raw copy_ bandwidth measured alone in the same run, with a
+    byte-exact check of every entry on every device."""
+    raw_each = []
+    for d in range(ndev):
+        with torch.cuda.device(d):
+            src = torch.randint(0, 256, (count, entry_bytes), dtype=torch.uint8, device=d).cpu().pin_memory()
+            dst = torch.empty((count, entry_bytes), dtype=torch.uint8, device=d)
+            stream = torch.cuda.Stream(device=d)
+            samples = []
+            for _ in range(reps + 1):
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                torch.cuda.synchronize(d)
+                with torch.cuda.stream(stream):
+                    start.record()
+                    for i in range(count):
+                        dst[i].copy_(src[i], non_blocking=True)
+                    end.record()
+                end.synchronize()
+                samples.append(gbps(count * entry_bytes, start.elapsed_time(end) / 1e3))
+            raw_each.append(statistics.median(samples[1:]))
+            del dst
+    slot = (entry_bytes + 255) // 256 * 256
+    handle = prefetch.PrefetchHandle(device_budget_bytes=[slot * count] * ndev, backend="cuda",
+                                     copy_chunk_bytes=chunk_bytes, copy_lanes=lanes)
+    sources = []
+    try:
+        for d in range(ndev):
+            src = torch.randint(0, 256, (count, entry_bytes), dtype=torch.uint8, device=d).cpu().pin_memory()
+            sources.append(src)
+            for i in range(count):
+                handle.register_external(d * count + i, src[i], device=d)
+        ids = list(range(ndev * count))
+        aggregate = []
+        for rep in range(reps + 1):
+            for d in range(ndev):
+                torch.cuda.synchronize(d)
+            handle.evict(ids)
+            t0 = time.perf_counter()
+            handle.prefetch_tensors(ids)
+            views = handle.acquire(ids)
+            t1 = time.perf_counter()
+            if rep == 0:
+                for tid, v in zip(ids, views):
+                    d, i = divmod(tid, count)
+                    if v.device.index != d or not torch.equal(v.cpu(), sources[d][i]):
+                        raise RuntimeError(f"multi-device copy mismatch for id {tid} on device {d}")
+            handle.release(ids)
+            del views
+            if rep > 0:
+                aggregate.append(gbps(ndev * count * entry_bytes, t1 - t0))
+    finally:
+        handle.close()
+    agg = statistics.median(aggregate)
+    return {"entry_mib": entry_bytes / MIB, "devices": ndev, "entries_per_device": count,
+            "raw_per_device_gbps": raw_each, "raw_sum_gbps": sum(raw_each), "engine_aggregate_gbps": agg,
+            "aggregate_over_raw_sum": agg / sum(raw_each), "byte_exact": True, "aggregate_samples_gbps": aggregate}
+
+
 def format_table(report: dict) -> str:
     lines = [
         f"H2D bandwidth ({report['reps']} reps, median; chunk {report['chunk_mib']} MiB, "
@@ -175,8 +238,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--chunk-mib", type=float, default=4)
     parser.add_argument("--lanes", type=int, default=2, help="engine copy lanes (prefetch streams) per device")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="with N > 1: all N devices prefetch at once (aggregate vs sum of raw)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.devices > 1:
+        return main_devices(args)
     rows = []
     ok = True
     try:
@@ -207,6 +274,37 @@ def main(argv=None) -> int:
     print(format_table(report))
     if args.json:
         write_json(args.json, report)
+    return 0 if ok else 1
+
+
+def main_devices(args) -> int:
+    import torch
+
+    import prefetch
+
+    if not torch.cuda.is_available() or torch.cuda.device_count() < args.devices:
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        print(f"--devices {args.devices}: found {found} CUDA devices; not measured", file=sys.stderr)
+        rows = [{"entry_mib": size, "engine_aggregate_gbps": None, "raw_sum_gbps": None} for size in args.sizes_mib]
+        ok = False
+    else:
+        rows = []
+        for size in args.sizes_mib:
+            entry = int(size * MIB)
+            count = max(4, int(args.total_mib * MIB // entry))
+            rows.append(measure_devices(torch, prefetch, entry, count, args.reps, int(args.chunk_mib * MIB),
+                                        args.lanes, args.devices))
+        ok = True
+    lines = [f"H2D bandwidth, {args.devices} devices at once ({args.reps} reps, median)",
+             f"{'entry MiB':>10}{'raw sum GB/s':>14}{'engine agg GB/s':>17}{'agg/raw sum':>13}"]
+    for r in rows:
+        ratio = None if r.get("aggregate_over_raw_sum") is None else 100 * r["aggregate_over_raw_sum"]
+        lines.append(f"{r['entry_mib']:>10.1f}{fmt(r.get('raw_sum_gbps')):>14}{fmt(r.get('engine_aggregate_gbps')):>17}"
+                     f"{(fmt(ratio, 1) + '%') if ratio is not None else 'null':>13}")
+    print("\n".join(lines))
+    if args.json:
+        write_json(args.json, {"benchmark": "H2D bandwidth, multi-device", "machine": machine_info(),
+                               "devices": args.devices, "rows": rows})
     return 0 if ok else 1
 
 

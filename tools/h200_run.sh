@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: any of tox bm2 bandwidth overlap (default: all). Wheels for tox are
+# steps: tox bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu overlap
+# e2e soak sanitizer (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -33,6 +34,8 @@ for step in $steps; do
       python3 bench/bandwidth.py --json "$out/bandwidth.json" 2>&1 | tee "$out/bandwidth.txt" ;;
     bandwidth16)
       python3 bench/bandwidth.py --chunk-mib 16 --json "$out/bandwidth_chunk16.json" 2>&1 | tee "$out/bandwidth_chunk16.txt" ;;
+    bandwidth2gpu)
+      python3 bench/bandwidth.py --devices 2 --json "$out/bandwidth_2gpu.json" 2>&1 | tee "$out/bandwidth_2gpu.txt" ;;
     bandwidth1lane)
       python3 bench/bandwidth.py --lanes 1 --json "$out/bandwidth_1lane.json" 2>&1 | tee "$out/bandwidth_1lane.txt" ;;
     e2e)
