@@ -142,4 +142,5 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         void Pause() except +prefetch_raise_py_error
         void Resume() except +prefetch_raise_py_error
         CStats GetStats() except +prefetch_raise_py_error
+        uint64_t LastBatchNs() except +prefetch_raise_py_error
         void Close() except +prefetch_raise_py_error

@@ -669,7 +669,7 @@ cdef class PrefetchHandle:
         """Nanoseconds the engine spent in the last batched prefetch call
         (its own steady-clock timer)."""
         self._check_open()
-        return self._c.GetStats().last_batch_ns
+        return self._c.LastBatchNs()
 
     @property
     def closed(self):

@@ -203,6 +203,20 @@ void ArcherPrefetchHandle::ValidateIdsLocked(const int64_t* ids,
   }
 }
 
+void ArcherPrefetchHandle::PinLocked(Entry* e) {
+  if (e->pins++ == 0) ++pinned_entries_;
+}
+
+void ArcherPrefetchHandle::UnpinOneLocked(Entry* e) {
+  if (--e->pins == 0) --pinned_entries_;
+}
+
+uint64_t ArcherPrefetchHandle::LastBatchNs() const {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  return stats_.last_batch_ns;
+}
+
 void ArcherPrefetchHandle::WakeWorkersLocked(uint64_t device_mask) {
   while (device_mask != 0) {
     const int d = __builtin_ctzll(device_mask);
@@ -219,7 +233,7 @@ void ArcherPrefetchHandle::UnpinLocked(const int64_t* ids, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     if (e != nullptr && e->pins > 0) {
-      --e->pins;
+      UnpinOneLocked(e);
       mask |= uint64_t{1} << e->device;
     }
   }
@@ -577,7 +591,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   size_t kept_error_at = n;
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
-    ++e->pins;
+    PinLocked(e);
     ++stats_.acquires;
     error_seq[i] = e->error_seq;
     const bool complete = e->state == EntryState::kResident &&
@@ -724,12 +738,12 @@ void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     if (e->pins <= 0) {
-      for (size_t j = 0; j < i; ++j) ++LookupLocked(ids[j])->pins;
+      for (size_t j = 0; j < i; ++j) PinLocked(LookupLocked(ids[j]));
       throw PrefetchError(ErrorKind::kState,
                           IdText(ids[i]) + " is not acquired (release "
                                            "without a matching acquire)");
     }
-    --e->pins;
+    UnpinOneLocked(e);
   }
   uint64_t mask = 0;
   for (size_t i = 0; i < n; ++i) {
@@ -1038,11 +1052,7 @@ Stats ArcherPrefetchHandle::GetStats() const {
   }
   s.registered = registered_;
   s.registered_bytes = registered_bytes_;
-  ForEachEntryLocked(
-      [](Entry* e, void* ctx) {
-        if (e->pins > 0) ++static_cast<Stats*>(ctx)->pinned_count;
-      },
-      &s);
+  s.pinned_count = pinned_entries_;
   return s;
 }
 
@@ -1099,6 +1109,7 @@ void ArcherPrefetchHandle::FreeEverythingLocked() {
       },
       backend_.get());
   pages_.clear();
+  pinned_entries_ = 0;
   registered_ = 0;
   registered_bytes_ = 0;
   for (auto& dev : devices_) {

@@ -145,6 +145,9 @@ class ArcherPrefetchHandle {
   void Pause();
   void Resume();
   Stats GetStats() const;
+  // The engine's own duration of the last batched enqueue, without copying
+  // the whole Stats (BM2's cpp-internal figure).
+  uint64_t LastBatchNs() const;
   // Cancels the queue, wakes waiters with kClosed, joins workers, frees
   // memory. Bounded by one copy chunk per worker; idempotent.
   void Close();
@@ -192,6 +195,9 @@ class ArcherPrefetchHandle {
   void ResolveIdsLocked(const int64_t* ids, size_t n);
   void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const;
   void UnpinLocked(const int64_t* ids, size_t n);
+  // Pin-count changes that keep pinned_entries_ exact.
+  void PinLocked(Entry* e);
+  void UnpinOneLocked(Entry* e);
   void FreeEverythingLocked();
   // Returns a slot to the cache, poisoning it first when asked to.
   void FreeSlotLocked(DeviceState* dev, Entry* e);
@@ -217,6 +223,7 @@ class ArcherPrefetchHandle {
   // Entries of the batched call being validated (reused, grows only).
   std::vector<Entry*> batch_scratch_;
   size_t registered_ = 0;        // entries in the registry
+  size_t pinned_entries_ = 0;    // entries with pins > 0
   size_t registered_bytes_ = 0;  // their bytes
   bool paused_ = false;
   bool stop_ = false;     // workers must exit
