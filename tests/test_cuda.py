@@ -21,6 +21,20 @@ pytestmark = pytest.mark.gpu
 # ~0.2 s at H200 clocks; raise it (PREFETCH_TEST_SPIN_CYCLES) under tools that
 # slow the host side down, such as compute-sanitizer.
 SPIN_CYCLES = int(os.environ.get("PREFETCH_TEST_SPIN_CYCLES", 400_000_000))
+# Under tools that slow the host down a lot (compute-sanitizer), a spin can end
+# before the test looks; PREFETCH_TEST_UNDER_TOOL=1 turns that precondition
+# failure into a skip there. Normal runs keep it a failure: there it can mean
+# the engine blocked the CPU until the GPU work was done.
+UNDER_TOOL = os.environ.get("PREFETCH_TEST_UNDER_TOOL") == "1"
+
+
+def require_still_running(stream, what: str) -> None:
+    if not stream.query():
+        return
+    message = f"{what} ended before the test looked: the ordering was not exercised"
+    if UNDER_TOOL:
+        pytest.skip(message)
+    raise AssertionError(message)
 
 
 def cuda_handle(**kwargs):
@@ -100,7 +114,8 @@ def test_use_before_arrival_waits_on_the_gpu():
         with torch.cuda.stream(consumer):
             out = view.clone()  # the reader
         h.release([0], stream=consumer)
-        assert gate_busy, "the spin kernel ended before acquire: the test proved nothing"
+        if not gate_busy:
+            require_still_running(gate, "the spin kernel")
         assert h.stats()["late"] == 1  # acquired while the copy was in flight
         assert acquire_s < 0.1  # no CPU block on the in-flight copy
         consumer.synchronize()
@@ -138,7 +153,7 @@ def test_evicted_slot_is_not_overwritten_while_still_read():
         h.release([0], stream=reader)  # released at once
         h.prefetch_tensors([1])  # wants the only slot
         time.sleep(0.02)
-        assert not reader.query()
+        require_still_running(reader, "the reader's spin kernel")
         assert h.resident() == [0]  # not evicted while the stream reads it
         reader.synchronize()
         assert torch.equal(out.cpu(), a)

@@ -49,7 +49,7 @@ for step in $steps; do
       if compute-sanitizer --version >/dev/null 2>&1; then
         for tool in ${CSAN_TOOLS:-memcheck synccheck initcheck}; do
           echo "== compute-sanitizer --tool $tool"
-          PREFETCH_TEST_SPIN_CYCLES=${CSAN_SPIN:-4000000000} timeout "${CSAN_TIMEOUT:-170}" compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
+          PREFETCH_TEST_UNDER_TOOL=1 PREFETCH_TEST_SPIN_CYCLES=${CSAN_SPIN:-4000000000} timeout "${CSAN_TIMEOUT:-170}" compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
             python3 -m pytest -q -x -p no:cacheprovider tests/test_cuda.py -k "${CSAN_TESTS:-not leak}" 2>&1 | tail -15 | tee "$out/csan_$tool.txt"
           echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan_$tool.txt"
         done
