@@ -110,7 +110,19 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
   paused_ = options.start_paused;
   for (auto& dev : devices_) {
     DeviceState* raw = dev.get();
-    dev->worker = std::thread([this, raw] { WorkerLoop(raw); });
+    dev->worker = std::thread([this, raw] {
+      // Nothing may escape a thread (std::terminate). The loop catches what
+      // the backend throws; this is the last line for anything else (an
+      // allocation failure): the worker stops, acquirers of its device time
+      // out with a clear error instead of the process dying.
+      try {
+        WorkerLoop(raw);
+      } catch (...) {
+        std::lock_guard<std::mutex> lk(mu_);
+        raw->worker_failed = true;
+        ready_cv_.notify_all();
+      }
+    });
   }
 }
 
@@ -677,6 +689,9 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
       failure = "acquire timed out after " + std::to_string(timeout_s) +
                 " s waiting for " + IdText(pending->id) + " (" +
                 StateName(pending->state) + (paused_ ? ", workers paused" : "") +
+                (devices_[pending->device]->worker_failed
+                     ? ", the copy worker of its device failed"
+                     : "") +
                 "; the cache of device " + std::to_string(pending->device) +
                 " may be full of acquired tensors)";
     }
@@ -692,6 +707,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   }
 
   std::vector<CopyToken> cpu_waits;
+  std::string stream_error;
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     e->prefetched_unused = false;
@@ -699,14 +715,24 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     slots[i].offset = e->slot_offset;
     slots[i].bytes = e->bytes;
     slots[i].device = e->device;
-    if (async && !backend_->Query(e->ready)) {
+    if (async && stream_error.empty() && !backend_->Query(e->ready)) {
       const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
-      if (stream != kNoStream) {
-        backend_->StreamWait(stream, e->ready);
-      } else {
+      if (stream == kNoStream) {
         cpu_waits.push_back(e->ready);
+        continue;
+      }
+      try {
+        backend_->StreamWait(stream, e->ready);
+      } catch (const std::exception& ex) {
+        stream_error = ex.what();
       }
     }
+  }
+  if (!stream_error.empty()) {  // nothing stays pinned, Close is not held up
+    UnpinLocked(ids, n);
+    --active_calls_;
+    if (active_calls_ == 0) idle_cv_.notify_all();
+    throw PrefetchError(ErrorKind::kCopyFailed, stream_error);
   }
   lk.unlock();
   // Pinned entries keep their tokens (Note [Completion tokens]).

@@ -63,7 +63,9 @@ class CopyBackend {
   virtual CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
                          bool urgent, int lane, bool want_token) = 0;
 
-  // Token bookkeeping (see Note [Completion tokens]).
+  // Token bookkeeping (see Note [Completion tokens]). Query must not throw:
+  // the engine calls it under its lock on worker threads; a backend that
+  // cannot tell reports the token done and lets Wait raise.
   virtual bool Query(CopyToken token) = 0;
   virtual void Wait(CopyToken token) = 0;
   virtual void ReleaseToken(CopyToken token) noexcept = 0;

@@ -242,13 +242,18 @@ class CudaBackend final : public CopyBackend {
     return Record(device, stream);
   }
 
+  // Never throws (the engine queries under its lock, also on worker
+  // threads): an error, a sticky context failure say, counts as done so
+  // nothing waits forever on it; Wait reports it.
   bool Query(CopyToken token) override {
     if (token == kTokenDone) return true;
-    // An error (a sticky context failure) counts as done so nothing waits
-    // forever on it; Wait reports it.
     Token* t = AsToken(token);
-    ContextGuard guard(this, t->device);
-    return api_.cuEventQuery(t->event) != kCudaErrorNotReady;
+    try {
+      ContextGuard guard(this, t->device);
+      return api_.cuEventQuery(t->event) != kCudaErrorNotReady;
+    } catch (...) {
+      return true;
+    }
   }
 
   void Wait(CopyToken token) override {
