@@ -124,10 +124,12 @@ class Model:
 
 
 class EngineMachine(RuleBasedStateMachine):
+    handle_options: dict = {"backend": "host"}
+
     def __init__(self):
         super().__init__()
         self.h = prefetch.PrefetchHandle(
-            device_budget_bytes=CAPACITY * SIZE, backend="host", start_paused=True, poison_freed_slots=True
+            device_budget_bytes=CAPACITY * SIZE, start_paused=True, poison_freed_slots=True, **self.handle_options
         )
         self.m = Model()
         self.held = []  # acquired ids (with repeats), in acquire order
@@ -314,16 +316,28 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.h.resident() == self.m.lru
         assert self.h.queued() == self.m.queue
         assert set(self.m.pinned()) <= set(self.m.lru)  # acquired ids are resident
+        if "faults" in self.handle_options and s["on_demand"] > 0:
+            assert 0 < s["caller_copies"] <= s["on_demand"]  # the async path really ran
 
 
-EngineMachine.TestCase.settings = settings(
+class CallerRunsMachine(EngineMachine):
+    """The same model against the async code path: the fault backend claims
+    to be asynchronous, so acquirers issue their own on-demand copies."""
+
+    handle_options = {"backend": "fault", "faults": {"report_async": 1}}
+
+
+SETTINGS = settings(
     max_examples=int(__import__("os").environ.get("PREFETCH_STATEFUL_EXAMPLES", "200")),
     stateful_step_count=50,
     derandomize=True,
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
+EngineMachine.TestCase.settings = SETTINGS
+CallerRunsMachine.TestCase.settings = SETTINGS
 TestEngineStateMachine = EngineMachine.TestCase
+TestCallerRunsStateMachine = CallerRunsMachine.TestCase
 
 
 def test_model_payload_never_zero():
