@@ -31,7 +31,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.common import fmt, machine_info, raw_copy_gbps, write_json  # noqa: E402
 
 MIB = 1 << 20
 
@@ -49,25 +49,8 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
     dst = torch.empty((count, entry_bytes), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
 
-    streams = [stream, torch.cuda.Stream()]
-
-    def raw_pass(n_streams: int, dst) -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record(stream)
-        for s in streams[1:n_streams]:
-            s.wait_event(start)
-        for i in range(count):
-            with torch.cuda.stream(streams[i % n_streams]):
-                dst[i].copy_(src[i], non_blocking=True)
-        for s in streams[1:n_streams]:
-            stream.wait_stream(s)
-        end.record(stream)
-        end.synchronize()
-        return gbps(total, start.elapsed_time(end) / 1e3)
-
-    raw = [raw_pass(1, dst) for _ in range(reps + 1)][1:]  # first rep warms up
-    raw2 = [raw_pass(2, dst) for _ in range(reps + 1)][1:]
+    raw = raw_copy_gbps(torch, src, dst, [stream], reps)
+    raw2 = raw_copy_gbps(torch, src, dst, [stream, torch.cuda.Stream()], reps)
     if not torch.equal(dst, src.cuda()):
         raise RuntimeError("raw copy mismatch")
     del dst
@@ -157,19 +140,7 @@ def measure_devices(torch, prefetch, entry_bytes: int, count: int, reps: int, ch
         with torch.cuda.device(d):
             src = torch.randint(0, 256, (count, entry_bytes), dtype=torch.uint8, device=d).cpu().pin_memory()
             dst = torch.empty((count, entry_bytes), dtype=torch.uint8, device=d)
-            stream = torch.cuda.Stream(device=d)
-            samples = []
-            for _ in range(reps + 1):
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                torch.cuda.synchronize(d)
-                with torch.cuda.stream(stream):
-                    start.record()
-                    for i in range(count):
-                        dst[i].copy_(src[i], non_blocking=True)
-                    end.record()
-                end.synchronize()
-                samples.append(gbps(count * entry_bytes, start.elapsed_time(end) / 1e3))
-            raw_each.append(statistics.median(samples[1:]))
+            raw_each.append(statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream(device=d)], reps)))
             del dst
     slot = (entry_bytes + 255) // 256 * 256
     handle = prefetch.PrefetchHandle(device_budget_bytes=[slot * count] * ndev, backend="cuda",

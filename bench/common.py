@@ -47,3 +47,28 @@ def write_json(path: str, report: dict) -> None:
 
 def fmt(value, digits: int = 2) -> str:
     return "null" if value is None else f"{value:.{digits}f}"
+
+
+def raw_copy_gbps(torch, src, dst, streams, reps: int) -> list:
+    """Raw host-to-device bandwidth the plain-PyTorch way: copy_(non_blocking=
+    True) of each row of pinned `src` into the same row of `dst`, rows taking
+    `streams` in turn, timed with CUDA events from the first stream. One GB/s
+    figure per rep, after one warm-up rep that is dropped."""
+    total = src.numel() * src.element_size()
+    first = streams[0]
+    out = []
+    for _ in range(reps + 1):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize(dst.device)
+        start.record(first)
+        for s in streams[1:]:
+            s.wait_event(start)
+        for i in range(src.shape[0]):
+            with torch.cuda.stream(streams[i % len(streams)]):
+                dst[i].copy_(src[i], non_blocking=True)
+        for s in streams[1:]:
+            first.wait_stream(s)
+        end.record(first)
+        end.synchronize()
+        out.append(total / (start.elapsed_time(end) / 1e3) / 1e9)
+    return out[1:]

@@ -44,7 +44,7 @@ from collections import OrderedDict
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.common import fmt, machine_info, raw_copy_gbps, write_json  # noqa: E402
 
 MODELS = {
     "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
@@ -279,19 +279,7 @@ class ByHandProvider:
 def raw_h2d_gbps(torch, nbytes_each: int, count: int = 64) -> float:
     src = torch.empty((count, nbytes_each), dtype=torch.uint8, pin_memory=True).fill_(7)
     dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device="cuda")
-    stream = torch.cuda.Stream()
-    best = []
-    for _ in range(4):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        with torch.cuda.stream(stream):
-            start.record()
-            for i in range(count):
-                dst[i].copy_(src[i], non_blocking=True)
-            end.record()
-        end.synchronize()
-        best.append(count * nbytes_each / (start.elapsed_time(end) / 1e3) / 1e9)
-    return statistics.median(best[1:])
+    return statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream()], reps=3))
 
 
 def make_provider(dec, policy, budget, trace):
