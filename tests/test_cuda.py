@@ -92,16 +92,23 @@ def test_byte_exact_after_prefetch(dtype, shapes):
         pf.release_experts(0, [3, 1, 0, 2], stream=stream)
 
 
+def stalled_copy_setup(h):
+    """Registers 8 MiB of random bytes as id 0, poisons the cache, and stalls
+    the handle's copy streams behind a spin kernel on a gate stream. Returns
+    (data, gate)."""
+    data = torch.randint(0, 256, (8 << 20,), dtype=torch.uint8, device="cuda").cpu()
+    h.register(0, data)
+    h._debug_fill_cache(0)
+    gate = torch.cuda.Stream()
+    with torch.cuda.stream(gate):
+        torch.cuda._sleep(SPIN_CYCLES)  # no copy can start before this ends
+    h._debug_hold_copies(gate)
+    return data, gate
+
+
 def test_use_before_arrival_waits_on_the_gpu():
-    n = 8 << 20
-    data = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda").cpu()
     with cuda_handle(device_budget_bytes=64 << 20) as h:
-        h.register(0, data)
-        h._debug_fill_cache(0)
-        gate = torch.cuda.Stream()
-        with torch.cuda.stream(gate):
-            torch.cuda._sleep(SPIN_CYCLES)  # the copy cannot start before this ends
-        h._debug_hold_copies(gate)
+        data, gate = stalled_copy_setup(h)
         h.prefetch_tensors([0])
         deadline = time.monotonic() + 10
         while h.stats()["copies"] == 0 and time.monotonic() < deadline:
@@ -110,12 +117,10 @@ def test_use_before_arrival_waits_on_the_gpu():
         t0 = time.monotonic()
         (view,) = h.acquire([0], stream=consumer)
         acquire_s = time.monotonic() - t0
-        gate_busy = not gate.query()
+        require_still_running(gate, "the spin kernel")  # else the copy had already landed
         with torch.cuda.stream(consumer):
             out = view.clone()  # the reader
         h.release([0], stream=consumer)
-        if not gate_busy:
-            require_still_running(gate, "the spin kernel")
         assert h.stats()["late"] == 1  # acquired while the copy was in flight
         assert acquire_s < 0.1  # no CPU block on the in-flight copy
         consumer.synchronize()
@@ -123,15 +128,8 @@ def test_use_before_arrival_waits_on_the_gpu():
 
 
 def test_cpu_blocking_acquire_waits_for_bytes():
-    n = 8 << 20
-    data = torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda").cpu()
     with cuda_handle(device_budget_bytes=64 << 20) as h:
-        h.register(0, data)
-        h._debug_fill_cache(0)
-        gate = torch.cuda.Stream()
-        with torch.cuda.stream(gate):
-            torch.cuda._sleep(SPIN_CYCLES)
-        h._debug_hold_copies(gate)
+        data, gate = stalled_copy_setup(h)
         (view,) = h.acquire([0])  # no stream: the CPU waits for arrival
         assert gate.query()
         assert torch.equal(view.cpu(), data)
