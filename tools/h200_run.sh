@@ -2,7 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu overlap
-# e2e soak sanitizer (default: tox bm2 bandwidth overlap). Wheels for tox are
+# e2e soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -28,8 +28,9 @@ for step in $steps; do
     tox)
       python3 -m tox -e gpu -- -ra -q tests -m "not sanitizer" 2>&1 | tee "$out/tox_gpu.log" | tail -40 || status=1 ;;
     bm2)
-      python3 bench/issuance.py --backend host --json "$out/bm2_host.json" 2>&1 | tee "$out/bm2_host.txt"
-      python3 bench/issuance.py --backend cuda --json "$out/bm2_cuda.json" 2>&1 | tee "$out/bm2_cuda.txt" ;;
+      bm2_args="--warmup ${BM2_WARMUP:-20} --iterations ${BM2_ITERS:-200}"
+      python3 bench/issuance.py --backend host $bm2_args --json "$out/bm2_host.json" 2>&1 | tee "$out/bm2_host.txt"
+      python3 bench/issuance.py --backend cuda $bm2_args --json "$out/bm2_cuda.json" 2>&1 | tee "$out/bm2_cuda.txt" ;;
     bandwidth)
       python3 bench/bandwidth.py --json "$out/bandwidth.json" 2>&1 | tee "$out/bandwidth.txt" ;;
     bandwidth16)
@@ -42,6 +43,12 @@ for step in $steps; do
       python3 bench/e2e.py --warmup "${E2E_WARMUP:-2}" --steps "${E2E_STEPS:-8}" --train 2 \
         --budget-s "${E2E_BUDGET_S:-300}" --json "$out/e2e.json" --plots "$out/plots" \
         --trace-out "$out/traces" 2>"$out/e2e.log" | tee "$out/e2e.txt" || status=1 ;;
+    toxsoak)
+      python3 -m tox -e gpu-soak -- --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>&1 | tee "$out/soak.txt" | tail -30 || status=1 ;;
+    toxcsan)
+      # The whole GPU suite under memcheck, synccheck and initcheck, as tox runs it.
+      timeout "${CSAN_TIMEOUT:-540}" python3 -m tox -e gpu-csan 2>&1 | tee "$out/csan.txt" | grep -E "ERROR SUMMARY|passed|failed|error|gpu-csan" | tail -30
+      echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan.txt" ;;
     soak)
       python3 tools/soak.py --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>"$out/soak.log" | tee "$out/soak.txt" || status=1 ;;
     sanitizer)
