@@ -208,6 +208,11 @@ cdef class PrefetchHandle:
     anywhere), ``"cuda"`` or ``"auto"`` (CUDA when the driver and a device
     are present, else host). ``"fault"`` is the host backend with injectable
     faults for tests (``faults={...}``, see ``set_faults``).
+    ``eviction_policy`` is ``"lru"`` (least recently used first) or
+    ``"cyclic"`` (for decode loops that acquire once per layer in a fixed
+    order: the most recently used entry goes first, prefetched entries not yet
+    acquired last, unless 8 acquire calls passed them by; see Note [Cyclic
+    eviction] in src_cpp/device_cache.h).
     ``poison_freed_slots=True`` fills every freed cache slot with 0xDB, so a
     reader of stale bytes sees them.
     """

@@ -499,7 +499,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
       case EntryState::kCopying:
         break;
       case EntryState::kResident:
-        devices_[e->device]->cache->policy().OnTouch(e);
+        devices_[e->device]->cache->policy().OnRequest(e);
         ++touched;
         break;
     }
@@ -597,6 +597,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   std::unique_lock<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
+  for (auto& dev : devices_) dev->cache->policy().OnAcquireCall();
   const bool async = backend_->IsAsync();
   std::vector<uint64_t> error_seq(n);
   uint64_t wake_mask = 0;
@@ -711,7 +712,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     e->prefetched_unused = false;
-    devices_[e->device]->cache->policy().OnTouch(e);
+    devices_[e->device]->cache->policy().OnUse(e);
     slots[i].offset = e->slot_offset;
     slots[i].bytes = e->bytes;
     slots[i].device = e->device;

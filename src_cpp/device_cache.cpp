@@ -4,52 +4,103 @@
 
 namespace prefetch {
 
-void LruPolicy::OnInsert(Entry* e) {
+void EntryList::PushNewest(Entry* e) {
   e->lru_next = nullptr;
-  e->lru_prev = newest_;
-  if (newest_ != nullptr) {
-    newest_->lru_next = e;
+  e->lru_prev = newest;
+  if (newest != nullptr) {
+    newest->lru_next = e;
   } else {
-    oldest_ = e;
+    oldest = e;
   }
-  newest_ = e;
+  newest = e;
 }
 
-void LruPolicy::OnRemove(Entry* e) {
+void EntryList::Unlink(Entry* e) {
   if (e->lru_prev != nullptr) {
     e->lru_prev->lru_next = e->lru_next;
   } else {
-    oldest_ = e->lru_next;
+    oldest = e->lru_next;
   }
   if (e->lru_next != nullptr) {
     e->lru_next->lru_prev = e->lru_prev;
   } else {
-    newest_ = e->lru_prev;
+    newest = e->lru_prev;
   }
   e->lru_prev = e->lru_next = nullptr;
 }
 
-void LruPolicy::OnTouch(Entry* e) {
-  if (newest_ == e) return;
-  OnRemove(e);
-  OnInsert(e);
+void LruPolicy::Touch(Entry* e) {
+  if (list_.newest == e) return;
+  list_.Unlink(e);
+  list_.PushNewest(e);
 }
 
 Entry* LruPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
-  for (Entry* e = oldest_; e != nullptr; e = e->lru_next) {
+  for (Entry* e = list_.oldest; e != nullptr; e = e->lru_next) {
     if (evictable(e, ctx)) return e;
   }
   return nullptr;
 }
 
 void LruPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
-  for (Entry* e = oldest_; e != nullptr; e = e->lru_next) fn(e, ctx);
+  for (Entry* e = list_.oldest; e != nullptr; e = e->lru_next) fn(e, ctx);
+}
+
+void CyclicPolicy::OnInsert(Entry* e) {
+  e->policy_used = false;
+  e->policy_stamp = clock_;
+  fresh_.PushNewest(e);
+}
+
+void CyclicPolicy::OnRemove(Entry* e) {
+  (e->policy_used ? used_ : fresh_).Unlink(e);
+}
+
+void CyclicPolicy::OnRequest(Entry* e) {
+  // Asked for again: the next layers will read it.
+  OnRemove(e);
+  OnInsert(e);
+}
+
+void CyclicPolicy::OnUse(Entry* e) {
+  OnRemove(e);
+  e->policy_used = true;
+  used_.PushNewest(e);
+}
+
+// Note [Cyclic eviction]: stale fresh oldest first, then used newest first,
+// then fresh oldest first. Both walks visit each entry once.
+Entry* CyclicPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+  for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
+    if (evictable(e, ctx)) return e;
+  }
+  for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) {
+    if (evictable(e, ctx)) return e;
+  }
+  for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
+    if (!Stale(e) && evictable(e, ctx)) return e;
+  }
+  return nullptr;
+}
+
+void CyclicPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
+    fn(e, ctx);
+  }
+  for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) fn(e, ctx);
+  for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
+    if (!Stale(e)) fn(e, ctx);
+  }
 }
 
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name) {
   if (name == "lru") return std::make_unique<LruPolicy>();
+  if (name == "cyclic") {
+    return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires);
+  }
   throw PrefetchError(ErrorKind::kInvalidArgument,
-                      "unknown eviction policy '" + name + "' (known: lru)");
+                      "unknown eviction policy '" + name +
+                          "' (known: lru, cyclic)");
 }
 
 DeviceCache::DeviceCache(char* arena, size_t budget_bytes,

@@ -33,35 +33,89 @@ inline size_t AlignSlot(size_t bytes) {
 }
 
 // Orders resident entries for eviction. Implementations link entries through
-// Entry::lru_prev/lru_next and allocate nothing.
+// Entry::lru_prev/lru_next (and may keep Entry::policy_stamp/policy_used) and
+// allocate nothing.
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
   virtual const char* Name() const = 0;
-  virtual void OnInsert(Entry* e) = 0;  // became resident
-  virtual void OnTouch(Entry* e) = 0;   // requested or acquired while resident
-  virtual void OnRemove(Entry* e) = 0;  // evicted or unregistered
+  virtual void OnInsert(Entry* e) = 0;   // became resident (copy issued)
+  virtual void OnRequest(Entry* e) = 0;  // prefetch asked for it while resident
+  virtual void OnUse(Entry* e) = 0;      // acquired while resident
+  virtual void OnRemove(Entry* e) = 0;   // evicted or unregistered
+  // Once per Acquire call, on every device's policy: a clock of "layers".
+  virtual void OnAcquireCall() {}
   // Calls fn(e, ctx) for every entry in eviction order (next victim first).
   virtual void ForEach(void (*fn)(Entry*, void*), void* ctx) const = 0;
   // First entry in eviction order for which evictable(e, ctx) is true.
   virtual Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) = 0;
 };
 
-// Least recently used first.
+// A doubly linked list through Entry::lru_prev/lru_next.
+struct EntryList {
+  Entry* oldest = nullptr;
+  Entry* newest = nullptr;
+  void PushNewest(Entry* e);
+  void Unlink(Entry* e);
+};
+
+// Least recently used first; a prefetch request or an acquire both count as
+// a use.
 class LruPolicy final : public EvictionPolicy {
  public:
   const char* Name() const override { return "lru"; }
-  void OnInsert(Entry* e) override;
-  void OnTouch(Entry* e) override;
-  void OnRemove(Entry* e) override;
+  void OnInsert(Entry* e) override { list_.PushNewest(e); }
+  void OnRequest(Entry* e) override { Touch(e); }
+  void OnUse(Entry* e) override { Touch(e); }
+  void OnRemove(Entry* e) override { list_.Unlink(e); }
   Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
   void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
 
  private:
-  Entry* oldest_ = nullptr;  // next to evict
-  Entry* newest_ = nullptr;  // most recently used
+  void Touch(Entry* e);
+  EntryList list_;  // oldest = next to evict
 };
 
+// Note [Cyclic eviction]
+// A decode step visits the MoE layers in the same order every token, so the
+// expert used longest ago is the one needed soonest (the next layers), and
+// LRU, evicting exactly that one, misses on every access of a cyclic scan
+// larger than the cache. Here, among entries that have been acquired since
+// they arrived ("used"), the MOST recently used is evicted first: it belongs
+// to the layer just computed, whose next use is a whole step away (MRU is
+// optimal for a pure loop). Entries that arrived by prefetch or were asked for
+// again by a prefetch and have not been acquired since ("fresh") are what the
+// next layers will read, so they go last, oldest first. A fresh entry that
+// `stale_after` Acquire calls (about that many layers) have passed without
+// acquiring it was a wrong prediction: it goes first, oldest first, so
+// mispredictions do not crowd out the entries that give hits.
+// Victim order: stale fresh (oldest first), used (newest first), fresh
+// (oldest first). One Acquire call per layer is what the clock assumes.
+class CyclicPolicy final : public EvictionPolicy {
+ public:
+  explicit CyclicPolicy(uint64_t stale_after) : stale_after_(stale_after) {}
+  const char* Name() const override { return "cyclic"; }
+  void OnInsert(Entry* e) override;
+  void OnRequest(Entry* e) override;
+  void OnUse(Entry* e) override;
+  void OnRemove(Entry* e) override;
+  void OnAcquireCall() override { ++clock_; }
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
+
+ private:
+  bool Stale(const Entry* e) const { return clock_ - e->policy_stamp > stale_after_; }
+  const uint64_t stale_after_;
+  uint64_t clock_ = 0;  // Acquire calls so far
+  EntryList fresh_;     // not acquired since it arrived; oldest first
+  EntryList used_;      // acquired; newest = next to evict
+};
+
+// Acquire calls after which an unacquired prefetched entry counts as a wrong
+// prediction under "cyclic" (Note [Cyclic eviction]).
+constexpr uint64_t kCyclicStaleAfterAcquires = 8;
+
+// "lru" or "cyclic"; anything else is kInvalidArgument.
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name);
 
 class DeviceCache {

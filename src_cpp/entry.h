@@ -44,6 +44,8 @@ struct alignas(64) Entry {
   size_t slot_bytes = 0;             // size of its slot (aligned)
   CopyToken ready = kTokenDone;      // completion of the copy into the slot
   CopyToken last_use = kTokenDone;   // completion of consumers' stream work
+  uint64_t policy_stamp = 0;         // eviction policy's use (CyclicPolicy)
+  bool policy_used = false;          // eviction policy's use (CyclicPolicy)
   std::string error;                 // last copy failure, raised on acquire
 };
 

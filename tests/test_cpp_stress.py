@@ -32,8 +32,18 @@ def stress_binary(tmp_path_factory):
 @pytest.mark.parametrize("mode", ["host", "async"])
 @pytest.mark.parametrize("threads", [1, 4, 16, 64])
 def test_cpp_stress(stress_binary, threads, mode):
+    run_stress(stress_binary, threads, mode, "lru")
+
+
+@pytest.mark.parametrize("mode", ["host", "async"])
+@pytest.mark.parametrize("threads", [4, 64])
+def test_cpp_stress_cyclic_eviction(stress_binary, threads, mode):
+    run_stress(stress_binary, threads, mode, "cyclic")
+
+
+def run_stress(stress_binary, threads, mode, eviction):
     ops = max(200, 16000 // threads)
-    proc = subprocess.run([str(stress_binary), str(threads), str(ops), mode], capture_output=True, text=True,
-                          timeout=120)
+    proc = subprocess.run([str(stress_binary), str(threads), str(ops), mode, eviction], capture_output=True,
+                          text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr + proc.stdout
     assert proc.stdout.startswith(f"ok threads={threads}")

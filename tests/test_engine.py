@@ -447,3 +447,79 @@ def test_register_external_copies_from_caller_memory(make_handle, rng):
         h.register_external(0, arr)
     h.unregister(0)
     assert h.stats()["registered"] == 0
+
+
+def lru_and_cyclic_hits(make_handle, rng, loops):
+    """Acquires ids 0..3 in a loop, one acquire call each, through a cache of
+    3 slots under each eviction policy; returns (hits, resident order) per
+    policy."""
+    out = {}
+    for policy in ("lru", "cyclic"):
+        h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy=policy)
+        data = register_random(h, rng, range(4))
+        for _ in range(loops):
+            for tid in range(4):
+                (v,) = h.acquire([tid], timeout=10)
+                np.testing.assert_array_equal(v, data[tid])
+                h.release([tid])
+        out[policy] = (h.stats()["hits"], h.resident())
+    return out
+
+
+def mru_loop_hits(n_ids, capacity, loops):
+    """Hits of most-recently-used eviction on a loop over n_ids (the rule that
+    Note [Cyclic eviction] gives for acquired entries)."""
+    cache, hits = [], 0  # cache in use order, newest last
+    for _ in range(loops):
+        for tid in range(n_ids):
+            if tid in cache:
+                hits += 1
+                cache.remove(tid)
+            elif len(cache) == capacity:
+                cache.pop()  # the most recently used
+            cache.append(tid)
+    return hits
+
+
+def test_cyclic_eviction_hits_on_a_loop_where_lru_never_does(make_handle, rng):
+    got = lru_and_cyclic_hits(make_handle, rng, loops=5)
+    assert got["lru"][0] == 0  # a loop one larger than the cache: LRU always misses
+    assert got["cyclic"][0] == mru_loop_hits(4, 3, 5)
+    assert got["cyclic"][0] >= 10  # of 20 acquires
+
+
+def test_cyclic_evicts_the_last_used_and_keeps_prefetched(make_handle, rng):
+    h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="cyclic")
+    data = register_random(h, rng, range(6))
+    for tid in (0, 1):
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+    h.prefetch_tensors([2])  # fresh: the next layer will read it
+    assert wait_until(lambda: h.stats()["copies"] == 3)
+    assert h.resident() == [1, 0, 2]  # used newest first, then fresh
+    (v,) = h.acquire([3], timeout=10)  # evicts 1, the last used, not 2
+    np.testing.assert_array_equal(v, data[3])
+    h.release([3])
+    assert h.resident() == [3, 0, 2]
+    assert h.stats()["wasted"] == 0
+    # A prefetch request for a used resident entry makes it fresh again.
+    h.prefetch_tensors([0])
+    assert h.resident() == [3, 2, 0]
+
+
+def test_cyclic_prefetched_but_never_acquired_goes_stale(make_handle, rng):
+    h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="cyclic")
+    register_random(h, rng, range(4))
+    h.prefetch_tensors([2])  # a wrong prediction: never acquired
+    assert wait_until(lambda: h.stats()["copies"] == 1)
+    for _ in range(8):  # 8 acquire calls pass it by: still protected
+        h.acquire([0], timeout=10)
+        h.release([0])
+    assert h.resident() == [0, 2]
+    h.acquire([1], timeout=10)  # the 9th: 2 is now stale and goes first
+    h.release([1])
+    assert h.resident() == [2, 1, 0]
+    h.acquire([3], timeout=10)
+    h.release([3])
+    assert 2 not in h.resident()
+    assert h.stats()["wasted"] == 1

@@ -1,6 +1,7 @@
 // C++-level stress of the queue and cache: T threads hammer one handle with
 // batched prefetches, acquire/verify/release, cancels and evictions, then the
 // counters must reconcile. Usage: stress THREADS OPS_PER_THREAD [host|async]
+// [lru|cyclic]
 // ("async": the fault backend claiming to be asynchronous, so acquirers
 // issue their own on-demand copies, as on CUDA).
 // Exit 0 on success; prints the first violation and exits 1 otherwise.
@@ -42,6 +43,7 @@ int main(int argc, char** argv) {
   options.device_budget_bytes = {kSlots * prefetch::AlignSlot(kBytes)};
   options.poison_freed_slots = true;
   const bool async = argc > 3 && std::strcmp(argv[3], "async") == 0;
+  if (argc > 4) options.eviction_policy = argv[4];
   std::unique_ptr<prefetch::CopyBackend> backend;
   if (async) {
     auto config = std::make_shared<prefetch::FaultConfig>();
