@@ -3,6 +3,7 @@
     python bench/e2e.py [--models olmoe-1b-7b qwen3-30b-a3b] [--batches 1 8]
         [--shares 0.1 0.25 0.5] [--warmup 3] [--steps 10] [--budget-s 420]
         [--trace-out DIR] [--trace-in FILE] [--json PATH] [--plots DIR]
+        [--devices N] [--eviction cyclic|lru]
 
 The decoder: per layer RMSNorm, a dense HxH projection standing in for
 attention, RMSNorm, a router (softmax, top-k, renormalised), SwiGLU experts
@@ -23,12 +24,17 @@ Policies, one run each (fresh cache, same inputs):
   trace            engine + activation-matrix predictor trained on --train
                    other requests first
   oracle           engine + replay of the routing this request really takes
+  oracle-lru       oracle with the engine's LRU eviction instead of --eviction
   torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
                    side stream into an LRU of device slots kept in Python
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
 bandwidth measured in the same run. Runs past --budget-s are reported null.
+The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
+in src_cpp/device_cache.h). --devices N splits the layers into N contiguous
+runs, one per GPU, with the cache budget split by layers; the IO floor is then
+the slowest device's (each device's Belady loads over its own raw bandwidth).
 """
 from __future__ import annotations
 
@@ -50,39 +56,63 @@ MODELS = {
     "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
     "qwen3-30b-a3b": dict(layers=48, experts=128, top_k=8, hidden=2048, inter=768),
 }
-POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "torch-by-hand")
-ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle")
+POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-lru", "torch-by-hand")
+ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-lru")
 
 
 class Decoder:
-    """The synthetic MoE decoder's dense weights (GPU) and expert pool."""
+    """The synthetic MoE decoder's dense weights (GPU) and expert pool.
 
-    def __init__(self, torch, spec: dict, pool: int, seed: int = 0, device: str = "cuda"):
+    With `devices` > 1 the layers are split into contiguous runs, one per
+    device (layer l on device l * devices // layers): each layer's dense
+    weights and experts live on its device, the hidden state moves to the
+    next device at a boundary, and each device has its own expert cache.
+    The weights do not depend on `devices`, so routing is the same."""
+
+    def __init__(self, torch, spec: dict, pool: int, seed: int = 0, device: str = "cuda", devices: int = 1):
         self.torch = torch
         self.spec = spec
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         L, E, H, inter = spec["layers"], spec["experts"], spec["hidden"], spec["inter"]
+        if not 1 <= devices <= L:
+            raise ValueError(f"devices must be in 1..{L}")
+        self.ndev = devices
+        self.layer_dev = [layer * devices // L for layer in range(L)]
+        self.devs = [torch.device("cuda", d) if self.cuda else self.device for d in range(devices)]
         g = torch.Generator(device=self.device).manual_seed(seed)
         bf16 = torch.bfloat16
         dev = self.device
-        self.router = (torch.randn(L, E, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
-        self.attn = (torch.randn(L, H, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        router = (torch.randn(L, E, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        attn = (torch.randn(L, H, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        self.router = [router[layer].to(self.devs[self.layer_dev[layer]]) for layer in range(L)]
+        self.attn = [attn[layer].to(self.devs[self.layer_dev[layer]]) for layer in range(L)]
         # Residual updates stay small against the stream, as in trained
         # models: consecutive layers see similar hidden states.
         self.attn_scale = 0.1
-        self.pool_gpu = []
+        self.pool_gpu = [[] for _ in range(devices)]  # per device: (gate_up, down)
         self.pool_host = []  # (pinned packed buffer, layout)
         import prefetch
 
         for _ in range(pool):
             gate_up = (torch.randn(2 * inter, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
             down = (torch.randn(H, inter, device=dev, generator=g) / math.sqrt(inter) * 0.1).to(bf16)
-            self.pool_gpu.append((gate_up, down))
+            for d in range(devices):
+                self.pool_gpu[d].append((gate_up.to(self.devs[d]), down.to(self.devs[d])))
             self.pool_host.append(prefetch.pack_expert({"gate_up": gate_up.cpu(), "down": down.cpu()},
                                                        pin_memory=self.cuda))
         self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
         self.slot_bytes = (self.expert_bytes + 255) // 256 * 256
+
+    def layers_of(self, d: int) -> list:
+        return [layer for layer, ld in enumerate(self.layer_dev) if ld == d]
+
+    def device_budgets(self, budget: int) -> list:
+        """A cache of `budget` bytes in all, split over the devices by their
+        share of the layers, in whole slots."""
+        slots = budget // self.slot_bytes
+        L = self.spec["layers"]
+        return [slots * len(self.layers_of(d)) // L * self.slot_bytes for d in range(self.ndev)]
 
     def pool_index(self, layer: int, expert: int) -> int:
         return (layer * self.spec["experts"] + expert * 7 + layer) % len(self.pool_gpu)
@@ -94,10 +124,11 @@ class Decoder:
 
     def sync(self):
         if self.cuda:
-            self.torch.cuda.synchronize()
+            for d in range(self.ndev):
+                self.torch.cuda.synchronize(d)
 
-    def stream(self):
-        return self.torch.cuda.current_stream() if self.cuda else None
+    def stream(self, layer: int = 0):
+        return self.torch.cuda.current_stream(self.devs[self.layer_dev[layer]]) if self.cuda else None
 
     def rms(self, x):
         xf = x.float()
@@ -110,13 +141,15 @@ class Decoder:
         h = x0
         k = self.spec["top_k"]
         for layer in range(self.spec["layers"]):
+            if h.device != self.devs[self.layer_dev[layer]]:
+                h = h.to(self.devs[self.layer_dev[layer]])
             x = self.rms(h)
             h = h + (x @ self.attn[layer].T) * self.attn_scale
             x = self.rms(h)
             probs = torch.softmax((x @ self.router[layer].T).float(), dim=-1)
             top_w, top_i = torch.topk(probs, k, dim=-1)
             if forced is not None:
-                allowed = torch.tensor(forced[layer], device=self.device)
+                allowed = torch.tensor(forced[layer], device=x.device)
                 masked = torch.full_like(probs, -1.0)
                 masked[:, allowed] = probs[:, allowed]
                 top_w, top_i = torch.topk(masked, min(k, len(forced[layer])), dim=-1)
@@ -148,7 +181,8 @@ class ResidentProvider:
         if layer == 0:
             self.trace.append([])
         self.trace[-1].append(experts)
-        return [self.dec.pool_gpu[self.dec.pool_index(layer, e)] for e in experts]
+        pool = self.dec.pool_gpu[self.dec.layer_dev[layer]]
+        return [pool[self.dec.pool_index(layer, e)] for e in experts]
 
     def release(self, layer, experts):
         pass
@@ -160,28 +194,32 @@ class ResidentProvider:
 class EngineProvider:
     """Experts through the engine; prediction through prefetch.integration."""
 
-    def __init__(self, dec, budget: int, predictor):
+    def __init__(self, dec, budget: int, predictor, eviction: str):
         import prefetch
         from prefetch.integration import OffloadController
 
         self.torch = dec.torch
         self.dec = dec
-        self.handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend="cuda" if dec.cuda else "host")
-        routers = [lambda x, layer=layer: x @ dec.router[layer].T for layer in range(dec.spec["layers"])]
+        self.handle = prefetch.PrefetchHandle(device_budget_bytes=dec.device_budgets(budget),
+                                              backend="cuda" if dec.cuda else "host", eviction_policy=eviction)
+        # The gate of layer L+1 reads layer L's hidden state: across a device
+        # boundary it is moved first.
+        routers = [lambda x, layer=layer: x.to(dec.router[layer].device) @ dec.router[layer].T
+                   for layer in range(dec.spec["layers"])]
         self.ctl = OffloadController(self.handle, num_layers=dec.spec["layers"], num_experts=dec.spec["experts"],
                                      top_k=dec.spec["top_k"], predictor=predictor, routers=routers)
         for layer in range(dec.spec["layers"]):
             for e in range(dec.spec["experts"]):
                 buffer, layout = dec.pool_host[dec.pool_index(layer, e)]
-                self.ctl.prefetcher.register_packed(layer, e, buffer, layout)
+                self.ctl.prefetcher.register_packed(layer, e, buffer, layout, device=dec.layer_dev[layer])
 
     def acquire(self, layer, x, experts):
         self.ctl.on_routed(layer, x, experts)
-        got = self.ctl.prefetcher.acquire_experts(layer, experts, stream=self.dec.stream())
+        got = self.ctl.prefetcher.acquire_experts(layer, experts, stream=self.dec.stream(layer))
         return [(w["gate_up"], w["down"]) for w in got]
 
     def release(self, layer, experts):
-        self.ctl.prefetcher.release_experts(layer, experts, stream=self.dec.stream())
+        self.ctl.prefetcher.release_experts(layer, experts, stream=self.dec.stream(layer))
 
     def stats(self):
         s = self.handle.stats()
@@ -193,23 +231,23 @@ class EngineProvider:
         self.handle.close()
 
 
-class ByHandProvider:
-    """What a user writes by hand: an LRU of device slots in Python, a
-    copy_(non_blocking=True) per missing expert on a side stream, an event
-    per copy that the compute stream waits on, and an event per use so a slot
-    is not overwritten while a kernel still reads it."""
+class ByHandCache:
+    """What a user writes by hand, for one device: an LRU of device slots in
+    Python, a copy_(non_blocking=True) per missing expert on a side stream,
+    an event per copy that the compute stream waits on, and an event per use
+    so a slot is not overwritten while a kernel still reads it."""
 
-    def __init__(self, dec, budget: int):
+    def __init__(self, dec, budget: int, device):
         torch = dec.torch
         self.torch = torch
         self.dec = dec
         n_slots = budget // dec.slot_bytes
-        self.slots = [torch.empty(dec.expert_bytes, dtype=torch.uint8, device=dec.device) for _ in range(n_slots)]
+        self.slots = [torch.empty(dec.expert_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
         self.free = list(range(n_slots))
         self.lru = OrderedDict()  # (layer, expert) -> slot
         self.ready = {}  # slot -> event (copy done)
         self.used = {}  # slot -> event (last read done)
-        self.side = torch.cuda.Stream() if dec.cuda else None
+        self.side = torch.cuda.Stream(device=device) if dec.cuda else None
         self.layout = dec.pool_host[0][1]
         self.hits = self.misses = self.bytes = 0
 
@@ -220,10 +258,9 @@ class ByHandProvider:
             out.append(raw[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape))
         return tuple(out)
 
-    def acquire(self, layer, x, experts):
+    def acquire(self, layer, experts, compute):
         torch = self.torch
         cuda = self.dec.cuda
-        compute = self.dec.stream()
         result = []
         busy = {self.lru[(layer, e)] for e in experts if (layer, e) in self.lru}
         for e in experts:
@@ -258,31 +295,47 @@ class ByHandProvider:
             result.append(self._views(slot))
         return result
 
-    def release(self, layer, experts):
+    def release(self, layer, experts, compute):
         if not self.dec.cuda:
             return
-        compute = self.dec.stream()
         for e in experts:
             slot = self.lru[(layer, e)]
             ev = self.torch.cuda.Event()
             ev.record(compute)
             self.used[slot] = ev
 
+
+class ByHandProvider:
+    """One ByHandCache per device; a layer uses its device's."""
+
+    def __init__(self, dec, budget: int):
+        self.dec = dec
+        self.caches = [ByHandCache(dec, b, dev) for b, dev in zip(dec.device_budgets(budget), dec.devs)]
+
+    def acquire(self, layer, x, experts):
+        return self.caches[self.dec.layer_dev[layer]].acquire(layer, experts, self.dec.stream(layer))
+
+    def release(self, layer, experts):
+        self.caches[self.dec.layer_dev[layer]].release(layer, experts, self.dec.stream(layer))
+
     def stats(self):
-        return {"hits": self.hits, "misses": self.misses, "bytes": self.bytes, "late": None, "wasted": None,
+        return {"hits": sum(c.hits for c in self.caches), "misses": sum(c.misses for c in self.caches),
+                "bytes": sum(c.bytes for c in self.caches), "late": None, "wasted": None,
                 "precision": None, "recall": None}
 
     def close(self):
-        self.slots.clear()
+        for c in self.caches:
+            c.slots.clear()
 
 
-def raw_h2d_gbps(torch, nbytes_each: int, count: int = 64) -> float:
+def raw_h2d_gbps(torch, nbytes_each: int, device, count: int = 64) -> float:
     src = torch.empty((count, nbytes_each), dtype=torch.uint8, pin_memory=True).fill_(7)
-    dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device="cuda")
-    return statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream()], reps=3))
+    with torch.cuda.device(device):
+        dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device=device)
+        return statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream(device=device)], reps=3))
 
 
-def make_provider(dec, policy, budget, trace):
+def make_provider(dec, policy, budget, trace, eviction="cyclic"):
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
     spec = dec.spec
@@ -295,12 +348,13 @@ def make_provider(dec, policy, budget, trace):
         predictor = NextLayerGatePredictor()
     elif policy == "trace":
         predictor = TracePredictor(distance=2)
-    elif policy == "oracle":
+    elif policy in ("oracle", "oracle-lru"):
         predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2)
-    return EngineProvider(dec, budget, predictor)
+    return EngineProvider(dec, budget, predictor, "lru" if policy == "oracle-lru" else eviction)
 
 
-def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None):
+def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
+               eviction="cyclic"):
     """Decodes `inputs` (one tensor per step) under `policy`. Returns the
     measured step latencies (after `warmup` steps), the provider's counters
     over the measured steps, and the routing trace (all-resident only).
@@ -309,7 +363,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
     def route(i):
         return forced[i % len(forced)] if forced else None
 
-    provider = make_provider(dec, policy, budget, trace)
+    provider = make_provider(dec, policy, budget, trace, eviction)
     try:
         if policy == "trace":  # learn from other requests first
             for request in train_inputs:
@@ -344,18 +398,18 @@ def percentile(values, q):
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
-def timeline(torch, dec, inputs, budget, path_png, path_json):
+def timeline(torch, dec, inputs, budget, path_png, path_json, eviction):
     """Profiles one next-layer-gate step (after a warm-up step) and plots GPU
     kernels against host-to-device copies on one time axis."""
     import tempfile
 
-    provider = make_provider(dec, "next-layer-gate", budget, None)
+    provider = make_provider(dec, "next-layer-gate", budget, None, eviction)
     try:
         dec.step(inputs[0], provider)
-        torch.cuda.synchronize()
+        dec.sync()
         with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
             dec.step(inputs[1], provider)
-            torch.cuda.synchronize()
+            dec.sync()
     finally:
         provider.close()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
@@ -436,6 +490,10 @@ def main(argv=None) -> int:
     parser.add_argument("--trace-out", help="folder to write each model/batch routing trace to")
     parser.add_argument("--json")
     parser.add_argument("--plots", help="folder for latency_vs_share.png and timeline.png")
+    parser.add_argument("--devices", type=int, default=1,
+                        help="split the layers over this many GPUs (one cache, queue and stream each)")
+    parser.add_argument("--eviction", default="cyclic", choices=["cyclic", "lru"],
+                        help="engine eviction policy for the engine policies (oracle-lru always uses lru)")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny shapes on the CPU with the host backend: checks the logic, measures nothing")
     args = parser.parse_args(argv)
@@ -450,6 +508,12 @@ def main(argv=None) -> int:
         if args.json:
             write_json(args.json, report)
         return 1
+    if torch.cuda.device_count() < args.devices:
+        print(f"--devices {args.devices}: only {torch.cuda.device_count()} GPU(s): not measured", file=sys.stderr)
+        report = {"benchmark": "BM5 e2e", "machine": machine_info(), "devices": args.devices, "rows": None}
+        if args.json:
+            write_json(args.json, report)
+        return 1
     from prefetch.integration import RoutingTrace, belady_misses
 
     forced_trace = RoutingTrace.load(args.trace_in) if args.trace_in else None
@@ -458,11 +522,13 @@ def main(argv=None) -> int:
     timeline_summary = None
     for name in args.models:
         spec = dict(MODELS[name], name=name)
-        dec = Decoder(torch, spec, args.pool)
-        raw = raw_h2d_gbps(torch, dec.expert_bytes)
+        dec = Decoder(torch, spec, args.pool, devices=args.devices)
+        raw_each = [raw_h2d_gbps(torch, dec.expert_bytes, d) for d in range(args.devices)]
+        raw = sum(raw_each)
         total = spec["layers"] * spec["experts"] * dec.slot_bytes
         print(f"{name}: expert {dec.expert_bytes / 2**20:.2f} MiB, all experts {total / 2**30:.1f} GiB, "
-              f"raw H2D {raw:.1f} GB/s", file=sys.stderr, flush=True)
+              f"raw H2D {', '.join(f'{r:.1f}' for r in raw_each)} GB/s, {args.devices} device(s)",
+              file=sys.stderr, flush=True)
         for batch in args.batches:
             n = args.warmup + args.steps
             inputs = dec.inputs(n, batch, seed=batch)
@@ -477,16 +543,23 @@ def main(argv=None) -> int:
             used = [len(set(e)) for step in trace[args.warmup:] for e in step]
             for share in args.shares:
                 budget = int(share * total) // dec.slot_bytes * dec.slot_bytes
-                capacity = budget // dec.slot_bytes
-                rt = RoutingTrace(spec["layers"], spec["experts"], trace)
-                misses = belady_misses(rt, capacity, start_step=args.warmup)
-                io_floor_s = misses * dec.expert_bytes / args.steps / (raw * 1e9)
+                # IO floor: per device, Belady's fewest loads for its layers
+                # and its cache over its raw bandwidth; the devices' links
+                # run in parallel, so the slowest one bounds the step.
+                io_floor_s = 0.0
+                for d, dev_budget in enumerate(dec.device_budgets(budget)):
+                    layers = dec.layers_of(d)
+                    rt = RoutingTrace(len(layers), spec["experts"], [[step[la] for la in layers] for step in trace])
+                    misses = belady_misses(rt, dev_budget // dec.slot_bytes, start_step=args.warmup)
+                    io_floor_s = max(io_floor_s, misses * dec.expert_bytes / args.steps / (raw_each[d] * 1e9))
                 floor_s = max(compute_p50, io_floor_s)
                 for policy in args.policies:
                     row = {"model": name, "batch": batch, "cache_share": share, "policy": policy,
+                           "devices": args.devices, "eviction": "lru" if policy == "oracle-lru" else args.eviction,
                            "budget_gib": budget / 2**30, "compute_only_ms": compute_p50 * 1e3,
                            "io_floor_ms": io_floor_s * 1e3, "floor_ms": floor_s * 1e3,
-                           "raw_h2d_gbps": raw, "experts_per_layer_mean": statistics.mean(used),
+                           "raw_h2d_gbps": raw, "raw_h2d_gbps_each": raw_each,
+                           "experts_per_layer_mean": statistics.mean(used),
                            "p50_ms": None, "p90_ms": None}
                     if time.monotonic() - started > args.budget_s:
                         row["note"] = "not measured: time budget spent"
@@ -496,7 +569,7 @@ def main(argv=None) -> int:
                         lat, delta = lat_res, {"hits": None, "misses": None, "bytes": 0}
                     else:
                         lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
-                                                   forced=forced)
+                                                   forced=forced, eviction=args.eviction)
                     total_s = sum(lat)
                     acquired = (delta.get("hits") or 0) + (delta.get("misses") or 0)
                     row.update({
@@ -518,14 +591,15 @@ def main(argv=None) -> int:
                 budget = int(0.25 * total) // dec.slot_bytes * dec.slot_bytes
                 try:
                     timeline_summary = timeline(torch, dec, inputs, budget, os.path.join(args.plots, "timeline.png"),
-                                                os.path.join(args.plots, "timeline.json"))
+                                                os.path.join(args.plots, "timeline.json"), args.eviction)
                 except Exception as exc:  # noqa: BLE001 - the plot is optional; say why it is missing
                     timeline_summary = {"error": repr(exc)}
                     print(f"timeline not made: {exc!r}", file=sys.stderr)
         del dec
         torch.cuda.empty_cache()
     report = {"benchmark": "BM5 e2e", "machine": machine_info(), "warmup": args.warmup, "steps": args.steps,
-              "pool": args.pool, "rows": rows, "timeline": timeline_summary}
+              "pool": args.pool, "devices": args.devices, "eviction": args.eviction, "rows": rows,
+              "timeline": timeline_summary}
     print(format_table(rows))
     if args.plots:
         plot_latency(rows, os.path.join(args.plots, "latency_vs_share.png"))
@@ -538,13 +612,13 @@ def smoke_cpu(torch, args) -> int:
     """Every policy on tiny shapes on the CPU (host backend): the outputs of
     every policy must equal all-resident's, bit for bit. No figures."""
     spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="smoke")
-    dec = Decoder(torch, spec, pool=5, device="cpu")
+    dec = Decoder(torch, spec, pool=5, device="cpu", devices=args.devices)
     inputs = dec.inputs(4, 2, seed=0)
     outs = {}
     trace = None
     for policy in POLICIES:
-        budget = 6 * dec.slot_bytes
-        provider = make_provider(dec, policy, budget, trace)
+        budget = 6 * dec.slot_bytes * args.devices  # every device holds a whole layer's experts
+        provider = make_provider(dec, policy, budget, trace, args.eviction)
         try:
             if policy == "trace":
                 for x in dec.inputs(4, 2, seed=1):
@@ -561,7 +635,7 @@ def smoke_cpu(torch, args) -> int:
             if not torch.equal(a, b):
                 print(f"smoke: {policy} differs from all-resident", file=sys.stderr)
                 return 1
-    print("smoke ok: " + ", ".join(outs))
+    print(f"smoke ok ({args.devices} device(s)): " + ", ".join(outs))
     return 0
 
 

@@ -464,7 +464,10 @@ def offload_moe_experts(
     memory on CUDA) and rewires the MoE blocks to acquire their routed
     experts from a device cache of `device_budget_bytes`. The model's other
     weights stay where they are (put the model on its device first).
-    Returns the controller; the model is modified in place."""
+    `handle_options` go to PrefetchHandle; the eviction policy defaults to
+    "cyclic" (each MoE block acquires once per forward, layers in a fixed
+    order: Note [Cyclic eviction]). Returns the controller; the model is
+    modified in place."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     if not hf_blocks and not generic:
@@ -474,7 +477,8 @@ def offload_moe_experts(
         )
     if hf_blocks and generic:
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
-    handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **(handle_options or {}))
+    options = {"eviction_policy": "cyclic", **(handle_options or {})}
+    handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **options)
     try:
         if hf_blocks:
             num_experts = hf_blocks[0][1].gate_up_proj.shape[0]

@@ -5,7 +5,23 @@ from bench import e2e
 
 def test_every_policy_computes_the_same_decode(capsys):
     assert e2e.main(["--smoke-cpu"]) == 0
-    assert "smoke ok" in capsys.readouterr().out
+    assert "smoke ok (1 device(s))" in capsys.readouterr().out
+
+
+def test_layers_split_over_two_devices_compute_the_same_decode(capsys):
+    # The host backend with two device caches stands in for two GPUs: the
+    # layer split, per-device budgets and per-device by-hand caches run.
+    assert e2e.main(["--smoke-cpu", "--devices", "2", "--eviction", "lru"]) == 0
+    assert "smoke ok (2 device(s))" in capsys.readouterr().out
+
+
+def test_device_budgets_split_by_layers():
+    import torch
+
+    spec = dict(layers=4, experts=2, top_k=1, hidden=8, inter=4, name="t")
+    dec = e2e.Decoder(torch, spec, pool=2, device="cpu", devices=2)
+    assert dec.layer_dev == [0, 0, 1, 1]
+    assert dec.device_budgets(5 * dec.slot_bytes) == [2 * dec.slot_bytes, 2 * dec.slot_bytes]
 
 
 def test_table_keeps_unmeasured_runs_null():

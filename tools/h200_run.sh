@@ -2,7 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu overlap
-# e2e soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -42,7 +42,12 @@ for step in $steps; do
     e2e)
       python3 bench/e2e.py --warmup "${E2E_WARMUP:-2}" --steps "${E2E_STEPS:-8}" --train 2 \
         --budget-s "${E2E_BUDGET_S:-300}" --json "$out/e2e.json" --plots "$out/plots" \
-        --trace-out "$out/traces" 2>"$out/e2e.log" | tee "$out/e2e.txt" || status=1 ;;
+        --trace-out "$out/traces" ${E2E_ARGS:-} 2>"$out/e2e.log" | tee "$out/e2e.txt" || status=1 ;;
+    e2e2gpu)
+      # BM5 with the layers split over two GPUs (E2E2_ARGS: a smaller grid).
+      python3 bench/e2e.py --devices 2 --warmup "${E2E_WARMUP:-2}" --steps "${E2E_STEPS:-8}" --train 2 \
+        --budget-s "${E2E2_BUDGET_S:-150}" --json "$out/e2e_2gpu.json" --plots "$out/plots_2gpu" \
+        ${E2E2_ARGS:-} 2>"$out/e2e_2gpu.log" | tee "$out/e2e_2gpu.txt" || status=1 ;;
     toxsoak)
       python3 -m tox -e gpu-soak -- --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>&1 | tee "$out/soak.txt" | tail -30 || status=1 ;;
     toxcsan)
