@@ -5,14 +5,14 @@ from bench import e2e
 
 def test_every_policy_computes_the_same_decode(capsys):
     assert e2e.main(["--smoke-cpu"]) == 0
-    assert "smoke ok (1 device(s))" in capsys.readouterr().out
+    assert "smoke ok (1 device(s), grouped)" in capsys.readouterr().out
 
 
 def test_layers_split_over_two_devices_compute_the_same_decode(capsys):
     # The host backend with two device caches stands in for two GPUs: the
     # layer split, per-device budgets and per-device by-hand caches run.
     assert e2e.main(["--smoke-cpu", "--devices", "2", "--eviction", "lru"]) == 0
-    assert "smoke ok (2 device(s))" in capsys.readouterr().out
+    assert "smoke ok (2 device(s), grouped)" in capsys.readouterr().out
 
 
 def test_device_budgets_split_by_layers():
@@ -28,3 +28,17 @@ def test_table_keeps_unmeasured_runs_null():
     row = {"model": "m", "batch": 1, "cache_share": 0.1, "policy": "oracle", "p50_ms": None, "p90_ms": None,
            "floor_ms": 3.0}
     assert "null" in e2e.format_table([row])
+
+
+def test_compute_only_is_the_faster_of_two_runs():
+    rows = [
+        {"policy": "all-resident", "io_floor_ms": 1.0, "p50_ms": 30.0},
+        {"policy": "oracle", "io_floor_ms": 25.0, "p50_ms": 27.5},
+        {"policy": "trace", "io_floor_ms": 1.0, "p50_ms": None},
+    ]
+    e2e.settle_compute_only(rows, [0.030, 0.031, 0.032], [0.020, 0.021, 0.022])
+    assert rows[0]["compute_only_runs_ms"] == [31.0, 21.0]
+    assert rows[0]["compute_only_ms"] == 21.0 and rows[0]["p50_ms"] == 21.0 and rows[0]["over_floor"] == 1.0
+    assert rows[1]["floor_ms"] == 25.0 and abs(rows[1]["over_floor"] - 1.1) < 1e-12
+    assert rows[1]["stall_ms"] == 27.5 - 21.0
+    assert rows[2]["floor_ms"] == 21.0 and "over_floor" not in rows[2]
