@@ -211,6 +211,9 @@ def _free_device_bytes():
     return torch.cuda.mem_get_info()[0]
 
 
+@pytest.mark.skipif(UNDER_TOOL, reason="compute-sanitizer takes device memory of its own as it goes (initcheck's "
+                    "shadow memory moved driver free memory by 32 MiB), so a free-memory comparison there "
+                    "says nothing about the engine; the normal GPU suite runs this check")
 def test_no_device_or_pinned_leak_across_cycles():
     def cycle():
         h = cuda_handle(device_budget_bytes=256 << 20)
