@@ -1,10 +1,11 @@
 """Hypothesis rule-based state machine: the engine against a plain Python
 model of it. Workers run only inside `drain` and `acquire` steps (the handle
 is otherwise paused), so every step is deterministic and the model can
-predict every counter, the queue, the LRU order and the bytes of every
-acquired tensor.
+predict every counter, the queue, the eviction order (LRU or cyclic) and
+the bytes of every acquired tensor.
 
-CI: derandomized, 200 examples of 50 steps."""
+CI: derandomized, 200 examples of 50 steps, for each machine: host and
+caller-runs paths, each with LRU and with cyclic eviction."""
 import time
 
 import numpy as np
@@ -20,6 +21,7 @@ SIZE = 512  # every tensor fills exactly one slot
 CAPACITY = 6  # slots in the budget
 IDS = 10  # ids 0..9 may be registered
 MAX_PINNED = CAPACITY - 2  # so an acquire of 2 misses always finds room
+STALE_AFTER = 8  # acquire calls; kCyclicStaleAfterAcquires in src_cpp/device_cache.h
 
 COUNTERS = (
     "requests", "enqueued", "deduplicated", "upgraded", "touched", "cancelled",
@@ -27,11 +29,59 @@ COUNTERS = (
 )
 
 
+class Residents:
+    """The resident ids in eviction order, as the engine's policy keeps them.
+    lru: one list, next victim first. cyclic (Note [Cyclic eviction]):
+    `fresh` (not acquired since it arrived, oldest first, stamped with the
+    acquire clock) and `used` (acquired, oldest first); victims are stale
+    fresh ids, then used newest first, then the other fresh ids."""
+
+    def __init__(self, policy):
+        self.policy = policy
+        self.lru = []
+        self.fresh = []
+        self.used = []
+        self.stamp = {}
+        self.clock = 0  # acquire calls
+
+    def __contains__(self, tid):
+        return tid in self.lru or tid in self.fresh or tid in self.used
+
+    def __len__(self):
+        return len(self.lru) + len(self.fresh) + len(self.used)
+
+    def order(self):
+        if self.policy == "lru":
+            return list(self.lru)
+        stale = [t for t in self.fresh if self.clock - self.stamp[t] > STALE_AFTER]
+        return stale + self.used[::-1] + [t for t in self.fresh if t not in stale]
+
+    def remove(self, tid):
+        for ids in (self.lru, self.fresh, self.used):
+            if tid in ids:
+                ids.remove(tid)
+
+    def insert(self, tid):  # a copy made it resident
+        if self.policy == "lru":
+            self.lru.append(tid)
+        else:
+            self.fresh.append(tid)
+            self.stamp[tid] = self.clock
+
+    def request(self, tid):  # a prefetch asked for it while resident
+        self.remove(tid)
+        self.insert(tid)
+
+    def use(self, tid):  # acquired
+        self.remove(tid)
+        (self.lru if self.policy == "lru" else self.used).append(tid)
+
+
 class Model:
-    def __init__(self):
+    def __init__(self, policy="lru"):
         self.version = {}  # registered id -> version
         self.queue = []  # [(band, id)], kept sorted by (band, FIFO)
-        self.lru = []  # resident ids, next victim first
+        self.residents = Residents(policy)  # resident ids and their eviction order
         self.unused = set()  # resident ids copied by a prefetch, not yet acquired
         self.pins = {}  # id -> pins
         self.c = dict.fromkeys(COUNTERS, 0)
@@ -59,9 +109,8 @@ class Model:
         for tid in ids:
             self.c["requests"] += 1
             current = self.queued_band(tid)
-            if tid in self.lru:
-                self.lru.remove(tid)
-                self.lru.append(tid)
+            if tid in self.residents:
+                self.residents.request(tid)
                 self.c["touched"] += 1
                 self.c["deduplicated"] += 1
             elif current is not None:
@@ -75,9 +124,9 @@ class Model:
                 self.c["enqueued"] += 1
 
     def evict_one(self):
-        for victim in self.lru:
+        for victim in self.residents.order():
             if self.pins.get(victim, 0) == 0:
-                self.lru.remove(victim)
+                self.residents.remove(victim)
                 self.c["evictions"] += 1
                 if victim in self.unused:
                     self.unused.discard(victim)
@@ -88,9 +137,9 @@ class Model:
     def drain(self):
         while self.queue:
             _, tid = self.queue.pop(0)
-            if len(self.lru) >= CAPACITY:
+            if len(self.residents) >= CAPACITY:
                 self.evict_one()
-            self.lru.append(tid)
+            self.residents.insert(tid)
             self.c["copies"] += 1
             if self.pins.get(tid, 0) == 0:
                 self.unused.add(tid)
@@ -98,10 +147,11 @@ class Model:
                 self.unused.discard(tid)
 
     def acquire(self, ids):
+        self.residents.clock += 1
         for tid in ids:
             self.pins[tid] = self.pins.get(tid, 0) + 1
             self.c["acquires"] += 1
-            if tid in self.lru:
+            if tid in self.residents:
                 self.c["hits"] += 1
                 continue
             self.c["misses"] += 1
@@ -116,8 +166,7 @@ class Model:
         self.drain()
         for tid in ids:
             self.unused.discard(tid)
-            self.lru.remove(tid)
-            self.lru.append(tid)
+            self.residents.use(tid)
 
     def pinned(self):
         return sorted(t for t, n in self.pins.items() if n > 0)
@@ -131,7 +180,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.h = prefetch.PrefetchHandle(
             device_budget_bytes=CAPACITY * SIZE, start_paused=True, poison_freed_slots=True, **self.handle_options
         )
-        self.m = Model()
+        self.m = Model(self.handle_options.get("eviction_policy", "lru"))
         self.held = []  # acquired ids (with repeats), in acquire order
         self.steps = 0  # steps taken (the invariant runs after each)
 
@@ -176,8 +225,8 @@ class EngineMachine(RuleBasedStateMachine):
             return
         self.h.unregister(tid)
         self.m.remove(tid)
-        if tid in self.m.lru:
-            self.m.lru.remove(tid)
+        if tid in self.m.residents:
+            self.m.residents.remove(tid)
         self.m.unused.discard(tid)
         version = self.m.version.pop(tid) + 1
         self.h.register(tid, content(tid, version, SIZE))
@@ -225,6 +274,25 @@ class EngineMachine(RuleBasedStateMachine):
         self.held.extend(ids)
 
     @rule(data=st.data())
+    def reuse(self, data):
+        """Acquires and releases one resident id six times: six layers'
+        worth of acquire calls that hit, which age every other entry on the
+        cyclic policy's clock (so prefetched entries can go stale)."""
+        if self.m.closed:
+            return
+        resident = self.m.residents.order()
+        if not resident or MAX_PINNED - len(self.m.pinned()) <= 0:
+            return
+        tid = data.draw(st.sampled_from(resident))
+        self.drain()
+        for _ in range(6):
+            (view,) = self._run_workers(lambda: self.h.acquire([tid], timeout=10))
+            self.m.acquire([tid])
+            check(view, tid, self.m.version[tid])
+            self.h.release([tid])
+            self.m.pins[tid] -= 1
+
+    @rule(data=st.data())
     def release(self, data):
         if self.m.closed or not self.held:
             return
@@ -268,10 +336,10 @@ class EngineMachine(RuleBasedStateMachine):
         if self.m.closed or not self.m.version:
             return
         ids = data.draw(st.lists(st.sampled_from(sorted(self.m.version)), max_size=3, unique=True))
-        expected = [t for t in ids if t in self.m.lru and self.m.pins.get(t, 0) == 0]
+        expected = [t for t in ids if t in self.m.residents and self.m.pins.get(t, 0) == 0]
         assert self.h.evict(ids) == len(expected)
         for t in expected:
-            self.m.lru.remove(t)
+            self.m.residents.remove(t)
             self.m.c["evictions"] += 1
             if t in self.m.unused:  # prefetched, never acquired: wasted either way
                 self.m.unused.discard(t)
@@ -308,14 +376,14 @@ class EngineMachine(RuleBasedStateMachine):
         got = {k: s[k] for k in COUNTERS}
         assert got == self.m.c
         assert s["resident_bytes"] <= CAPACITY * SIZE
-        assert s["resident_bytes"] == len(self.m.lru) * SIZE
+        assert s["resident_bytes"] == len(self.m.residents) * SIZE
         assert s["acquires"] == s["hits"] + s["misses"]
         assert s["requests"] == s["enqueued"] + s["deduplicated"]
         assert s["pinned_count"] == len(self.m.pinned())
         assert s["registered"] == len(self.m.version)
-        assert self.h.resident() == self.m.lru
+        assert self.h.resident() == self.m.residents.order()
         assert self.h.queued() == self.m.queue
-        assert set(self.m.pinned()) <= set(self.m.lru)  # acquired ids are resident
+        assert set(self.m.pinned()) <= set(self.m.residents.order())  # acquired ids are resident
         if "faults" in self.handle_options and s["on_demand"] > 0:
             assert 0 < s["caller_copies"] <= s["on_demand"]  # the async path really ran
 
@@ -327,6 +395,14 @@ class CallerRunsMachine(EngineMachine):
     handle_options = {"backend": "fault", "faults": {"report_async": 1}}
 
 
+class CyclicMachine(EngineMachine):
+    handle_options = {"backend": "host", "eviction_policy": "cyclic"}
+
+
+class CyclicCallerRunsMachine(EngineMachine):
+    handle_options = {"backend": "fault", "faults": {"report_async": 1}, "eviction_policy": "cyclic"}
+
+
 SETTINGS = settings(
     max_examples=int(__import__("os").environ.get("PREFETCH_STATEFUL_EXAMPLES", "200")),
     stateful_step_count=50,
@@ -334,10 +410,12 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-EngineMachine.TestCase.settings = SETTINGS
-CallerRunsMachine.TestCase.settings = SETTINGS
+for machine in (EngineMachine, CallerRunsMachine, CyclicMachine, CyclicCallerRunsMachine):
+    machine.TestCase.settings = SETTINGS
 TestEngineStateMachine = EngineMachine.TestCase
 TestCallerRunsStateMachine = CallerRunsMachine.TestCase
+TestCyclicStateMachine = CyclicMachine.TestCase
+TestCyclicCallerRunsStateMachine = CyclicCallerRunsMachine.TestCase
 
 
 def test_model_payload_never_zero():
