@@ -120,7 +120,7 @@ class Decoder:
         return [slots * len(self.layers_of(d)) // L * self.slot_bytes for d in range(self.ndev)]
 
     def pool_index(self, layer: int, expert: int) -> int:
-        return (layer * self.spec["experts"] + expert * 7 + layer) % len(self.pool_gpu)
+        return (layer * self.spec["experts"] + expert * 7 + layer) % len(self.pool_host)
 
     def inputs(self, steps: int, batch: int, seed: int):
         g = self.torch.Generator(device=self.device).manual_seed(1000 + seed)

@@ -42,3 +42,17 @@ def test_compute_only_is_the_faster_of_two_runs():
     assert rows[1]["floor_ms"] == 25.0 and abs(rows[1]["over_floor"] - 1.1) < 1e-12
     assert rows[1]["stall_ms"] == 27.5 - 21.0
     assert rows[2]["floor_ms"] == 21.0 and "over_floor" not in rows[2]
+
+
+def test_experts_use_the_whole_pool_whatever_the_devices():
+    # Runs 8 and 9 took the pool size from the per-device list of pools (its
+    # length is the device count), so every expert used pool entry 0.
+    import torch
+
+    spec = dict(layers=4, experts=8, top_k=1, hidden=8, inter=4, name="t")
+    used = {}
+    for devices in (1, 2):
+        dec = e2e.Decoder(torch, spec, pool=5, device="cpu", devices=devices)
+        used[devices] = [dec.pool_index(layer, e) for layer in range(4) for e in range(8)]
+        assert set(used[devices]) == set(range(5))
+    assert used[1] == used[2]
