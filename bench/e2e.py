@@ -3,7 +3,7 @@
     python bench/e2e.py [--models olmoe-1b-7b qwen3-30b-a3b] [--batches 1 8]
         [--shares 0.1 0.25 0.5] [--warmup 3] [--steps 10] [--budget-s 420]
         [--trace-out DIR] [--trace-in FILE] [--json PATH] [--plots DIR]
-        [--devices N] [--eviction cyclic|lru]
+        [--devices N] [--eviction cyclic|lru] [--expert-compute grouped|loop]
 
 The decoder: per layer RMSNorm, a dense HxH projection standing in for
 attention, RMSNorm, a router (softmax, top-k, renormalised), SwiGLU experts
