@@ -69,28 +69,16 @@ void CyclicPolicy::OnUse(Entry* e) {
 }
 
 // Note [Cyclic eviction]: stale fresh oldest first, then used newest first,
-// then fresh oldest first. Both walks visit each entry once.
+// then fresh oldest first (CyclicPolicy::Walk).
 Entry* CyclicPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
-  for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
-    if (evictable(e, ctx)) return e;
-  }
-  for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) {
-    if (evictable(e, ctx)) return e;
-  }
-  for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
-    if (!Stale(e) && evictable(e, ctx)) return e;
-  }
-  return nullptr;
+  return Walk([&](Entry* e) { return evictable(e, ctx); });
 }
 
 void CyclicPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
-  for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
+  Walk([&](Entry* e) {
     fn(e, ctx);
-  }
-  for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) fn(e, ctx);
-  for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
-    if (!Stale(e)) fn(e, ctx);
-  }
+    return false;
+  });
 }
 
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name) {

@@ -105,6 +105,21 @@ class CyclicPolicy final : public EvictionPolicy {
 
  private:
   bool Stale(const Entry* e) const { return clock_ - e->policy_stamp > stale_after_; }
+  // Visits entries in victim order until visit(e) returns true; returns that
+  // entry or nullptr. The one place the order is written down.
+  template <typename Visit>
+  Entry* Walk(Visit visit) const {
+    for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
+      if (visit(e)) return e;
+    }
+    for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) {
+      if (visit(e)) return e;
+    }
+    for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
+      if (!Stale(e) && visit(e)) return e;
+    }
+    return nullptr;
+  }
   const uint64_t stale_after_;
   uint64_t clock_ = 0;  // Acquire calls so far
   EntryList fresh_;     // not acquired since it arrived; oldest first
