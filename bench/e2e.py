@@ -108,6 +108,9 @@ class Decoder:
                                                        pin_memory=self.cuda))
         self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
         self.slot_bytes = (self.expert_bytes + 255) // 256 * 256
+        # Host seconds per phase of step() (routing sync, acquire, compute
+        # launch, release) when set to a dict; None costs nothing.
+        self.timers = None
 
     def layers_of(self, d: int) -> list:
         return [layer for layer, ld in enumerate(self.layer_dev) if ld == d]
@@ -166,8 +169,15 @@ class Decoder:
             dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
             dense.scatter_(1, top_i, top_w)
             routed = torch.unique(top_i)  # sorted; stays on the GPU for indexing
+            timers = self.timers
+            if timers is not None:
+                t0 = time.perf_counter()
             experts = routed.tolist()
+            if timers is not None:
+                t1 = time.perf_counter()
             weights = provider.acquire(layer, x, experts)
+            if timers is not None:
+                t2 = time.perf_counter()
             if self.grouped:
                 # All routed experts in two batched matmuls: far fewer kernel
                 # launches than a loop, so the step is GPU time rather than
@@ -184,8 +194,15 @@ class Decoder:
                     gate, up = (x @ gate_up.T).chunk(2, dim=-1)
                     y = (torch.nn.functional.silu(gate) * up) @ down.T
                     out += y * dense[:, e : e + 1]
+            if timers is not None:
+                t3 = time.perf_counter()
             provider.release(layer, experts)
             h = h + out
+            if timers is not None:
+                t4 = time.perf_counter()
+                for name, dt in (("sync", t1 - t0), ("acquire", t2 - t1), ("compute", t3 - t2),
+                                 ("release", t4 - t3)):
+                    timers[name] = timers.get(name, 0.0) + dt
         return h
 
 
@@ -211,14 +228,15 @@ class ResidentProvider:
 class EngineProvider:
     """Experts through the engine; prediction through prefetch.integration."""
 
-    def __init__(self, dec, budget: int, predictor, eviction: str):
+    def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None):
         import prefetch
         from prefetch.integration import OffloadController
 
         self.torch = dec.torch
         self.dec = dec
         self.handle = prefetch.PrefetchHandle(device_budget_bytes=dec.device_budgets(budget),
-                                              backend="cuda" if dec.cuda else "host", eviction_policy=eviction)
+                                              backend="cuda" if dec.cuda else "host", eviction_policy=eviction,
+                                              **(handle_options or {}))
         # The gate of layer L+1 reads layer L's hidden state: across a device
         # boundary it is moved first.
         routers = [lambda x, layer=layer: x.to(dec.router[layer].device) @ dec.router[layer].T
@@ -242,7 +260,9 @@ class EngineProvider:
         s = self.handle.stats()
         r = self.ctl.report()
         return {"hits": s["hits"], "misses": s["misses"], "bytes": s["bytes_copied"], "late": s["late"],
-                "wasted": s["wasted"], "precision": r["prediction_precision"], "recall": r["prediction_recall"]}
+                "wasted": s["wasted"], "caller_copies": s["caller_copies"], "on_demand": s["on_demand"],
+                "evictions": s["evictions"], "precision": r["prediction_precision"],
+                "recall": r["prediction_recall"]}
 
     def close(self):
         self.handle.close()
@@ -352,7 +372,7 @@ def raw_h2d_gbps(torch, nbytes_each: int, device, count: int = 64) -> float:
         return statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream(device=device)], reps=3))
 
 
-def make_provider(dec, policy, budget, trace, eviction="cyclic"):
+def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None):
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
     spec = dec.spec
@@ -367,7 +387,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic"):
         predictor = TracePredictor(distance=2)
     elif policy in ("oracle", "oracle-lru"):
         predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2)
-    return EngineProvider(dec, budget, predictor, "lru" if policy == "oracle-lru" else eviction)
+    return EngineProvider(dec, budget, predictor, "lru" if policy == "oracle-lru" else eviction, handle_options)
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
