@@ -123,6 +123,11 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         size_t Evict(
             const int64_t* ids, size_t n
         ) except +prefetch_raise_py_error
+        void HintNextUse(
+            const int64_t* ids, const int64_t* when, size_t n, int64_t now,
+            bool set_now
+        ) except +prefetch_raise_py_error
+        int64_t HintClock() except +prefetch_raise_py_error
         void Acquire(
             const int64_t* ids, size_t n, const uintptr_t* streams,
             double timeout_s, CSlotInfo* slots

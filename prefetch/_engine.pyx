@@ -208,11 +208,14 @@ cdef class PrefetchHandle:
     anywhere), ``"cuda"`` or ``"auto"`` (CUDA when the driver and a device
     are present, else host). ``"fault"`` is the host backend with injectable
     faults for tests (``faults={...}``, see ``set_faults``).
-    ``eviction_policy`` is ``"lru"`` (least recently used first) or
+    ``eviction_policy`` is ``"lru"`` (least recently used first),
     ``"cyclic"`` (for decode loops that acquire once per layer in a fixed
     order: the most recently used entry goes first, prefetched entries not yet
     acquired last, unless 8 acquire calls passed them by; see Note [Cyclic
-    eviction] in src_cpp/device_cache.h).
+    eviction] in src_cpp/device_cache.h) or ``"next-use"`` (Belady's rule
+    fed by the caller's ``hint_next_use``: entries with no current hint
+    first, least recently used first, then the farthest next use first;
+    Note [Next-use eviction]).
     ``poison_freed_slots=True`` fills every freed cache slot with 0xDB, so a
     reader of stale bytes sees them.
     """
@@ -515,6 +518,42 @@ cdef class PrefetchHandle:
         with nogil:
             evicted = self._c.Evict(&ids[0], n)
         return evicted
+
+    def hint_next_use(self, tensor_ids, when, *, now=None):
+        """Says when each id will next be read, on the caller's own clock
+        (any count that only grows, e.g. MoE layers routed so far): ``when``
+        is one time for all ids, a sequence of times (one per id), or None
+        (no known next use). ``now``, if given, moves the clock; a hint whose
+        time is before the clock counts as no hint. Only the "next-use"
+        eviction policy reads hints (Note [Next-use eviction] in
+        src_cpp/device_cache.h); the others keep them. Unknown ids, negative
+        times or a clock that goes back raise and change nothing."""
+        self._check_open()
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        if when is None:
+            times = np.full(n, _INT64_MAX, dtype=np.int64)
+        elif isinstance(when, (int, np.integer)) and type(when) is not _PY_BOOL:
+            times = np.full(n, operator.index(when), dtype=np.int64)
+        else:
+            times = as_id_array(when)
+            if <size_t>times.shape[0] != n:
+                raise ValueError(
+                    f"when has {times.shape[0]} times for {n} tensor ids"
+                )
+        cdef const int64_t[::1] ctimes = times
+        cdef bint set_now = now is not None
+        cdef int64_t cnow = 0
+        if set_now:
+            if type(now) is _PY_BOOL:
+                raise TypeError("now must be an integer, got a bool")
+            cnow = operator.index(now)
+        if n == 0:
+            if set_now:
+                self._c.HintNextUse(NULL, NULL, 0, cnow, True)
+            return
+        with nogil:
+            self._c.HintNextUse(&ids[0], &ctimes[0], n, cnow, set_now)
 
     def set_faults(self, **settings):
         """Fault backend only: change injected faults while running.

@@ -583,6 +583,46 @@ size_t ArcherPrefetchHandle::Evict(const int64_t* ids, size_t n) {
   return evicted;
 }
 
+void ArcherPrefetchHandle::HintNextUse(const int64_t* ids, const int64_t* when,
+                                       size_t n, int64_t now, bool set_now) {
+  CheckNotForked();
+  std::lock_guard<std::mutex> lk(mu_);
+  CheckUsableLocked();
+  if (set_now && now < hint_clock_) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "now=" + std::to_string(now) +
+                            " is earlier than the hint clock (" +
+                            std::to_string(hint_clock_) +
+                            "); the clock never goes back");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (when[i] < 0) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          "next-use time " + std::to_string(when[i]) +
+                              " (at index " + std::to_string(i) +
+                              ") is negative");
+    }
+  }
+  ResolveIdsLocked(ids, n);
+  if (set_now) {
+    hint_clock_ = now;
+    for (auto& dev : devices_) dev->cache->policy().OnClock(now);
+  }
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = batch_scratch_[i];
+    if (e->state == EntryState::kResident) {
+      devices_[e->device]->cache->policy().OnHint(e, when[i]);
+    } else {
+      e->next_use = when[i];
+    }
+  }
+}
+
+int64_t ArcherPrefetchHandle::HintClock() const {
+  std::lock_guard<std::mutex> lk(mu_);
+  return hint_clock_;
+}
+
 // ---------------------------------------------------------- acquire/release
 
 void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,

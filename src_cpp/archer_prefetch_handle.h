@@ -26,6 +26,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <deque>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -118,6 +119,15 @@ class ArcherPrefetchHandle {
   // Evicts the listed ids that are resident, unpinned and no longer used on
   // any stream (others are left alone); returns how many were evicted.
   size_t Evict(const int64_t* ids, size_t n);
+
+  // Next-use hints (Note [Next-use eviction] in device_cache.h): id i is next
+  // read at `when[i]` on the caller's clock (kNoNextUse: unknown), and, with
+  // `set_now`, the clock is now `now`. Only the "next-use" policy reads
+  // hints; others keep them. All-or-nothing: an unknown id, a negative time
+  // or a clock going backwards throws and changes nothing.
+  void HintNextUse(const int64_t* ids, const int64_t* when, size_t n,
+                   int64_t now, bool set_now);
+  int64_t HintClock() const;
 
   // Waits until every id is resident and pins it. `streams` (nullptr, or one
   // per device, kNoStream = none; 0 is the legacy default stream, a real
@@ -230,6 +240,7 @@ class ArcherPrefetchHandle {
   bool stop_ = false;     // workers must exit
   bool closed_ = false;   // Close() started
   int active_calls_ = 0;  // calls that may drop mu_ midway (Close waits)
+  int64_t hint_clock_ = std::numeric_limits<int64_t>::min();  // HintNextUse
   Stats stats_;           // counters; gauges are filled by GetStats
 };
 

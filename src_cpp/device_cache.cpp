@@ -1,5 +1,7 @@
 #include "device_cache.h"
 
+#include <new>
+
 #include "errors.h"
 
 namespace prefetch {
@@ -81,14 +83,57 @@ void CyclicPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
   });
 }
 
+void NextUsePolicy::Link(Entry* e) {
+  e->policy_stamp = ++seq_;
+  Place(e);
+}
+
+void NextUsePolicy::Place(Entry* e) {
+  e->policy_used = false;  // in order_, not overflow_
+  try {
+    order_.insert(Key{e->next_use, e->policy_stamp, e});
+  } catch (const std::bad_alloc&) {
+    e->policy_used = true;
+    overflow_.PushNewest(e);
+  }
+}
+
+void NextUsePolicy::OnRemove(Entry* e) {
+  if (e->policy_used) {
+    overflow_.Unlink(e);
+    e->policy_used = false;
+  } else {
+    order_.erase(Key{e->next_use, e->policy_stamp, e});
+  }
+}
+
+void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
+  OnRemove(e);
+  e->next_use = next_use;
+  Place(e);  // a hint is not a use: the touch sequence stays
+}
+
+// Note [Next-use eviction]: no valid hint first, then farthest next use.
+Entry* NextUsePolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+  return Walk([&](Entry* e) { return evictable(e, ctx); });
+}
+
+void NextUsePolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  Walk([&](Entry* e) {
+    fn(e, ctx);
+    return false;
+  });
+}
+
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name) {
   if (name == "lru") return std::make_unique<LruPolicy>();
   if (name == "cyclic") {
     return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires);
   }
+  if (name == "next-use") return std::make_unique<NextUsePolicy>();
   throw PrefetchError(ErrorKind::kInvalidArgument,
                       "unknown eviction policy '" + name +
-                          "' (known: lru, cyclic)");
+                          "' (known: lru, cyclic, next-use)");
 }
 
 DeviceCache::DeviceCache(char* arena, size_t budget_bytes,

@@ -18,6 +18,7 @@
 #include <cstdint>
 #include <map>
 #include <memory>
+#include <set>
 #include <string>
 
 #include "entry.h"
@@ -33,8 +34,8 @@ inline size_t AlignSlot(size_t bytes) {
 }
 
 // Orders resident entries for eviction. Implementations link entries through
-// Entry::lru_prev/lru_next (and may keep Entry::policy_stamp/policy_used) and
-// allocate nothing.
+// Entry::lru_prev/lru_next (and may keep Entry::policy_stamp/policy_used).
+// No hook throws: one that allocates must cope with running out of memory.
 class EvictionPolicy {
  public:
   virtual ~EvictionPolicy() = default;
@@ -45,6 +46,11 @@ class EvictionPolicy {
   virtual void OnRemove(Entry* e) = 0;   // evicted or unregistered
   // Once per Acquire call, on every device's policy: a clock of "layers".
   virtual void OnAcquireCall() {}
+  // Next-use hints (Note [Next-use eviction]). OnHint sets e->next_use; the
+  // handle calls it for resident entries only (others just take the field).
+  virtual void OnHint(Entry* e, int64_t next_use) { e->next_use = next_use; }
+  // The caller's clock moved to `now` (never backwards).
+  virtual void OnClock(int64_t now) { (void)now; }
   // Calls fn(e, ctx) for every entry in eviction order (next victim first).
   virtual void ForEach(void (*fn)(Entry*, void*), void* ctx) const = 0;
   // First entry in eviction order for which evictable(e, ctx) is true.
@@ -126,11 +132,79 @@ class CyclicPolicy final : public EvictionPolicy {
   EntryList used_;      // acquired; newest = next to evict
 };
 
+// Note [Next-use eviction]
+// Belady's rule needs the future: evict the entry whose next read is
+// farthest away. A caller that knows it (a replayed routing trace, or a
+// predictor it trusts) says so with hints: HintNextUse(ids, when, now) gives
+// each id the time of its next read on the caller's own clock (any
+// increasing count, e.g. MoE layers routed so far), and moves the clock to
+// `now`. A hint whose time has passed without a new one counts as no hint:
+// the read it announced happened (or never came), and the caller did not say
+// when the next one is. Victim order: entries without a valid hint first
+// (least recently acquired or requested first; an entry never hinted is
+// needed by nobody we know of), then hinted entries, farthest next use
+// first. Hints belong to the id, resident or not, so an id can be hinted
+// before its prefetch. Entries sit in a std::set ordered by (next_use, a
+// touch sequence); if that set cannot grow (no memory) an entry goes to an
+// unordered overflow list that is evicted first, never an exception.
+class NextUsePolicy final : public EvictionPolicy {
+ public:
+  const char* Name() const override { return "next-use"; }
+  void OnInsert(Entry* e) override { Link(e); }
+  void OnRequest(Entry* e) override { Relink(e); }
+  void OnUse(Entry* e) override { Relink(e); }
+  void OnRemove(Entry* e) override;
+  void OnHint(Entry* e, int64_t next_use) override;
+  void OnClock(int64_t now) override { now_ = now; }
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
+
+ private:
+  struct Key {
+    int64_t next_use;
+    uint64_t seq;  // touch order; unique
+    Entry* e;
+    bool operator<(const Key& o) const {
+      return next_use != o.next_use ? next_use < o.next_use : seq < o.seq;
+    }
+  };
+  void Link(Entry* e);   // with a new touch sequence
+  void Place(Entry* e);  // with its current one
+  void Relink(Entry* e) {
+    OnRemove(e);
+    Link(e);
+  }
+  // Victim order; the one place it is written down.
+  template <typename Visit>
+  Entry* Walk(Visit visit) const {
+    for (Entry* e = overflow_.oldest; e != nullptr; e = e->lru_next) {
+      if (visit(e)) return e;
+    }
+    const auto no_hint = order_.lower_bound(Key{kNoNextUse, 0, nullptr});
+    for (auto it = no_hint; it != order_.end(); ++it) {
+      if (visit(it->e)) return it->e;
+    }
+    auto valid = order_.begin();  // expired hints: oldest hint first
+    for (; valid != no_hint && valid->next_use < now_; ++valid) {
+      if (visit(valid->e)) return valid->e;
+    }
+    for (auto it = no_hint; it != valid;) {  // valid hints: farthest first
+      --it;
+      if (visit(it->e)) return it->e;
+    }
+    return nullptr;
+  }
+  std::set<Key> order_;
+  EntryList overflow_;  // could not enter order_ (std::bad_alloc)
+  uint64_t seq_ = 0;
+  int64_t now_ = std::numeric_limits<int64_t>::min();
+};
+
 // Acquire calls after which an unacquired prefetched entry counts as a wrong
 // prediction under "cyclic" (Note [Cyclic eviction]).
 constexpr uint64_t kCyclicStaleAfterAcquires = 8;
 
-// "lru" or "cyclic"; anything else is kInvalidArgument.
+// "lru", "cyclic" or "next-use"; anything else is kInvalidArgument.
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name);
 
 class DeviceCache {

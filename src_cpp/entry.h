@@ -15,11 +15,15 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "copy_backend.h"
 
 namespace prefetch {
+
+// Entry::next_use when the caller gave no hint (Note [Next-use eviction]).
+constexpr int64_t kNoNextUse = std::numeric_limits<int64_t>::max();
 
 enum class EntryState : uint8_t { kHost, kQueued, kCopying, kResident };
 
@@ -44,8 +48,9 @@ struct alignas(64) Entry {
   size_t slot_bytes = 0;             // size of its slot (aligned)
   CopyToken ready = kTokenDone;      // completion of the copy into the slot
   CopyToken last_use = kTokenDone;   // completion of consumers' stream work
-  uint64_t policy_stamp = 0;         // eviction policy's use (CyclicPolicy)
-  bool policy_used = false;          // eviction policy's use (CyclicPolicy)
+  uint64_t policy_stamp = 0;         // eviction policy's own (a clock/sequence)
+  bool policy_used = false;          // eviction policy's own (a list flag)
+  int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   std::string error;                 // last copy failure, raised on acquire
 };
 

@@ -41,6 +41,12 @@ def test_cpp_stress_cyclic_eviction(stress_binary, threads, mode):
     run_stress(stress_binary, threads, mode, "cyclic")
 
 
+@pytest.mark.parametrize("mode", ["host", "async"])
+@pytest.mark.parametrize("threads", [4, 64])
+def test_cpp_stress_next_use_eviction(stress_binary, threads, mode):
+    run_stress(stress_binary, threads, mode, "next-use")  # with random hints from every thread
+
+
 def run_stress(stress_binary, threads, mode, eviction):
     ops = max(200, 16000 // threads)
     proc = subprocess.run([str(stress_binary), str(threads), str(ops), mode, eviction], capture_output=True,

@@ -523,3 +523,117 @@ def test_cyclic_prefetched_but_never_acquired_goes_stale(make_handle, rng):
     h.release([3])
     assert 2 not in h.resident()
     assert h.stats()["wasted"] == 1
+
+
+def belady_hits(seq, capacity):
+    """Hits of Belady's rule (evict the farthest next use; never again first)
+    on an access sequence: the optimum any cache of `capacity` can reach."""
+    cache, hits = set(), 0
+    for t, tid in enumerate(seq):
+        if tid in cache:
+            hits += 1
+            continue
+        if len(cache) == capacity:
+            def next_use(x):
+                rest = seq[t + 1 :]
+                return rest.index(x) if x in rest else len(seq)
+            cache.remove(max(cache, key=next_use))
+        cache.add(tid)
+    return hits
+
+
+def next_time(seq, t):
+    """When seq[t] is next read after time t, or None."""
+    for u in range(t + 1, len(seq)):
+        if seq[u] == seq[t]:
+            return u
+    return None
+
+
+def test_next_use_eviction_with_true_hints_reaches_belady(make_handle, rng):
+    seq = [int(x) for x in rng.integers(0, 7, size=120)]
+    h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="next-use")
+    data = register_random(h, rng, range(7))
+    for t, tid in enumerate(seq):
+        h.hint_next_use([], None, now=t)
+        (v,) = h.acquire([tid], timeout=10)
+        np.testing.assert_array_equal(v, data[tid])
+        h.release([tid])
+        h.hint_next_use([tid], next_time(seq, t))
+    hits = h.stats()["hits"]
+    assert hits == belady_hits(seq, 3)
+    # The same accesses under LRU and cyclic do worse on this sequence.
+    for policy in ("lru", "cyclic"):
+        other = make_handle(device_budget_bytes=3 * SLOT, eviction_policy=policy)
+        register_random(other, rng, range(7))
+        for tid in seq:
+            other.acquire([tid], timeout=10)
+            other.release([tid])
+        assert other.stats()["hits"] < hits, policy
+
+
+def test_next_use_victim_order(make_handle, rng):
+    h = make_handle(device_budget_bytes=6 * SLOT, eviction_policy="next-use")
+    register_random(h, rng, range(7))
+    h.hint_next_use([0, 1, 2], [30, 10, 20], now=5)
+    h.hint_next_use([3], 7)
+    for tid in range(6):  # 4 and 5 have no hint; 5 was acquired last
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+    # No hint first (least recently used first), then farthest next use.
+    assert h.resident() == [4, 5, 0, 2, 1, 3]
+    h.hint_next_use([], None, now=15)  # 1's and 3's reads have passed
+    assert h.resident() == [4, 5, 3, 1, 0, 2]
+    h.hint_next_use([4], 100)  # a resident entry takes a new hint at once
+    assert h.resident() == [5, 3, 1, 4, 0, 2]
+    (v,) = h.acquire([6], timeout=10)  # evicts 5, the first in that order
+    h.release([6])
+    assert 5 not in h.resident() and h.stats()["evictions"] == 1
+    h.hint_next_use([6, 4], None)  # cleared: back to the front
+    assert h.resident()[:2] == [4, 6]
+
+
+def test_next_use_hint_before_the_copy_is_kept(make_handle, rng):
+    h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="next-use")
+    register_random(h, rng, range(3))
+    h.hint_next_use([0, 1, 2], [9, 5, 7], now=0)  # none resident yet
+    h.prefetch_tensors([0, 1, 2])
+    assert wait_until(lambda: h.stats()["copies"] == 3)
+    assert h.resident() == [0, 2, 1]
+
+
+def test_next_use_bad_hints_change_nothing(make_handle, rng):
+    h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="next-use")
+    register_random(h, rng, range(4))
+    h.hint_next_use([0, 1, 2, 3], [4, 3, 2, 1], now=1)
+    for tid in range(4):
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+    order = h.resident()
+    assert order == [0, 1, 2, 3]
+    with pytest.raises(KeyError):
+        h.hint_next_use([3, 99], [50, 50])  # 3 must not move
+    with pytest.raises(ValueError, match="negative"):
+        h.hint_next_use([3, 2], [50, -2])
+    with pytest.raises(ValueError, match="never goes back"):
+        h.hint_next_use([3], 50, now=0)
+    with pytest.raises(ValueError, match="3 times for 2"):
+        h.hint_next_use([3, 2], [1, 2, 3])
+    with pytest.raises(TypeError):
+        h.hint_next_use([3], 50, now=True)
+    with pytest.raises(TypeError):
+        h.hint_next_use([3], [1.5])
+    assert h.resident() == order
+    # The clock did not move either: hints at 1 are still valid.
+    h.hint_next_use([], None, now=2)
+    assert h.resident() == [3, 0, 1, 2]
+
+
+def test_hints_are_kept_but_ignored_by_other_policies(make_handle, rng):
+    h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="lru")
+    register_random(h, rng, range(3))
+    for tid in range(3):
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+    h.hint_next_use([0, 1, 2], [1, 100, 2], now=0)
+    assert h.resident() == [0, 1, 2]

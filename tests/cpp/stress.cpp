@@ -44,6 +44,7 @@ int main(int argc, char** argv) {
   options.poison_freed_slots = true;
   const bool async = argc > 3 && std::strcmp(argv[3], "async") == 0;
   if (argc > 4) options.eviction_policy = argv[4];
+  const bool hints = options.eviction_policy == "next-use";
   std::unique_ptr<prefetch::CopyBackend> backend;
   if (async) {
     auto config = std::make_shared<prefetch::FaultConfig>();
@@ -87,6 +88,16 @@ int main(int argc, char** argv) {
               }
             }
             handle.Release(ids.data(), ids.size(), nullptr);
+          } else if (op < 9 && hints && rng() % 2 == 0) {
+            // Next-use hints: random times, resident or not; only thread 0
+            // moves the clock, so it never goes back.
+            ids.resize(1 + rng() % 8);
+            std::vector<int64_t> when(ids.size());
+            for (size_t j = 0; j < ids.size(); ++j) {
+              ids[j] = static_cast<int64_t>(rng() % kIds);
+              when[j] = rng() % 5 == 0 ? prefetch::kNoNextUse : static_cast<int64_t>(rng() % (4 * ops));
+            }
+            handle.HintNextUse(ids.data(), when.data(), ids.size(), k, t == 0);
           } else if (op < 9) {
             int64_t id = static_cast<int64_t>(rng() % kIds);
             handle.Cancel(&id, 1);
