@@ -200,6 +200,11 @@ class ExpertPrefetcher:
             for tid in ids.tolist():
                 enqueue(tid, priority)
 
+    def hint_next_use(self, layer_id: int, expert_list, when, *, now: int | None = None) -> None:
+        """When the experts of `layer_id` are next read (see
+        PrefetchHandle.hint_next_use): one time, one per expert, or None."""
+        self.engine.hint_next_use(self.tensor_ids(layer_id, expert_list), when, now=now)
+
     # ----------------------------------------------------- acquire/release
 
     def acquire_experts(self, layer_id: int, expert_list, *, stream=None, timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S):

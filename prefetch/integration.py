@@ -24,6 +24,7 @@ layers will need and prefetches them, band = distance in layers (1 = next).
 """
 from __future__ import annotations
 
+import bisect
 import heapq
 import json
 from dataclasses import dataclass, field
@@ -201,11 +202,25 @@ class TracePredictor:
 
 class OraclePredictor:
     """Replays a recorded routing trace: predicts exactly what step s, layer
-    L+d will use (the ceiling of any predictor)."""
+    L+d will use (the ceiling of any predictor). With ``hints`` (default) it
+    also tells the engine when each expert will next be read, on the
+    controller's routing clock, so a handle made with
+    ``eviction_policy="next-use"`` evicts by Belady's rule; other policies
+    ignore the hints."""
 
-    def __init__(self, trace: RoutingTrace, distance: int = 1):
+    def __init__(self, trace: RoutingTrace, distance: int = 1, hints: bool = True):
+        if distance < 1:
+            raise ValueError("distance must be >= 1")
         self.trace = trace
         self.distance = distance
+        self.hints = hints
+        # layer -> expert -> the steps that read it, ascending
+        self._steps_of: list[dict[int, list[int]]] = [{} for _ in range(trace.num_layers)]
+        for s, step in enumerate(trace.steps):
+            for layer, experts in enumerate(step):
+                for e in experts:
+                    self._steps_of[layer].setdefault(int(e), []).append(s)
+        self._routed = None  # (step, layer, experts, clock) of the last routing
 
     def predict(self, controller, step, layer, hidden):
         out = {}
@@ -217,10 +232,37 @@ class OraclePredictor:
             experts = self.trace.experts(target_step, target)
             if experts:
                 out[target] = experts
+                if self.hints:  # read d layers from now
+                    controller.hint_next_use(target, experts, controller.clock + d)
         return out
 
     def observe(self, controller, step, layer, experts):
-        pass
+        if not self.hints:
+            return
+        now = controller.clock
+        # The experts routed now are read now: their hint moves on only once
+        # the next layer routes (they are released by then), or a prefetch
+        # for the next layer could evict them before their acquire.
+        if self._routed is not None:
+            self._hint_next(controller, *self._routed)
+        controller.hint_next_use(layer, experts, now, now=now)
+        self._routed = (step, layer, list(experts), now)
+
+    def _hint_next(self, controller, step, layer, experts, at):
+        """Hints, for experts read at clock `at` (step, layer), their next read."""
+        steps_of = self._steps_of[layer] if layer < len(self._steps_of) else {}
+        later, never = [], []
+        for e in experts:
+            steps = steps_of.get(int(e), ())
+            i = bisect.bisect_right(steps, step)
+            if i < len(steps):
+                later.append((int(e), at + (steps[i] - step) * controller.num_layers))
+            else:
+                never.append(int(e))
+        if later:
+            controller.hint_next_use(layer, [e for e, _ in later], [t for _, t in later])
+        if never:
+            controller.hint_next_use(layer, never, None)
 
 
 # ------------------------------------------------------------------ controller
@@ -242,6 +284,7 @@ class OffloadController:
         self.routers = routers or []
         self.device = device
         self.step = 0
+        self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)
         self._seen_layer0 = False  # a second layer-0 routing starts a new step
         self.trace = RoutingTrace(num_layers, num_experts) if record_trace else None
         self._pending: dict[tuple[int, int], set[int]] = {}  # (step, layer) -> predicted
@@ -261,6 +304,7 @@ class OffloadController:
     def on_routed(self, layer: int, hidden: torch.Tensor, experts: list[int]) -> None:
         """Layer `layer` chose `experts`: score earlier predictions for it,
         record the trace, and prefetch what later layers will need."""
+        self.clock += 1
         if layer == 0:
             if self._seen_layer0:
                 self.step += 1
@@ -284,6 +328,13 @@ class OffloadController:
             self.prefetcher.prefetch_experts_list(target, guess, priority=min(19, max(1, distance)))
             target_step = self.step + (1 if target <= layer else 0)
             self._pending.setdefault((target_step, target), set()).update(guess)
+
+    def hint_next_use(self, layer: int, experts, when, *, now: int | None = None) -> None:
+        """Tells the engine when the experts of `layer` are next read, on
+        this controller's routing clock (`clock`: one tick per routed layer,
+        across sequences): one time for all, one per expert, or None for
+        unknown. See PrefetchHandle.hint_next_use."""
+        self.prefetcher.hint_next_use(layer, experts, when, now=now)
 
     def new_sequence(self) -> None:
         """Call between requests: resets the step counter and lets a learning
