@@ -26,8 +26,10 @@ Policies, one run each (fresh cache, same inputs):
   next-layer-gate  engine + router of layer L+1 applied to layer L's input
   trace            engine + activation-matrix predictor trained on --train
                    other requests first
-  oracle           engine + replay of the routing this request really takes
-  oracle-lru       oracle with the engine's LRU eviction instead of --eviction
+  oracle           engine + replay of the routing this request really takes,
+                   with next-use hints and eviction_policy="next-use"
+                   (Belady's rule: the ceiling)
+  oracle-cyclic    the same prefetches, no hints, --eviction's policy
   torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
                    side stream into an LRU of device slots kept in Python
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
@@ -59,8 +61,8 @@ MODELS = {
     "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
     "qwen3-30b-a3b": dict(layers=48, experts=128, top_k=8, hidden=2048, inter=768),
 }
-POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-lru", "torch-by-hand")
-ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-lru")
+POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic", "torch-by-hand")
+ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic")
 
 
 class Decoder:
@@ -385,9 +387,15 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
         predictor = NextLayerGatePredictor()
     elif policy == "trace":
         predictor = TracePredictor(distance=2)
-    elif policy in ("oracle", "oracle-lru"):
-        predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2)
-    return EngineProvider(dec, budget, predictor, "lru" if policy == "oracle-lru" else eviction, handle_options)
+    elif policy in ("oracle", "oracle-cyclic"):
+        predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2,
+                                    hints=policy == "oracle")
+    return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options)
+
+
+def policy_eviction(policy: str, eviction: str) -> str:
+    """The engine eviction policy a BM5 policy runs with."""
+    return "next-use" if policy == "oracle" else eviction
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
@@ -530,7 +538,7 @@ def main(argv=None) -> int:
     parser.add_argument("--devices", type=int, default=1,
                         help="split the layers over this many GPUs (one cache, queue and stream each)")
     parser.add_argument("--eviction", default="cyclic", choices=["cyclic", "lru"],
-                        help="engine eviction policy for the engine policies (oracle-lru always uses lru)")
+                        help="engine eviction policy of the engine policies but oracle (always next-use)")
     parser.add_argument("--expert-compute", default="grouped", choices=["grouped", "loop"],
                         help="routed experts in two batched matmuls, or one expert at a time")
     parser.add_argument("--smoke-cpu", action="store_true",
@@ -590,7 +598,7 @@ def main(argv=None) -> int:
                 floor_s = max(compute_p50, io_floor_s)
                 for policy in args.policies:
                     row = {"model": name, "batch": batch, "cache_share": share, "policy": policy,
-                           "devices": args.devices, "eviction": "lru" if policy == "oracle-lru" else args.eviction,
+                           "devices": args.devices, "eviction": policy_eviction(policy, args.eviction),
                            "budget_gib": budget / 2**30, "compute_only_ms": compute_p50 * 1e3,
                            "io_floor_ms": io_floor_s * 1e3, "floor_ms": floor_s * 1e3,
                            "raw_h2d_gbps": raw, "raw_h2d_gbps_each": raw_each,

@@ -615,16 +615,8 @@ cdef class PrefetchHandle:
         cdef size_t n = ids.shape[0]
         if n == 0:
             return []
-        cdef vector[uintptr_t] streams = self._streams(stream, False)
-        if type(timeout) is _PY_BOOL:
-            raise TypeError("timeout must be a number of seconds")
-        cdef double ctimeout = float(timeout)
         cdef vector[CSlotInfo] slots
-        slots.resize(n)
-        with nogil:
-            self._c.Acquire(
-                &ids[0], n, streams.data(), ctimeout, slots.data()
-            )
+        self._acquire_into(ids, stream, timeout, slots)
         views = []
         cdef size_t i
         for i in range(n):
@@ -632,6 +624,52 @@ cdef class PrefetchHandle:
             start = slots[i].offset
             views.append(arena[start:start + slots[i].bytes])
         return views
+
+    def acquire_slots(self, tensor_ids, *, stream=None,
+                      timeout=DEFAULT_ACQUIRE_TIMEOUT_S):
+        """``acquire`` without building views: returns an int64 array of
+        shape (n, 2), the byte offset of each id's slot in ``arena(device)``
+        and that device. For callers that keep their own views of the arena
+        (ExpertPrefetcher reuses an expert's views while its slot is the
+        same). Same waits, pins and errors as ``acquire``."""
+        self._check_open()
+        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+        cdef size_t n = ids.shape[0]
+        out = np.empty((n, 2), dtype=np.int64)
+        if n == 0:
+            return out
+        cdef vector[CSlotInfo] slots
+        self._acquire_into(ids, stream, timeout, slots)
+        cdef int64_t[:, ::1] where = out
+        cdef size_t i
+        for i in range(n):
+            where[i, 0] = <int64_t>slots[i].offset
+            where[i, 1] = slots[i].device
+        return out
+
+    cdef int _acquire_into(self, const int64_t[::1] ids, object stream,
+                           object timeout, vector[CSlotInfo]& slots) except -1:
+        cdef size_t n = ids.shape[0]
+        cdef vector[uintptr_t] streams = self._streams(stream, False)
+        if type(timeout) is _PY_BOOL:
+            raise TypeError("timeout must be a number of seconds")
+        cdef double ctimeout = float(timeout)
+        slots.resize(n)
+        with nogil:
+            self._c.Acquire(
+                &ids[0], n, streams.data(), ctimeout, slots.data()
+            )
+        return 0
+
+    def arena(self, device=0):
+        """The cache arena of `device` as one flat uint8 buffer: a torch CUDA
+        tensor (CUDA backend) or a numpy array (host backends). Offsets from
+        ``acquire_slots`` index it; bytes there are valid while acquired."""
+        self._check_open()
+        d = operator.index(device)
+        if d < 0 or d >= self.num_devices:
+            raise ValueError(f"no device {d} (this handle has {self.num_devices})")
+        return self._arenas[d]
 
     def release(self, tensor_ids, *, stream=None):
         """Unpins ids taken by acquire. On the CUDA backend the slot is not

@@ -95,6 +95,13 @@ class ExpertPrefetcher:
         self._next_id = int(first_tensor_id)
         self._ids: dict[int, np.ndarray] = {}  # layer -> expert-indexed ids, -1 = none
         self._layouts: dict[int, tuple[PartLayout, ...]] = {}  # tensor id -> parts
+        self._nbytes: dict[int, int] = {}  # tensor id -> packed bytes
+        # Views reused while an expert's slot stays put (see _acquire_cached):
+        # engines with acquire_slots and arena only.
+        self._slot_views = callable(getattr(engine, "acquire_slots", None)) and callable(
+            getattr(engine, "arena", None))
+        self._views: dict[int, tuple[int, int, dict]] = {}  # tensor id -> (offset, device, weights)
+        self._arenas: dict[int, object] = {}  # device -> torch uint8 arena
 
     # ------------------------------------------------------------ registry
 
@@ -149,6 +156,7 @@ class ExpertPrefetcher:
             self._ids[layer_id] = table
         table[expert_id] = tensor_id
         self._layouts[tensor_id] = tuple(layout)
+        self._nbytes[tensor_id] = layout[-1].offset + layout[-1].nbytes
         return tensor_id
 
     def _lookup(self, layer_id: int, expert_id: int) -> int:
@@ -214,6 +222,8 @@ class ExpertPrefetcher:
         return self._acquire_ids(ids, stream=stream, timeout=timeout)
 
     def _acquire_ids(self, ids: np.ndarray, *, stream, timeout: float):
+        if self._slot_views:
+            return self._acquire_cached(ids, stream=stream, timeout=timeout)
         import torch
 
         views = self.engine.acquire(ids, stream=stream, timeout=timeout)
@@ -221,12 +231,46 @@ class ExpertPrefetcher:
         for tid, raw in zip(ids.tolist(), views):
             if isinstance(raw, np.ndarray):
                 raw = torch.from_numpy(raw)
-            weights = {}
-            for part in self._layouts[tid]:
-                chunk = raw[part.offset : part.offset + part.nbytes]
-                weights[part.name] = chunk.view(part.dtype).view(part.shape)
-            experts.append(weights)
+            experts.append(self._weights(tid, raw))
         return experts
+
+    def _weights(self, tensor_id: int, raw) -> dict:
+        """The parts of `tensor_id` as typed views of `raw`, its bytes."""
+        weights = {}
+        for part in self._layouts[tensor_id]:
+            chunk = raw[part.offset : part.offset + part.nbytes]
+            weights[part.name] = chunk.view(part.dtype).view(part.shape)
+        return weights
+
+    def _acquire_cached(self, ids: np.ndarray, *, stream, timeout: float):
+        """acquire through the engine's slot offsets: an expert whose slot is
+        where it was last time gets the same views again (views of the arena,
+        so they see whatever bytes the slot holds now); only experts that
+        moved get new ones. Saves the ~3 tensor ops per weight that building
+        views costs, which on a slow host is most of an acquire."""
+        where = self.engine.acquire_slots(ids, stream=stream, timeout=timeout)
+        experts = []
+        cache = self._views
+        for tid, offset, device in zip(ids.tolist(), where[:, 0].tolist(), where[:, 1].tolist()):
+            known = cache.get(tid)
+            if known is None or known[0] != offset or known[1] != device:
+                arena = self._arena(device)
+                raw = arena[offset : offset + self._nbytes[tid]]
+                known = (offset, device, self._weights(tid, raw))
+                cache[tid] = known
+            experts.append(dict(known[2]))  # the caller may change its dict
+        return experts
+
+    def _arena(self, device: int):
+        arena = self._arenas.get(device)
+        if arena is None:
+            arena = self.engine.arena(device)
+            if isinstance(arena, np.ndarray):
+                import torch
+
+                arena = torch.from_numpy(arena)
+            self._arenas[device] = arena
+        return arena
 
     def release_experts(self, layer_id: int, expert_list, *, stream=None) -> None:
         self.engine.release(self.tensor_ids(layer_id, expert_list), stream=stream)

@@ -534,10 +534,8 @@ def belady_hits(seq, capacity):
             hits += 1
             continue
         if len(cache) == capacity:
-            def next_use(x):
-                rest = seq[t + 1 :]
-                return rest.index(x) if x in rest else len(seq)
-            cache.remove(max(cache, key=next_use))
+            rest = seq[t + 1 :]
+            cache.remove(max(cache, key=lambda x, rest=rest: rest.index(x) if x in rest else len(seq)))
         cache.add(tid)
     return hits
 

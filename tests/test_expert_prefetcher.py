@@ -169,3 +169,64 @@ def test_pack_and_register_packed_is_zero_copy(make_handle):
     pf.release_experts(0, [0, 1])
     with pytest.raises(ValueError, match="layout needs"):
         pf.register_packed(0, 2, buffer[:10], layout)
+
+
+def expert_slot_bytes(pf, layer=0, expert=0):
+    layout = pf.layout(pf.tensor_id(layer, expert))
+    return (layout[-1].offset + layout[-1].nbytes + 255) // 256 * 256
+
+
+def test_views_follow_an_expert_that_moved_slots(make_handle):
+    # A cache of two expert slots: expert 0 is evicted and comes back in the
+    # other slot; its views must be rebuilt there, and reused when it stays.
+    probe = ExpertPrefetcher(make_handle(device_budget_bytes=1 << 20))
+    probe.register_expert(0, 0, expert_weights(0))
+    h = make_handle(device_budget_bytes=2 * expert_slot_bytes(probe), eviction_policy="lru")
+    pf = ExpertPrefetcher(h)
+    populate(pf, layers=1, experts=3)
+    seen = {}
+    for order in ([0], [1], [0], [2], [1], [0], [0]):
+        (got,) = pf.acquire_experts(0, order)
+        where = h.acquire_slots(pf.tensor_ids(0, order))  # a second pin of the same slot
+        (expert,) = order
+        for name, tensor in got.items():
+            assert torch.equal(tensor, expert_weights(expert)[name])
+        seen.setdefault(expert, set()).add(int(where[0, 0]))
+        assert got["w1"].data_ptr() == h.arena(0).ctypes.data + int(where[0, 0])
+        h.release(pf.tensor_ids(0, order))
+        pf.release_experts(0, order)
+    assert len(seen[0]) == 2  # it did move
+    assert h.stats()["pinned_count"] == 0
+
+
+def test_acquired_weights_dict_is_the_callers(make_handle):
+    h = make_handle(device_budget_bytes=1 << 20)
+    pf = ExpertPrefetcher(h)
+    populate(pf, layers=1, experts=1)
+    (first,) = pf.acquire_experts(0, [0])
+    first.pop("w1")
+    first["junk"] = None
+    pf.release_experts(0, [0])
+    (again,) = pf.acquire_experts(0, [0])
+    assert sorted(again) == ["w1", "w2", "w3"]
+    pf.release_experts(0, [0])
+
+
+def test_acquire_slots_and_arena(make_handle, rng):
+    h = make_handle(device_budget_bytes=1 << 16)
+    data = {tid: rng.integers(0, 256, size=300 + tid, dtype=np.uint8) for tid in range(3)}
+    for tid, arr in data.items():
+        h.register(tid, arr)
+    where = h.acquire_slots([2, 0, 1])
+    assert where.shape == (3, 2) and where.dtype == np.int64
+    arena = h.arena(0)
+    for tid, (offset, device) in zip([2, 0, 1], where.tolist()):
+        assert device == 0 and offset % 256 == 0
+        np.testing.assert_array_equal(arena[offset : offset + data[tid].size], data[tid])
+    h.release([2, 0, 1])
+    assert h.acquire_slots([]).shape == (0, 2)
+    with pytest.raises(ValueError, match="no device 1"):
+        h.arena(1)
+    with pytest.raises(KeyError):
+        h.acquire_slots([0, 99])
+    assert h.stats()["pinned_count"] == 0
