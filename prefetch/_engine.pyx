@@ -37,6 +37,7 @@ NUM_BANDS = kNumBands
 DEFAULT_PRIORITY = kDefaultPrefetchBand
 MAX_TENSOR_ID = kMaxTensorId
 DEFAULT_ACQUIRE_TIMEOUT_S = 60.0
+NO_NEXT_USE = 2**63 - 1  # hint_next_use: no known next read
 
 # The .pxd cimports libcpp.bool, which shadows the builtin name here.
 cdef object _PY_BOOL = builtins.bool
@@ -523,7 +524,8 @@ cdef class PrefetchHandle:
         """Says when each id will next be read, on the caller's own clock
         (any count that only grows, e.g. MoE layers routed so far): ``when``
         is one time for all ids, a sequence of times (one per id), or None
-        (no known next use). ``now``, if given, moves the clock; a hint whose
+        (no known next use; NO_NEXT_USE = 2**63 - 1 says the same for one id
+        of a sequence). ``now``, if given, moves the clock; a hint whose
         time is before the clock counts as no hint. Only the "next-use"
         eviction policy reads hints (Note [Next-use eviction] in
         src_cpp/device_cache.h); the others keep them. Unknown ids, negative

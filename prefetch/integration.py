@@ -34,7 +34,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefetch._engine import PrefetchHandle
+from prefetch._engine import NO_NEXT_USE, PrefetchHandle
 from prefetch.expert_prefetcher import ExpertPrefetcher
 
 __all__ = [
@@ -221,6 +221,7 @@ class OraclePredictor:
                 for e in experts:
                     self._steps_of[layer].setdefault(int(e), []).append(s)
         self._routed = None  # (step, layer, experts, clock) of the last routing
+        self._hints: list = []  # (layer, experts, one time or a list) not yet sent
 
     def predict(self, controller, step, layer, hidden):
         out = {}
@@ -233,36 +234,44 @@ class OraclePredictor:
             if experts:
                 out[target] = experts
                 if self.hints:  # read d layers from now
-                    controller.hint_next_use(target, experts, controller.clock + d)
+                    self._hints.append((target, experts, controller.clock + d))
+        if self.hints:
+            self._flush(controller)
         return out
 
     def observe(self, controller, step, layer, experts):
+        # The controller calls observe, then predict: hints collect here and
+        # go to the engine in one call at the end of predict.
         if not self.hints:
             return
         now = controller.clock
         # The experts routed now are read now: their hint moves on only once
         # the next layer routes (they are released by then), or a prefetch
         # for the next layer could evict them before their acquire.
-        if self._routed is not None:
-            self._hint_next(controller, *self._routed)
-        controller.hint_next_use(layer, experts, now, now=now)
+        self._hints = self._next_reads(controller, *self._routed) if self._routed is not None else []
+        self._hints.append((layer, list(experts), now))
         self._routed = (step, layer, list(experts), now)
 
-    def _hint_next(self, controller, step, layer, experts, at):
-        """Hints, for experts read at clock `at` (step, layer), their next read."""
+    def _next_reads(self, controller, step, layer, experts, at):
+        """[(layer, experts, times)]: the next read of experts read at clock
+        `at` (step, layer); NO_NEXT_USE = never again in the trace."""
         steps_of = self._steps_of[layer] if layer < len(self._steps_of) else {}
-        later, never = [], []
+        times = []
         for e in experts:
             steps = steps_of.get(int(e), ())
             i = bisect.bisect_right(steps, step)
-            if i < len(steps):
-                later.append((int(e), at + (steps[i] - step) * controller.num_layers))
-            else:
-                never.append(int(e))
-        if later:
-            controller.hint_next_use(layer, [e for e, _ in later], [t for _, t in later])
-        if never:
-            controller.hint_next_use(layer, never, None)
+            times.append(at + (steps[i] - step) * controller.num_layers if i < len(steps) else NO_NEXT_USE)
+        return [(layer, experts, times)]
+
+    def _flush(self, controller):
+        hints, self._hints = self._hints, []
+        if not hints:
+            return
+        table = controller.prefetcher
+        ids = np.concatenate([table.tensor_ids(layer, experts) for layer, experts, _ in hints])
+        when = np.concatenate([np.asarray(t, dtype=np.int64) if isinstance(t, list)
+                               else np.full(len(experts), t, dtype=np.int64) for _, experts, t in hints])
+        controller.handle.hint_next_use(ids, when, now=controller.clock)
 
 
 # ------------------------------------------------------------------ controller

@@ -44,6 +44,19 @@ def test_compute_only_is_the_faster_of_two_runs():
     assert rows[2]["floor_ms"] == 21.0 and "over_floor" not in rows[2]
 
 
+def test_io_floor_uses_the_faster_raw_measurement_per_device():
+    # Two devices: 10 GB/step over 50 GB/s, 6 GB/step over 20 -> 40 later.
+    rows = [{"policy": "oracle", "compute_only_ms": 100.0, "belady_bytes_per_step_each": [10e9, 6e9],
+             "p50_ms": 250.0},
+            {"policy": "trace", "compute_only_ms": 100.0, "belady_bytes_per_step_each": [1e9, 1e9], "p50_ms": None}]
+    e2e.settle_raw(rows, [50.0, 20.0], [45.0, 40.0])
+    assert rows[0]["raw_h2d_gbps_each"] == [50.0, 40.0] and rows[0]["raw_h2d_gbps"] == 90.0
+    assert rows[0]["io_floor_ms"] == 200.0  # device 0 is now the slowest: 10e9 / 50e9 s
+    assert rows[0]["floor_ms"] == 200.0 and rows[0]["over_floor"] == 1.25
+    assert rows[1]["floor_ms"] == 100.0 and "over_floor" not in rows[1]  # compute-bound, not run
+    assert rows[0]["raw_h2d_gbps_runs_each"] == [[50.0, 20.0], [45.0, 40.0]]
+
+
 def test_experts_use_the_whole_pool_whatever_the_devices():
     # Runs 8 and 9 took the pool size from the per-device list of pools (its
     # length is the device count), so every expert used pool entry 0.

@@ -635,3 +635,15 @@ def test_hints_are_kept_but_ignored_by_other_policies(make_handle, rng):
         h.release([tid])
     h.hint_next_use([0, 1, 2], [1, 100, 2], now=0)
     assert h.resident() == [0, 1, 2]
+
+
+def test_no_next_use_in_a_sequence_clears_one_hint(make_handle, rng):
+    h = make_handle(device_budget_bytes=2 * SLOT, eviction_policy="next-use")
+    register_random(h, rng, range(2))
+    for tid in range(2):
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+    h.hint_next_use([0, 1], [5, 9], now=0)
+    assert h.resident() == [1, 0]
+    h.hint_next_use([0, 1], [prefetch.NO_NEXT_USE, 9])
+    assert h.resident() == [0, 1]

@@ -6,7 +6,7 @@
    `tolist()`), alone and with host-to-device copies queued on another
    stream: does the routing read wait behind prefetch traffic?
 2. A few BM5 cells (model, batch, cache share) under several engine settings
-   (in-flight cap, copy lanes, oracle distance) and the by-hand policy, with
+   (eviction, next-use hints, copy lanes, oracle distance) and the by-hand policy, with
    the host time of each phase of a step (routing sync, acquire, compute
    launch, release) and the engine's counters.
 Prints a table; --json keeps everything. Nothing here is a target figure.
@@ -55,7 +55,8 @@ def sync_probe(torch, reps: int = 30) -> dict:
     return out
 
 
-def run_cell(torch, dec, trace, inputs, warmup, budget, label, policy, options, distance):
+def run_cell(torch, dec, trace, inputs, warmup, budget, label, policy, options, distance,
+             eviction="cyclic", hints=False):
     from prefetch.integration import OraclePredictor, RoutingTrace
 
     spec = dec.spec
@@ -64,8 +65,9 @@ def run_cell(torch, dec, trace, inputs, warmup, budget, label, policy, options, 
     else:
         predictor = None
         if policy == "oracle":
-            predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=distance)
-        provider = e2e.EngineProvider(dec, budget, predictor, "cyclic", options)
+            predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=distance,
+                                        hints=hints)
+        provider = e2e.EngineProvider(dec, budget, predictor, eviction, options)
     try:
         lat = []
         timers = {}
@@ -88,7 +90,8 @@ def run_cell(torch, dec, trace, inputs, warmup, budget, label, policy, options, 
     steps = len(lat)
     counters = {k: (after[k] - before.get(k, 0)) / steps for k in after
                 if isinstance(after.get(k), (int, float)) and k not in ("precision", "recall")}
-    return {"label": label, "policy": policy, "options": options, "distance": distance,
+    return {"label": label, "policy": policy, "options": options, "distance": distance, "eviction": eviction,
+            "hints": hints,
             "p50_ms": statistics.median(lat) * 1e3,
             "phase_ms_per_step": {k: v / steps * 1e3 for k, v in timers.items()},
             "per_step": counters}
@@ -108,18 +111,17 @@ def main(argv=None) -> int:
     report = {"sync_us": sync_probe(torch)}
     for k, v in report["sync_us"].items():
         print(f"sync {k:<32} {v:9.1f} us", flush=True)
-    cells = [("qwen3-30b-a3b", 1, 0.25), ("olmoe-1b-7b", 1, 0.5), ("olmoe-1b-7b", 8, 0.25)]
-    mib = 1 << 20
+    cells = [("qwen3-30b-a3b", 1, 0.1), ("qwen3-30b-a3b", 1, 0.25), ("olmoe-1b-7b", 8, 0.25)]
+    # label, policy, engine options, oracle distance, eviction, hints
     variants = [
-        ("all-resident", "all-resident", None, 0),
-        ("on-demand", "on-demand", {}, 0),
-        ("by-hand", "torch-by-hand", None, 0),
-        ("oracle d2", "oracle", {}, 2),
-        ("oracle d2 inflight 32MiB", "oracle", {"max_bytes_in_flight": 32 * mib}, 2),
-        ("oracle d2 lanes 1", "oracle", {"copy_lanes": 1}, 2),
-        ("oracle d2 chunk 64MiB", "oracle", {"copy_chunk_bytes": 64 * mib}, 2),
-        ("oracle d1", "oracle", {}, 1),
-        ("oracle d4", "oracle", {}, 4),
+        ("all-resident", "all-resident", None, 0, None, False),
+        ("on-demand", "on-demand", {}, 0, "cyclic", False),
+        ("by-hand", "torch-by-hand", None, 0, None, False),
+        ("oracle cyclic", "oracle", {}, 2, "cyclic", False),
+        ("oracle cyclic + hint calls", "oracle", {}, 2, "cyclic", True),
+        ("oracle next-use", "oracle", {}, 2, "next-use", True),
+        ("oracle next-use lanes 1", "oracle", {"copy_lanes": 1}, 2, "next-use", True),
+        ("oracle next-use d1", "oracle", {}, 1, "next-use", True),
     ]
     report["cells"] = []
     for name, batch, share in cells:
@@ -135,7 +137,7 @@ def main(argv=None) -> int:
         dec.sync()
         trace = res.trace
         print(f"\n{name} b{batch} {share:.0%}", flush=True)
-        for label, policy, options, distance in variants:
+        for label, policy, options, distance, eviction, hints in variants:
             if policy == "all-resident":
                 lat, timers = [], {}
                 for i, x in enumerate(inputs):
@@ -150,7 +152,8 @@ def main(argv=None) -> int:
                 row = {"label": label, "p50_ms": statistics.median(lat) * 1e3,
                        "phase_ms_per_step": {k: v / len(lat) * 1e3 for k, v in timers.items()}, "per_step": {}}
             else:
-                row = run_cell(torch, dec, trace, inputs, args.warmup, budget, label, policy, options, distance)
+                row = run_cell(torch, dec, trace, inputs, args.warmup, budget, label, policy, options, distance,
+                               eviction, hints)
             row.update(model=name, batch=batch, share=share)
             report["cells"].append(row)
             ph = row["phase_ms_per_step"]
