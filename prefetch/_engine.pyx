@@ -557,6 +557,12 @@ cdef class PrefetchHandle:
         with nogil:
             self._c.HintNextUse(&ids[0], &ctimes[0], n, cnow, set_now)
 
+    def hint_clock(self):
+        """The clock ``hint_next_use(now=...)`` last set; None before any."""
+        self._check_open()
+        cdef int64_t now = self._c.HintClock()
+        return None if now == -_INT64_MAX - 1 else now
+
     def set_faults(self, **settings):
         """Fault backend only: change injected faults while running.
         copy_delay_us, fail_every_nth_copy (a PrefetchError), throw_every_nth_copy

@@ -194,6 +194,33 @@ def test_oracle_replays_a_recorded_trace_exactly(tmp_path):
         ctl.close()
 
 
+def test_oracle_with_next_use_eviction_matches_original():
+    # A real model, a budget that forces evictions, the oracle's hints on the
+    # next-use policy: the logits must not change and the hints must count.
+    cfg = family_configs()["qwen3_moe"]
+    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(3))
+    recorder = record(build(cfg), ids)
+    trace = recorder.trace
+    recorder.close()
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
+                              predictor=OraclePredictor(trace, distance=1),
+                              handle_options={"eviction_policy": "next-use"})
+    try:
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        s = ctl.handle.stats()
+        assert s["evictions"] > 0 and s["pinned_count"] == 0
+        assert ctl.handle.hint_clock() == ctl.clock >= 4 * cfg.num_hidden_layers - 1
+    finally:
+        ctl.close()
+
+
 def test_trace_file_is_validated(tmp_path):
     path = tmp_path / "bad.json"
     path.write_text(json.dumps({"format": "other"}))
