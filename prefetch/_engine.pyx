@@ -214,9 +214,9 @@ cdef class PrefetchHandle:
     order: the most recently used entry goes first, prefetched entries not yet
     acquired last, unless 8 acquire calls passed them by; see Note [Cyclic
     eviction] in src_cpp/device_cache.h) or ``"next-use"`` (Belady's rule
-    fed by the caller's ``hint_next_use``: entries with no current hint
-    first, least recently used first, then the farthest next use first;
-    Note [Next-use eviction]).
+    fed by the caller's ``hint_next_use``: entries never hinted first, least
+    recently used first, then hints whose time has passed, then the farthest
+    next use first; Note [Next-use eviction]).
     ``poison_freed_slots=True`` fills every freed cache slot with 0xDB, so a
     reader of stale bytes sees them.
     """
@@ -227,6 +227,7 @@ cdef class PrefetchHandle:
     cdef list _arenas
     cdef dict _external  # id -> caller object kept alive for register_external
     cdef readonly str backend
+    cdef readonly str eviction_policy
     cdef readonly int num_devices
     cdef bint _closed
 
@@ -321,6 +322,7 @@ cdef class PrefetchHandle:
         self._arenas = arenas
         self._external = {}
         self.backend = name
+        self.eviction_policy = eviction_policy
         self.num_devices = len(budgets)
         self._closed = False
 
@@ -526,10 +528,11 @@ cdef class PrefetchHandle:
         is one time for all ids, a sequence of times (one per id), or None
         (no known next use; NO_NEXT_USE = 2**63 - 1 says the same for one id
         of a sequence). ``now``, if given, moves the clock; a hint whose
-        time is before the clock counts as no hint. Only the "next-use"
-        eviction policy reads hints (Note [Next-use eviction] in
-        src_cpp/device_cache.h); the others keep them. Unknown ids, negative
-        times or a clock that goes back raise and change nothing."""
+        time is before the clock has expired (evicted before valid ones).
+        Only the "next-use" eviction policy reads hints (Note [Next-use
+        eviction] in src_cpp/device_cache.h); the others keep them. Unknown
+        ids, negative times or a clock that goes back raise and change
+        nothing."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]

@@ -202,13 +202,14 @@ class TracePredictor:
 
 class OraclePredictor:
     """Replays a recorded routing trace: predicts exactly what step s, layer
-    L+d will use (the ceiling of any predictor). With ``hints`` (default) it
-    also tells the engine when each expert will next be read, on the
-    controller's routing clock, so a handle made with
-    ``eviction_policy="next-use"`` evicts by Belady's rule; other policies
-    ignore the hints."""
+    L+d will use (the ceiling of any predictor). With hints it also tells
+    the engine when each expert will next be read, on the controller's
+    routing clock, so a handle made with ``eviction_policy="next-use"``
+    evicts by Belady's rule. ``hints=None`` (default) sends them only to such
+    a handle (other policies ignore hints, so they would cost host time for
+    nothing); True or False forces it."""
 
-    def __init__(self, trace: RoutingTrace, distance: int = 1, hints: bool = True):
+    def __init__(self, trace: RoutingTrace, distance: int = 1, hints: bool | None = None):
         if distance < 1:
             raise ValueError("distance must be >= 1")
         self.trace = trace
@@ -233,16 +234,21 @@ class OraclePredictor:
             experts = self.trace.experts(target_step, target)
             if experts:
                 out[target] = experts
-                if self.hints:  # read d layers from now
+                if self._sends_hints(controller):  # read d layers from now
                     self._hints.append((target, experts, controller.clock + d))
-        if self.hints:
+        if self._sends_hints(controller):
             self._flush(controller)
         return out
+
+    def _sends_hints(self, controller) -> bool:
+        if self.hints is None:
+            return getattr(controller.handle, "eviction_policy", None) == "next-use"
+        return self.hints
 
     def observe(self, controller, step, layer, experts):
         # The controller calls observe, then predict: hints collect here and
         # go to the engine in one call at the end of predict.
-        if not self.hints:
+        if not self._sends_hints(controller):
             return
         now = controller.clock
         # The experts routed now are read now: their hint moves on only once

@@ -138,11 +138,11 @@ class CyclicPolicy final : public EvictionPolicy {
 // predictor it trusts) says so with hints: HintNextUse(ids, when, now) gives
 // each id the time of its next read on the caller's own clock (any
 // increasing count, e.g. MoE layers routed so far), and moves the clock to
-// `now`. A hint whose time has passed without a new one counts as no hint:
-// the read it announced happened (or never came), and the caller did not say
-// when the next one is. Victim order: entries without a valid hint first
-// (least recently acquired or requested first; an entry never hinted is
-// needed by nobody we know of), then hinted entries, farthest next use
+// `now`. A hint whose time has passed without a new one has expired: the
+// read it announced happened (or never came), and the caller did not say
+// when the next one is, so it goes before any valid hint. Victim order: entries never hinted (or cleared),
+// least recently acquired or requested first (needed by nobody we know of);
+// then expired hints, earliest first; then valid hints, farthest next use
 // first. Hints belong to the id, resident or not, so an id can be hinted
 // before its prefetch. Entries sit in a std::set ordered by (next_use, a
 // touch sequence); if that set cannot grow (no memory) an entry goes to an

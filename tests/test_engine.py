@@ -573,7 +573,7 @@ def test_next_use_eviction_with_true_hints_reaches_belady(make_handle, rng):
 def test_next_use_victim_order(make_handle, rng):
     h = make_handle(device_budget_bytes=6 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(7))
-    assert h.hint_clock() is None
+    assert h.hint_clock() is None and h.eviction_policy == "next-use"
     h.hint_next_use([0, 1, 2], [30, 10, 20], now=5)
     h.hint_next_use([3], 7)
     for tid in range(6):  # 4 and 5 have no hint; 5 was acquired last

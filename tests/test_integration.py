@@ -190,6 +190,8 @@ def test_oracle_replays_a_recorded_trace_exactly(tmp_path):
         greedy(model, ids)
         report = ctl.report()
         assert report["prediction_precision"] == 1.0 and report["prediction_recall"] == 1.0
+        assert ctl.handle.eviction_policy == "cyclic"
+        assert ctl.handle.hint_clock() is None  # hints=None: none sent to a policy that ignores them
     finally:
         ctl.close()
 

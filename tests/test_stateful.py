@@ -1,11 +1,12 @@
 """Hypothesis rule-based state machine: the engine against a plain Python
 model of it. Workers run only inside `drain` and `acquire` steps (the handle
 is otherwise paused), so every step is deterministic and the model can
-predict every counter, the queue, the eviction order (LRU or cyclic) and
-the bytes of every acquired tensor.
+predict every counter, the queue, the eviction order (LRU, cyclic or
+next-use with hints) and the bytes of every acquired tensor.
 
 CI: derandomized, 200 examples of 50 steps, for each machine: host and
-caller-runs paths, each with LRU and with cyclic eviction."""
+caller-runs paths, each with LRU and with cyclic eviction; host with
+next-use."""
 import time
 
 import numpy as np
@@ -22,6 +23,7 @@ CAPACITY = 6  # slots in the budget
 IDS = 10  # ids 0..9 may be registered
 MAX_PINNED = CAPACITY - 2  # so an acquire of 2 misses always finds room
 STALE_AFTER = 8  # acquire calls; kCyclicStaleAfterAcquires in src_cpp/device_cache.h
+NONE = prefetch.NO_NEXT_USE
 
 COUNTERS = (
     "requests", "enqueued", "deduplicated", "upgraded", "touched", "cancelled",
@@ -34,7 +36,10 @@ class Residents:
     lru: one list, next victim first. cyclic (Note [Cyclic eviction]):
     `fresh` (not acquired since it arrived, oldest first, stamped with the
     acquire clock) and `used` (acquired, oldest first); victims are stale
-    fresh ids, then used newest first, then the other fresh ids."""
+    fresh ids, then used newest first, then the other fresh ids. next-use
+    (Note [Next-use eviction]): `lru` holds the ids, `seq` their touch
+    order; victims are unhinted ids (oldest touch first), expired hints
+    (earliest first), then valid hints (farthest first)."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -43,6 +48,10 @@ class Residents:
         self.used = []
         self.stamp = {}
         self.clock = 0  # acquire calls
+        self.seq = {}  # next-use: id -> touch sequence
+        self.touches = 0
+        self.hint = {}  # next-use hints, resident or not: id -> time (NONE = none)
+        self.now = None  # the hint clock (None: never set)
 
     def __contains__(self, tid):
         return tid in self.lru or tid in self.fresh or tid in self.used
@@ -53,6 +62,14 @@ class Residents:
     def order(self):
         if self.policy == "lru":
             return list(self.lru)
+        if self.policy == "next-use":
+            def key(t):
+                return (self.hint.get(t, NONE), self.seq[t])
+            unhinted = sorted((t for t in self.lru if self.hint.get(t, NONE) == NONE), key=key)
+            hinted = [t for t in self.lru if self.hint.get(t, NONE) != NONE]
+            expired = sorted((t for t in hinted if self.now is not None and self.hint[t] < self.now), key=key)
+            valid = sorted((t for t in hinted if t not in expired), key=key, reverse=True)
+            return unhinted + expired + valid
         stale = [t for t in self.fresh if self.clock - self.stamp[t] > STALE_AFTER]
         return stale + self.used[::-1] + [t for t in self.fresh if t not in stale]
 
@@ -62,8 +79,10 @@ class Residents:
                 ids.remove(tid)
 
     def insert(self, tid):  # a copy made it resident
-        if self.policy == "lru":
+        if self.policy in ("lru", "next-use"):
             self.lru.append(tid)
+            self.touches += 1
+            self.seq[tid] = self.touches
         else:
             self.fresh.append(tid)
             self.stamp[tid] = self.clock
@@ -74,7 +93,10 @@ class Residents:
 
     def use(self, tid):  # acquired
         self.remove(tid)
-        (self.lru if self.policy == "lru" else self.used).append(tid)
+        if self.policy == "cyclic":
+            self.used.append(tid)
+        else:
+            self.insert(tid)
 
 
 class Model:
@@ -228,6 +250,7 @@ class EngineMachine(RuleBasedStateMachine):
         if tid in self.m.residents:
             self.m.residents.remove(tid)
         self.m.unused.discard(tid)
+        self.m.residents.hint.pop(tid, None)  # a new registration has no hint
         version = self.m.version.pop(tid) + 1
         self.h.register(tid, content(tid, version, SIZE))
         self.m.version[tid] = version
@@ -345,6 +368,40 @@ class EngineMachine(RuleBasedStateMachine):
                 self.m.unused.discard(t)
                 self.m.c["wasted"] += 1
 
+    @rule(data=st.data(), advance=st.one_of(st.none(), st.integers(-2, 6)),
+          bad=st.sampled_from([None, None, None, "unknown", "negative"]))
+    def hint(self, data, advance, bad):
+        """next-use hints for registered ids (resident or not) at times near
+        the clock, some cleared; sometimes the clock moves (a negative move
+        must be refused) or the call carries a bad id or time."""
+        if self.m.closed or not self.m.version:
+            return
+        r = self.m.residents
+        ids = data.draw(st.lists(st.sampled_from(sorted(self.m.version)), max_size=4, unique=True))
+        base = r.now if r.now is not None else 0
+        when = [data.draw(st.one_of(st.just(NONE), st.integers(max(0, base - 3), base + 12))) for _ in ids]
+        now = None if advance is None else base + advance
+        before = self.h.resident()
+        if (now is not None and now < 0) or bad is not None:
+            now = None  # one fault per call: the clock check comes first
+        if bad == "unknown":
+            with pytest.raises(KeyError):
+                self.h.hint_next_use([*ids, 99], [*when, 1], now=now)
+        elif bad == "negative":
+            with pytest.raises(ValueError, match="negative"):
+                self.h.hint_next_use([*ids, 0], [*when, -1], now=now)
+        elif now is not None and r.now is not None and now < r.now:
+            with pytest.raises(ValueError, match="never goes back"):
+                self.h.hint_next_use(ids, when, now=now)
+        else:
+            self.h.hint_next_use(ids, when, now=now)
+            for tid, t in zip(ids, when):
+                r.hint[tid] = t
+            if now is not None:
+                r.now = now
+            return
+        assert self.h.resident() == before  # refused calls change nothing
+
     @rule()
     def pressure(self):
         """Prefetch everything registered: more than the budget holds."""
@@ -403,6 +460,10 @@ class CyclicCallerRunsMachine(EngineMachine):
     handle_options = {"backend": "fault", "faults": {"report_async": 1}, "eviction_policy": "cyclic"}
 
 
+class NextUseMachine(EngineMachine):
+    handle_options = {"backend": "host", "eviction_policy": "next-use"}
+
+
 SETTINGS = settings(
     max_examples=int(__import__("os").environ.get("PREFETCH_STATEFUL_EXAMPLES", "200")),
     stateful_step_count=50,
@@ -410,12 +471,13 @@ SETTINGS = settings(
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-for machine in (EngineMachine, CallerRunsMachine, CyclicMachine, CyclicCallerRunsMachine):
+for machine in (EngineMachine, CallerRunsMachine, CyclicMachine, CyclicCallerRunsMachine, NextUseMachine):
     machine.TestCase.settings = SETTINGS
 TestEngineStateMachine = EngineMachine.TestCase
 TestCallerRunsStateMachine = CallerRunsMachine.TestCase
 TestCyclicStateMachine = CyclicMachine.TestCase
 TestCyclicCallerRunsStateMachine = CyclicCallerRunsMachine.TestCase
+TestNextUseStateMachine = NextUseMachine.TestCase
 
 
 def test_model_payload_never_zero():
