@@ -35,7 +35,8 @@ Policies, one run each (fresh cache, same inputs):
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
-bandwidth measured in the same run. Runs past --budget-s are reported null.
+bandwidth measured in the same run (before and after each model's runs, the
+faster of the two). Runs past --budget-s are reported null.
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
 in src_cpp/device_cache.h). --devices N splits the layers into N contiguous
 runs, one per GPU, with the cache budget split by layers; the IO floor is then
