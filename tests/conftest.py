@@ -1,6 +1,7 @@
 """Markers: `gpu` skips without CUDA; `multi_gpu(n)` skips with fewer than n
 CUDA devices. Both skip cleanly on CI (no GPU)."""
 import os
+import time
 
 import numpy as np
 import pytest
@@ -40,6 +41,18 @@ def random_bytes(rng, n: int) -> np.ndarray:
     data = rng.integers(0, 256, size=n, dtype=np.uint8)
     data[0] = 0xA5
     return data
+
+
+def wait_drained(h, timeout: float = 10.0) -> dict:
+    """Waits until the handle's workers have nothing queued or in flight;
+    returns that stats snapshot. Fails the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while True:
+        s = h.stats()
+        if s["queue_depth"] == 0 and s["bytes_in_flight"] == 0:
+            return s
+        assert time.monotonic() < deadline, "workers did not drain"
+        time.sleep(0.0002)
 
 
 @pytest.fixture

@@ -5,10 +5,10 @@ once and the counters reconcile at the end. A hang dumps every thread's stack
 import faulthandler
 import sys
 import threading
-import time
 
 import numpy as np
 import pytest
+from conftest import wait_drained
 from payload import check, content
 
 import prefetch
@@ -76,11 +76,7 @@ def test_many_threads_one_handle(mode):
         faulthandler.cancel_dump_traceback_later()
     assert failures == []
     # At rest the books balance: an entry mid-copy is neither queued nor copied.
-    deadline = time.monotonic() + 60
-    s = h.stats()
-    while (s["queue_depth"] or s["bytes_in_flight"]) and time.monotonic() < deadline:
-        time.sleep(0.001)
-        s = h.stats()
+    s = wait_drained(h, timeout=60)
     assert s["requests"] == sum(c["requests"] for c in counts)
     assert s["requests"] == s["enqueued"] + s["deduplicated"]
     assert s["acquires"] == sum(c["acquires"] for c in counts)

@@ -5,10 +5,10 @@ greedy decoding, logits compared bit for bit against the untouched model
 path reproduces). Plus the generic block, the predictors and traces."""
 import copy
 import json
-import time
 
 import pytest
 import torch
+from conftest import wait_drained
 from torch import nn
 
 import prefetch
@@ -300,12 +300,7 @@ def run_oracle_loop(trace, capacity, eviction, hints, distance=1):
         for step in trace.steps:
             for layer, experts in enumerate(step):
                 ctl.on_routed(layer, None, experts)
-                deadline = time.monotonic() + 10
-                while time.monotonic() < deadline:
-                    st = handle.stats()
-                    if st["queue_depth"] == 0 and st["bytes_in_flight"] == 0:
-                        break
-                    time.sleep(0.0002)
+                wait_drained(handle)
                 got = ctl.prefetcher.acquire_experts(layer, experts, timeout=10)
                 for e, w in zip(experts, got):
                     assert torch.equal(w["w"], torch.full((64,), layer * 100 + e, dtype=torch.int32))

@@ -7,10 +7,9 @@ next-use with hints) and the bytes of every acquired tensor.
 CI: derandomized, 200 examples of 50 steps, for each machine: host and
 caller-runs paths, each with LRU and with cyclic eviction; host with
 next-use."""
-import time
-
 import numpy as np
 import pytest
+from conftest import wait_drained
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
@@ -213,13 +212,7 @@ class EngineMachine(RuleBasedStateMachine):
         self.h.resume()
         try:
             result = fn()
-            deadline = time.monotonic() + 10
-            while True:
-                s = self.h.stats()
-                if s["queue_depth"] == 0 and s["bytes_in_flight"] == 0:
-                    break
-                assert time.monotonic() < deadline, "workers did not drain"
-                time.sleep(0.0002)
+            wait_drained(self.h)
         finally:
             self.h.pause()
         return result
