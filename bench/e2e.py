@@ -681,9 +681,14 @@ def settle_raw(model_rows, raw_first, raw_second):
         row["raw_h2d_gbps_each"] = best
         row["raw_h2d_gbps"] = sum(best)
         row["io_floor_ms"] = io_floor(row["belady_bytes_per_step_each"], best) * 1e3
-        row["floor_ms"] = max(row["compute_only_ms"], row["io_floor_ms"])
-        if row["p50_ms"] is not None:
-            row["over_floor"] = row["p50_ms"] / row["floor_ms"]
+        set_floor(row)
+
+
+def set_floor(row):
+    """floor = max(compute-only, IO floor), and x-floor where the row ran."""
+    row["floor_ms"] = max(row["compute_only_ms"], row["io_floor_ms"])
+    if row["p50_ms"] is not None:
+        row["over_floor"] = row["p50_ms"] / row["floor_ms"]
 
 
 def settle_compute_only(batch_rows, lat_first, lat_second):
@@ -696,14 +701,12 @@ def settle_compute_only(batch_rows, lat_first, lat_second):
     for row in batch_rows:
         row["compute_only_ms"] = compute_ms
         row["compute_only_runs_ms"] = [r * 1e3 for r in runs]
-        row["floor_ms"] = max(compute_ms, row["io_floor_ms"])
-        if row["p50_ms"] is None:
-            continue
-        if row["policy"] == "all-resident":
-            row["p50_ms"] = statistics.median(best) * 1e3
-            row["p90_ms"] = percentile(best, 0.9) * 1e3
-        row["stall_ms"] = row["p50_ms"] - compute_ms
-        row["over_floor"] = row["p50_ms"] / row["floor_ms"]
+        if row["p50_ms"] is not None:
+            if row["policy"] == "all-resident":
+                row["p50_ms"] = statistics.median(best) * 1e3
+                row["p90_ms"] = percentile(best, 0.9) * 1e3
+            row["stall_ms"] = row["p50_ms"] - compute_ms
+        set_floor(row)
 
 
 def smoke_cpu(torch, args) -> int:

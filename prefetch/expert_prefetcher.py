@@ -95,7 +95,6 @@ class ExpertPrefetcher:
         self._next_id = int(first_tensor_id)
         self._ids: dict[int, np.ndarray] = {}  # layer -> expert-indexed ids, -1 = none
         self._layouts: dict[int, tuple[PartLayout, ...]] = {}  # tensor id -> parts
-        self._nbytes: dict[int, int] = {}  # tensor id -> packed bytes
         # Views reused while an expert's slot stays put (see _acquire_cached):
         # engines with acquire_slots and arena only.
         self._slot_views = callable(getattr(engine, "acquire_slots", None)) and callable(
@@ -156,7 +155,6 @@ class ExpertPrefetcher:
             self._ids[layer_id] = table
         table[expert_id] = tensor_id
         self._layouts[tensor_id] = tuple(layout)
-        self._nbytes[tensor_id] = layout[-1].offset + layout[-1].nbytes
         return tensor_id
 
     def _lookup(self, layer_id: int, expert_id: int) -> int:
@@ -208,11 +206,6 @@ class ExpertPrefetcher:
             for tid in ids.tolist():
                 enqueue(tid, priority)
 
-    def hint_next_use(self, layer_id: int, expert_list, when, *, now: int | None = None) -> None:
-        """When the experts of `layer_id` are next read (see
-        PrefetchHandle.hint_next_use): one time, one per expert, or None."""
-        self.engine.hint_next_use(self.tensor_ids(layer_id, expert_list), when, now=now)
-
     # ----------------------------------------------------- acquire/release
 
     def acquire_experts(self, layer_id: int, expert_list, *, stream=None, timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S):
@@ -254,9 +247,7 @@ class ExpertPrefetcher:
         for tid, offset, device in zip(ids.tolist(), where[:, 0].tolist(), where[:, 1].tolist()):
             known = cache.get(tid)
             if known is None or known[0] != offset or known[1] != device:
-                arena = self._arena(device)
-                raw = arena[offset : offset + self._nbytes[tid]]
-                known = (offset, device, self._weights(tid, raw))
+                known = (offset, device, self._weights(tid, self._arena(device)[offset:]))
                 cache[tid] = known
             experts.append(dict(known[2]))  # the caller may change its dict
         return experts

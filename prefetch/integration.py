@@ -226,6 +226,7 @@ class OraclePredictor:
 
     def predict(self, controller, step, layer, hidden):
         out = {}
+        hints = self._sends_hints(controller)
         for d in range(1, self.distance + 1):
             target, target_step = layer + d, step
             if target >= controller.num_layers:
@@ -234,9 +235,9 @@ class OraclePredictor:
             experts = self.trace.experts(target_step, target)
             if experts:
                 out[target] = experts
-                if self._sends_hints(controller):  # read d layers from now
+                if hints:  # read d layers from now
                     self._hints.append((target, experts, controller.clock + d))
-        if self._sends_hints(controller):
+        if hints:
             self._flush(controller)
         return out
 
@@ -343,13 +344,6 @@ class OffloadController:
             self.prefetcher.prefetch_experts_list(target, guess, priority=min(19, max(1, distance)))
             target_step = self.step + (1 if target <= layer else 0)
             self._pending.setdefault((target_step, target), set()).update(guess)
-
-    def hint_next_use(self, layer: int, experts, when, *, now: int | None = None) -> None:
-        """Tells the engine when the experts of `layer` are next read, on
-        this controller's routing clock (`clock`: one tick per routed layer,
-        across sequences): one time for all, one per expert, or None for
-        unknown. See PrefetchHandle.hint_next_use."""
-        self.prefetcher.hint_next_use(layer, experts, when, now=now)
 
     def new_sequence(self) -> None:
         """Call between requests: resets the step counter and lets a learning
