@@ -28,6 +28,13 @@ def wait_until(predicate, timeout=10.0):
     return predicate()
 
 
+def use_each(h, ids):
+    """Acquires and releases each id in turn, one acquire call each."""
+    for tid in ids:
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+
+
 def test_acquire_returns_byte_exact_copies(make_handle, rng):
     h = make_handle(device_budget_bytes=1 << 20)
     sizes = [1, 7, 255, 256, 257, 4096, 100_003]
@@ -491,9 +498,7 @@ def test_cyclic_eviction_hits_on_a_loop_where_lru_never_does(make_handle, rng):
 def test_cyclic_evicts_the_last_used_and_keeps_prefetched(make_handle, rng):
     h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="cyclic")
     data = register_random(h, rng, range(6))
-    for tid in (0, 1):
-        h.acquire([tid], timeout=10)
-        h.release([tid])
+    use_each(h, (0, 1))
     h.prefetch_tensors([2])  # fresh: the next layer will read it
     assert wait_until(lambda: h.stats()["copies"] == 3)
     assert h.resident() == [1, 0, 2]  # used newest first, then fresh
@@ -576,9 +581,7 @@ def test_next_use_victim_order(make_handle, rng):
     assert h.hint_clock() is None and h.eviction_policy == "next-use"
     h.hint_next_use([0, 1, 2], [30, 10, 20], now=5)
     h.hint_next_use([3], 7)
-    for tid in range(6):  # 4 and 5 have no hint; 5 was acquired last
-        h.acquire([tid], timeout=10)
-        h.release([tid])
+    use_each(h, range(6))  # 4 and 5 have no hint; 5 was acquired last
     # No hint first (least recently used first), then farthest next use.
     assert h.resident() == [4, 5, 0, 2, 1, 3]
     h.hint_next_use([], None, now=15)  # 1's and 3's reads have passed
@@ -605,9 +608,7 @@ def test_next_use_bad_hints_change_nothing(make_handle, rng):
     h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(4))
     h.hint_next_use([0, 1, 2, 3], [4, 3, 2, 1], now=1)
-    for tid in range(4):
-        h.acquire([tid], timeout=10)
-        h.release([tid])
+    use_each(h, range(4))
     order = h.resident()
     assert order == [0, 1, 2, 3]
     with pytest.raises(KeyError):
@@ -632,9 +633,7 @@ def test_next_use_bad_hints_change_nothing(make_handle, rng):
 def test_hints_are_kept_but_ignored_by_other_policies(make_handle, rng):
     h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="lru")
     register_random(h, rng, range(3))
-    for tid in range(3):
-        h.acquire([tid], timeout=10)
-        h.release([tid])
+    use_each(h, range(3))
     h.hint_next_use([0, 1, 2], [1, 100, 2], now=0)
     assert h.resident() == [0, 1, 2]
 
@@ -642,9 +641,7 @@ def test_hints_are_kept_but_ignored_by_other_policies(make_handle, rng):
 def test_no_next_use_in_a_sequence_clears_one_hint(make_handle, rng):
     h = make_handle(device_budget_bytes=2 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(2))
-    for tid in range(2):
-        h.acquire([tid], timeout=10)
-        h.release([tid])
+    use_each(h, range(2))
     h.hint_next_use([0, 1], [5, 9], now=0)
     assert h.resident() == [1, 0]
     h.hint_next_use([0, 1], [prefetch.NO_NEXT_USE, 9])
