@@ -45,6 +45,7 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t upgraded
         uint64_t touched
         uint64_t cancelled
+        uint64_t declined
         uint64_t acquires
         uint64_t hits
         uint64_t misses
@@ -78,6 +79,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         string eviction_policy
         size_t copy_chunk_bytes
         size_t max_bytes_in_flight
+        size_t max_speculative_bytes_in_flight
         int copy_lanes
         bool start_paused
         bool poison_freed_slots
@@ -88,6 +90,25 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         uint64_t bytes
         int32_t device
 
+    cdef struct CStepArgs "prefetch::StepArgs":
+        const int64_t* release_ids
+        size_t n_release
+        const int64_t* cancel_ids
+        size_t n_cancel
+        const int64_t* hint_ids
+        const int64_t* hint_when
+        size_t n_hint
+        int64_t now
+        bool set_now
+        const int64_t* acquire_ids
+        size_t n_acquire
+        CSlotInfo* slots
+        const int64_t* prefetch_ids
+        size_t n_prefetch
+        int prefetch_band
+        const uintptr_t* streams
+        const uintptr_t* release_streams
+        double timeout_s
     cdef struct CHostPart "prefetch::HostPart":
         const void* src
         size_t bytes
@@ -135,6 +156,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         void Release(
             const int64_t* ids, size_t n, const uintptr_t* streams
         ) except +prefetch_raise_py_error
+        void Step(const CStepArgs& args) except +prefetch_raise_py_error
         vector[pair[int, int64_t]] QueueSnapshot(
             int device
         ) except +prefetch_raise_py_error

@@ -25,6 +25,7 @@ from prefetch._engine cimport (
     CHostPart,
     CSlotInfo,
     CStats,
+    CStepArgs,
     MakeBackend,
     MakeFaultBackend,
     kNoStream,
@@ -240,6 +241,7 @@ cdef class PrefetchHandle:
         eviction_policy="lru",
         copy_chunk_bytes=4 << 20,
         max_bytes_in_flight=256 << 20,
+        max_speculative_bytes_in_flight=None,
         copy_lanes=2,
         start_paused=False,
         poison_freed_slots=False,
@@ -313,6 +315,14 @@ cdef class PrefetchHandle:
         options.eviction_policy = eviction_policy.encode()
         options.copy_chunk_bytes = copy_chunk_bytes
         options.max_bytes_in_flight = max_bytes_in_flight
+        if max_speculative_bytes_in_flight is not None:
+            if operator.index(max_speculative_bytes_in_flight) <= 0:
+                raise ValueError(
+                    "max_speculative_bytes_in_flight must be positive"
+                )
+            options.max_speculative_bytes_in_flight = (
+                max_speculative_bytes_in_flight
+            )
         options.copy_lanes = operator.index(copy_lanes)
         options.start_paused = True if start_paused else False
         options.poison_freed_slots = True if poison_freed_slots else False
@@ -672,6 +682,91 @@ cdef class PrefetchHandle:
             )
         return 0
 
+    def step(self, acquire=None, *, release=None, prefetch=None,
+             band=DEFAULT_PRIORITY, cancel=None, hint_ids=None,
+             hint_when=None, now=None, stream=None,
+             timeout=DEFAULT_ACQUIRE_TIMEOUT_S):
+        """One MoE layer's engine work in one GIL-free call, in this order:
+        ``release`` (ids a previous acquire took; their slots are reused
+        only after the work queued so far on ``stream`` - default torch's
+        current stream on CUDA), ``cancel`` (queued guesses to drop),
+        hints (``hint_ids`` read next at ``hint_when``, and the hint clock
+        moved to ``now``: see ``hint_next_use``), ``acquire`` (as
+        ``acquire_slots``) and ``prefetch`` (queued at ``band``). Every
+        argument is checked before anything changes (unknown ids,
+        releases without an acquire, bad hints, an acquire that can never
+        fit: nothing happens); after that a failing acquire (timeout,
+        copy error) leaves the release, cancel and hints done. Returns the
+        (n, 2) int64 array of (offset, device) for ``acquire``."""
+        self._check_open()
+        cdef CStepArgs args
+        cdef const int64_t[::1] rel = as_id_array(
+            () if release is None else release)
+        cdef const int64_t[::1] can = as_id_array(
+            () if cancel is None else cancel)
+        cdef const int64_t[::1] acq = as_id_array(
+            () if acquire is None else acquire)
+        cdef const int64_t[::1] pre = as_id_array(
+            () if prefetch is None else prefetch)
+        cdef const int64_t[::1] hid = as_id_array(
+            () if hint_ids is None else hint_ids)
+        cdef size_t n_hint = hid.shape[0]
+        if hint_when is None:
+            times = np.full(n_hint, _INT64_MAX, dtype=np.int64)
+        elif (isinstance(hint_when, (int, np.integer))
+              and type(hint_when) is not _PY_BOOL):
+            times = np.full(n_hint, operator.index(hint_when), dtype=np.int64)
+        else:
+            times = as_id_array(hint_when)
+            if <size_t>times.shape[0] != n_hint:
+                raise ValueError(
+                    f"hint_when has {times.shape[0]} times for {n_hint} ids"
+                )
+        cdef const int64_t[::1] hwhen = times
+        args.prefetch_band = _as_priority(band)
+        if type(timeout) is _PY_BOOL:
+            raise TypeError("timeout must be a number of seconds")
+        args.timeout_s = float(timeout)
+        if now is not None:
+            if type(now) is _PY_BOOL:
+                raise TypeError("now must be an integer, got a bool")
+            args.now = operator.index(now)
+            args.set_now = True
+        cdef size_t n_acq = acq.shape[0]
+        out = np.empty((n_acq, 2), dtype=np.int64)
+        cdef vector[CSlotInfo] slots
+        slots.resize(n_acq)
+        cdef vector[uintptr_t] streams = self._streams(stream, False)
+        cdef vector[uintptr_t] release_streams
+        if rel.shape[0] > 0:
+            release_streams = self._streams(stream, True)
+            args.release_ids = &rel[0]
+            args.n_release = rel.shape[0]
+            args.release_streams = release_streams.data()
+        if can.shape[0] > 0:
+            args.cancel_ids = &can[0]
+            args.n_cancel = can.shape[0]
+        if n_hint > 0:
+            args.hint_ids = &hid[0]
+            args.hint_when = &hwhen[0]
+            args.n_hint = n_hint
+        if n_acq > 0:
+            args.acquire_ids = &acq[0]
+            args.n_acquire = n_acq
+            args.slots = slots.data()
+        if pre.shape[0] > 0:
+            args.prefetch_ids = &pre[0]
+            args.n_prefetch = pre.shape[0]
+        args.streams = streams.data()
+        with nogil:
+            self._c.Step(args)
+        cdef int64_t[:, ::1] where = out
+        cdef size_t i
+        for i in range(n_acq):
+            where[i, 0] = <int64_t>slots[i].offset
+            where[i, 1] = slots[i].device
+        return out
+
     def arena(self, device=0):
         """The cache arena of `device` as one flat uint8 buffer: a torch CUDA
         tensor (CUDA backend) or a numpy array (host backends). Offsets from
@@ -734,6 +829,7 @@ cdef class PrefetchHandle:
             "upgraded": s.upgraded,
             "touched": s.touched,
             "cancelled": s.cancelled,
+            "declined": s.declined,
             "acquires": s.acquires,
             "hits": s.hits,
             "misses": s.misses,

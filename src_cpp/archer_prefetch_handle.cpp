@@ -34,6 +34,9 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
     : backend_(std::move(backend)),
       copy_chunk_bytes_(options.copy_chunk_bytes),
       max_bytes_in_flight_(options.max_bytes_in_flight),
+      max_speculative_bytes_(options.max_speculative_bytes_in_flight != 0
+                                 ? options.max_speculative_bytes_in_flight
+                                 : 2 * options.copy_chunk_bytes),
       copy_lanes_(options.copy_lanes),
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
       poison_freed_slots_(options.poison_freed_slots),
@@ -474,6 +477,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
         const int d = e->device;
         e->state = EntryState::kQueued;
         e->band = band;
+        e->want_at = acquire_calls_ + band;
         e->q_next = nullptr;
         e->q_prev = chain_last[d];
         if (chain_last[d] != nullptr) {
@@ -489,6 +493,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
       }
       case EntryState::kQueued:
         if (band < e->band) {
+          e->want_at = acquire_calls_ + band;
           flush();
           TaskQueue& q = devices_[e->device]->queue;
           q.Remove(e);
@@ -500,6 +505,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
         break;
       case EntryState::kResident:
         devices_[e->device]->cache->policy().OnRequest(e);
+        e->want_at = acquire_calls_ + band;
         ++touched;
         break;
     }
@@ -588,21 +594,7 @@ void ArcherPrefetchHandle::HintNextUse(const int64_t* ids, const int64_t* when,
   CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
-  if (set_now && now < hint_clock_) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        "now=" + std::to_string(now) +
-                            " is earlier than the hint clock (" +
-                            std::to_string(hint_clock_) +
-                            "); the clock never goes back");
-  }
-  for (size_t i = 0; i < n; ++i) {
-    if (when[i] < 0) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          "next-use time " + std::to_string(when[i]) +
-                              " (at index " + std::to_string(i) +
-                              ") is negative");
-    }
-  }
+  CheckHintsLocked(ids, when, n, now, set_now);
   ResolveIdsLocked(ids, n);
   if (set_now) {
     hint_clock_ = now;
@@ -625,6 +617,103 @@ int64_t ArcherPrefetchHandle::HintClock() const {
 
 // ---------------------------------------------------------- acquire/release
 
+void ArcherPrefetchHandle::CheckFitsLocked(const int64_t* ids, size_t n) const {
+  size_t need[kMaxDevices] = {};
+  bool over = false;
+  for (size_t i = 0; i < n; ++i) {
+    const Entry* e = LookupLocked(ids[i]);
+    need[e->device] += AlignSlot(e->bytes);
+    over = over || need[e->device] > devices_[e->device]->cache->budget_bytes();
+  }
+  if (!over) return;
+  // Duplicates hold one slot: count each id once before refusing.
+  std::vector<int64_t> distinct(ids, ids + n);
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  std::fill(need, need + kMaxDevices, 0);
+  size_t count[kMaxDevices] = {};
+  for (int64_t id : distinct) {
+    const Entry* e = LookupLocked(id);
+    need[e->device] += AlignSlot(e->bytes);
+    ++count[e->device];
+  }
+  for (int d = 0; d < DeviceCount(); ++d) {
+    const size_t budget = devices_[d]->cache->budget_bytes();
+    if (need[d] > budget) {
+      throw PrefetchError(
+          ErrorKind::kInvalidArgument,
+          "acquire needs " + std::to_string(need[d]) + " bytes of device " +
+              std::to_string(d) + "'s cache at once (" +
+              std::to_string(count[d]) + " tensors) but its budget is " +
+              std::to_string(budget) +
+              " bytes: they can never be held together; acquire fewer at a "
+              "time or raise device_budget_bytes");
+    }
+  }
+}
+
+void ArcherPrefetchHandle::CheckHintsLocked(const int64_t* ids,
+                                            const int64_t* when, size_t n,
+                                            int64_t now, bool set_now) const {
+  if (set_now && now < hint_clock_) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "now=" + std::to_string(now) +
+                            " is earlier than the hint clock (" +
+                            std::to_string(hint_clock_) +
+                            "); the clock never goes back");
+  }
+  for (size_t i = 0; i < n; ++i) {
+    if (when[i] < 0) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          "next-use time " + std::to_string(when[i]) +
+                              " (at index " + std::to_string(i) +
+                              ") is negative");
+    }
+  }
+  ValidateIdsLocked(ids, n);
+}
+
+// Note [One call per layer]
+// A decode step crosses into the engine once per MoE layer: Step releases
+// the layer before (its compute is queued on the stream by now, so the one
+// token recorded covers it), cancels the guesses for this layer that the
+// routing proved wrong, moves the hints, acquires this layer's experts and
+// queues the guesses for later layers. Release -> acquire -> prefetch is
+// also the order the cache wants: the slots the last layer held are free to
+// take, and this layer's misses are issued before any speculation.
+void ArcherPrefetchHandle::Step(const StepArgs& a) {
+  CheckPriority(a.prefetch_band);
+  if (!(a.timeout_s >= 0) || std::isinf(a.timeout_s)) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "timeout must be a finite number of seconds >= 0");
+  }
+  CheckNotForked();
+  {
+    std::lock_guard<std::mutex> lk(mu_);
+    CheckUsableLocked();
+    ValidateIdsLocked(a.release_ids, a.n_release);
+    ValidateIdsLocked(a.cancel_ids, a.n_cancel);
+    CheckHintsLocked(a.hint_ids, a.hint_when, a.n_hint, a.now, a.set_now);
+    ValidateIdsLocked(a.acquire_ids, a.n_acquire);
+    CheckFitsLocked(a.acquire_ids, a.n_acquire);
+    ValidateIdsLocked(a.prefetch_ids, a.n_prefetch);
+    if (a.n_release > 0) {
+      ReleaseLocked(a.release_ids, a.n_release, a.release_streams);
+    }
+  }
+  if (a.n_cancel > 0) Cancel(a.cancel_ids, a.n_cancel);
+  if (a.n_hint > 0 || a.set_now) {
+    HintNextUse(a.hint_ids, a.hint_when, a.n_hint, a.now, a.set_now);
+  }
+  if (a.n_acquire > 0) {
+    Acquire(a.acquire_ids, a.n_acquire, a.streams, a.timeout_s, a.slots);
+  }
+  if (a.n_prefetch > 0) {
+    EnqueuePrefetchTensors(a.prefetch_ids, a.n_prefetch, a.prefetch_band);
+  }
+}
+
+
 void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
                                    const uintptr_t* streams, double timeout_s,
                                    SlotInfo* slots) {
@@ -637,6 +726,8 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   std::unique_lock<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
+  CheckFitsLocked(ids, n);
+  ++acquire_calls_;
   for (auto& dev : devices_) dev->cache->policy().OnAcquireCall();
   const bool async = backend_->IsAsync();
   std::vector<uint64_t> error_seq(n);
@@ -752,6 +843,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
     e->prefetched_unused = false;
+    e->want_at = 0;
     devices_[e->device]->cache->policy().OnUse(e);
     slots[i].offset = e->slot_offset;
     slots[i].bytes = e->bytes;
@@ -801,32 +893,80 @@ void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
-  // Decrement tentatively so duplicates count; undo on the first refusal.
-  for (size_t i = 0; i < n; ++i) {
+  ReleaseLocked(ids, n, streams);
+}
+
+// Note [One token per release]
+// A release names the consumers' stream work that still reads the slots. One
+// event recorded on a device's stream covers every id of that device in the
+// call, so it is recorded once per stream and shared (RetainToken per id).
+// Order: check every pin, make each stream wait on the previous holders'
+// pending uses (so the new token covers them too), record; only then unpin.
+// Anything that throws does so before an id is unpinned, so a failed release
+// changes nothing and no slot can be reused under a running kernel.
+void ArcherPrefetchHandle::ReleaseLocked(const int64_t* ids, size_t n,
+                                         const uintptr_t* streams) {
+  // Pins: decrement tentatively so duplicates count, then undo in any case.
+  size_t i = 0;
+  for (; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
-    if (e->pins <= 0) {
-      for (size_t j = 0; j < i; ++j) PinLocked(LookupLocked(ids[j]));
-      throw PrefetchError(ErrorKind::kState,
-                          IdText(ids[i]) + " is not acquired (release "
-                                           "without a matching acquire)");
+    if (e->pins <= 0) break;
+    --e->pins;
+  }
+  for (size_t j = 0; j < i; ++j) ++LookupLocked(ids[j])->pins;
+  if (i != n) {
+    throw PrefetchError(ErrorKind::kState,
+                        IdText(ids[i]) + " is not acquired (release "
+                                         "without a matching acquire)");
+  }
+  const int device_count = DeviceCount();
+  CopyToken tokens[kMaxDevices];
+  for (int d = 0; d < device_count; ++d) tokens[d] = kTokenDone;
+  uint64_t mask = 0;
+  if (backend_->IsAsync() && streams != nullptr) {
+    uint64_t recorded = 0;
+    try {
+      // A previous holder's use still pending: the stream waits for it, so
+      // the new token covers it. Ids released together share a token, so
+      // one query answers for a run of them.
+      CopyToken known = kTokenDone;
+      for (size_t k = 0; k < n; ++k) {
+        Entry* e = LookupLocked(ids[k]);
+        const uintptr_t stream = streams[e->device];
+        if (stream == kNoStream || e->last_use == kTokenDone ||
+            e->last_use == known) {
+          continue;
+        }
+        if (!backend_->Query(e->last_use)) {
+          backend_->StreamWait(stream, e->last_use);
+        }
+        known = e->last_use;
+      }
+      for (size_t k = 0; k < n; ++k) {
+        Entry* e = LookupLocked(ids[k]);
+        const uintptr_t stream = streams[e->device];
+        if (stream == kNoStream || ((recorded >> e->device) & 1u)) continue;
+        tokens[e->device] = backend_->RecordOnStream(e->device, stream);
+        recorded |= uint64_t{1} << e->device;
+      }
+    } catch (...) {
+      for (int d = 0; d < device_count; ++d) backend_->ReleaseToken(tokens[d]);
+      throw;
+    }
+  }
+  for (size_t k = 0; k < n; ++k) {
+    Entry* e = LookupLocked(ids[k]);
+    mask |= uint64_t{1} << e->device;
+    const CopyToken t = tokens[e->device];
+    if (t != kTokenDone) {
+      backend_->ReleaseToken(e->last_use);
+      backend_->RetainToken(t);
+      e->last_use = t;
     }
     UnpinOneLocked(e);
   }
-  uint64_t mask = 0;
-  for (size_t i = 0; i < n; ++i) {
-    Entry* e = LookupLocked(ids[i]);
-    mask |= uint64_t{1} << e->device;
-    const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
-    if (stream != kNoStream && backend_->IsAsync()) {
-      // Chain the previous holder's use so one token covers every holder.
-      if (!backend_->Query(e->last_use)) {
-        backend_->StreamWait(stream, e->last_use);
-      }
-      backend_->ReleaseToken(e->last_use);
-      e->last_use = backend_->RecordOnStream(e->device, stream);
-    }
-  }
-  for (int d = 0; d < DeviceCount(); ++d) {
+  for (int d = 0; d < device_count; ++d) backend_->ReleaseToken(tokens[d]);
+  for (int d = 0; d < device_count; ++d) {
     if ((mask >> d) & 1u) devices_[d]->work_cv.notify_one();
   }
 }
@@ -862,18 +1002,55 @@ void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
   e->prefetched_unused = false;
 }
 
+// Note [Speculation never hurts]
+// A prefetch is a guess; a miss is a kernel waiting. Three rules keep the
+// guesses out of the misses' way:
+// - Admission: a speculative copy (band > 0) may not evict an entry needed
+//   no later than itself: a prefetched entry not yet acquired whose wanted-by
+//   acquire call (Entry::want_at: the acquire-call clock at its request plus
+//   its band) has not passed and is not after the newcomer's, or, with
+//   hints, an entry whose valid next use is no later than the newcomer's.
+//   If only such entries could make room, the guess is declined (dropped
+//   back to the host state, Stats::declined), not queued behind them.
+// - While an on-demand copy is being issued or in flight on a device, its
+//   worker starts no speculative copy: the link belongs to the misses.
+// - Speculative bytes in flight are capped (max_speculative_bytes_in_flight,
+//   default two chunks), so a miss issued now queues behind at most that
+//   much speculation on the copy engines.
+// On-demand copies (band 0) are never refused or held back by these rules.
 bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
-                                             bool* wait_for_events) {
+                                             bool* wait_for_events,
+                                             bool* refused) {
   struct Ctx {
     CopyBackend* backend;
+    const Entry* incoming;   // null: an on-demand copy, no admission control
+    uint64_t acquire_calls;  // the clock of want_at
+    int64_t hint_clock;      // the clock of next_use
     bool pending_seen;  // an unpinned victim waits only on GPU work
-  } ctx{backend_.get(), false};
+    bool refused_seen;  // a victim is needed sooner than the newcomer
+  } ctx{backend_.get(),
+        e->band == kOnDemandBand || e->pins > 0 ? nullptr : e,
+        acquire_calls_, hint_clock_, false, false};
   auto evictable = [](Entry* v, void* raw) {
     auto* c = static_cast<Ctx*>(raw);
     if (v->pins > 0) return false;
     if (!c->backend->Query(v->ready) || !c->backend->Query(v->last_use)) {
       c->pending_seen = true;
       return false;
+    }
+    const Entry* in = c->incoming;
+    if (in != nullptr) {
+      const bool wanted_sooner = v->want_at != 0 &&
+                                 v->want_at >= c->acquire_calls &&
+                                 v->want_at <= in->want_at;
+      const bool hinted_sooner = in->next_use != kNoNextUse &&
+                                 v->next_use != kNoNextUse &&
+                                 v->next_use >= c->hint_clock &&
+                                 v->next_use <= in->next_use;
+      if (wanted_sooner || hinted_sooner) {
+        c->refused_seen = true;
+        return false;
+      }
     }
     return true;
   };
@@ -884,6 +1061,7 @@ bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
     Entry* victim = dev->cache->policy().PickVictim(evictable, &ctx);
     if (victim == nullptr) {
       *wait_for_events = ctx.pending_seen;
+      if (refused != nullptr) *refused = ctx.refused_seen;
       return false;
     }
     EvictLocked(dev, victim);
@@ -894,15 +1072,34 @@ void ArcherPrefetchHandle::DropInflightLocked(DeviceState* dev, Entry* e) {
   auto it = std::find(dev->inflight.begin(), dev->inflight.end(), e);
   if (it != dev->inflight.end()) {
     dev->inflight_bytes -= e->bytes;
+    if (e->band == kOnDemandBand) dev->inflight_urgent_bytes -= e->bytes;
     dev->inflight.erase(it);
   }
 }
 
+// Copies on different streams finish out of issue order (an on-demand copy
+// overtakes the lanes), so every finished entry leaves, not just a prefix.
 void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
-  while (!dev->inflight.empty() && backend_->Query(dev->inflight.front()->ready)) {
-    dev->inflight_bytes -= dev->inflight.front()->bytes;
-    dev->inflight.pop_front();
+  auto& q = dev->inflight;
+  auto keep = q.begin();
+  for (auto it = q.begin(); it != q.end(); ++it) {
+    Entry* e = *it;
+    if (backend_->Query(e->ready)) {
+      dev->inflight_bytes -= e->bytes;
+      if (e->band == kOnDemandBand) dev->inflight_urgent_bytes -= e->bytes;
+    } else {
+      *keep++ = e;
+    }
   }
+  q.erase(keep, q.end());
+}
+
+bool ArcherPrefetchHandle::SpeculationAllowedLocked(DeviceState* dev) {
+  if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
+  // copying_bytes > 0 here (outside the worker's own copy) is an acquirer
+  // issuing its misses.
+  return dev->copying_bytes == 0 && dev->inflight_urgent_bytes == 0 &&
+         dev->inflight_bytes < max_speculative_bytes_;
 }
 
 void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
@@ -931,10 +1128,29 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
       ready_cv_.notify_all();
       continue;
     }
-    // Cap the bytes an async backend has in flight: wait for the oldest.
-    if (!dev->inflight.empty() &&
-        dev->inflight_bytes + e->bytes > max_bytes_in_flight_) {
-      const CopyToken oldest = dev->inflight.front()->ready;
+    // Speculation waits for the misses and for its own cap (Note
+    // [Speculation never hurts]); every copy waits for max_bytes_in_flight.
+    const bool held_back =
+        e->band != kOnDemandBand && !SpeculationAllowedLocked(dev);
+    if (held_back && dev->inflight.empty()) {
+      // An acquirer is issuing misses right now: let it finish.
+      dev->worker_waiting = true;
+      dev->work_cv.wait_for(lk, std::chrono::microseconds(50));
+      dev->worker_waiting = false;
+      continue;
+    }
+    if (held_back || (!dev->inflight.empty() &&
+                      dev->inflight_bytes + e->bytes > max_bytes_in_flight_)) {
+      Entry* first = dev->inflight.front();
+      if (dev->inflight_urgent_bytes > 0) {
+        for (Entry* f : dev->inflight) {
+          if (f->band == kOnDemandBand) {
+            first = f;
+            break;
+          }
+        }
+      }
+      const CopyToken oldest = first->ready;
       lk.unlock();
       try {
         backend_->Wait(oldest);
@@ -946,7 +1162,17 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
       continue;
     }
     bool wait_for_events = false;
-    if (!ReserveSlotLocked(dev, e, &wait_for_events)) {
+    bool refused = false;
+    if (!ReserveSlotLocked(dev, e, &wait_for_events, &refused)) {
+      if (refused && !wait_for_events && e->band != kOnDemandBand &&
+          e->pins == 0) {
+        // Only entries needed sooner could make room: drop the guess.
+        dev->queue.Remove(e);
+        e->state = EntryState::kHost;
+        e->want_at = 0;
+        ++stats_.declined;
+        continue;
+      }
       // Every slot is pinned (or still read on a stream): wait for a
       // release, an unregister or close. GPU-side uses complete without a
       // notification, so then poll.
@@ -1038,6 +1264,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     if (token != kTokenDone) {
       dev->inflight.push_back(e);
       dev->inflight_bytes += e->bytes;
+      if (e->band == kOnDemandBand) dev->inflight_urgent_bytes += e->bytes;
     }
     ++stats_.copies;
     stats_.bytes_copied += e->bytes;

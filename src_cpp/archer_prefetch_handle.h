@@ -58,6 +58,9 @@ struct HandleOptions {
   std::string eviction_policy = "lru";
   size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
   size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
+  // Speculative (band > 0) bytes in flight before the worker waits; 0 means
+  // 2 * copy_chunk_bytes. Bounds what an on-demand copy queues behind.
+  size_t max_speculative_bytes_in_flight = 0;
   int copy_lanes = 2;  // prefetch streams per device (1..kMaxCopyLanes)
   bool start_paused = false;         // workers idle until Resume()
   bool poison_freed_slots = false;   // debug: fill freed slots with kPoisonByte
@@ -69,6 +72,28 @@ struct SlotInfo {
   uint64_t offset;  // byte offset of the slot in the device arena
   uint64_t bytes;   // registered size of the tensor
   int32_t device;   // device whose arena holds it
+};
+
+// The arguments of ArcherPrefetchHandle::Step; a list may be empty (n = 0).
+struct StepArgs {
+  const int64_t* release_ids = nullptr;
+  size_t n_release = 0;
+  const int64_t* cancel_ids = nullptr;
+  size_t n_cancel = 0;
+  const int64_t* hint_ids = nullptr;
+  const int64_t* hint_when = nullptr;
+  size_t n_hint = 0;
+  int64_t now = 0;        // the hint clock moves here when set_now
+  bool set_now = false;
+  const int64_t* acquire_ids = nullptr;
+  size_t n_acquire = 0;
+  SlotInfo* slots = nullptr;  // n_acquire of them
+  const int64_t* prefetch_ids = nullptr;
+  size_t n_prefetch = 0;
+  int prefetch_band = 1;
+  const uintptr_t* streams = nullptr;  // acquire: one per device, or nullptr
+  const uintptr_t* release_streams = nullptr;  // release: likewise
+  double timeout_s = 60.0;
 };
 
 // One part of a tensor's bytes when registering from several host buffers.
@@ -139,8 +164,16 @@ class ArcherPrefetchHandle {
   void Acquire(const int64_t* ids, size_t n, const uintptr_t* streams,
                double timeout_s, SlotInfo* slots);
   // Unpins. With a stream for the id's device, the slot is not reused before
-  // the work queued on that stream so far has completed.
+  // the work queued on that stream so far has completed: one event per
+  // device stream per call (Note [One token per release]). All-or-nothing.
   void Release(const int64_t* ids, size_t n, const uintptr_t* streams);
+
+  // One MoE layer's whole conversation with the engine in one call (Note
+  // [One call per layer]): release the previous layer's ids, cancel guesses
+  // that turned out wrong, take next-use hints, acquire this layer's ids and
+  // queue the predicted ones at `prefetch_band`. Every argument is checked
+  // before anything changes; then the steps run in that order.
+  void Step(const StepArgs& args);
 
   // Inspection (tests, debugging): queued ids of a device, most urgent band
   // first and FIFO within a band, as (band, id) pairs; resident ids of a
@@ -176,6 +209,7 @@ class ArcherPrefetchHandle {
     uint64_t next_lane = 0;              // round-robin over copy lanes
     std::deque<Entry*> inflight;         // async: issued, ready pending
     size_t inflight_bytes = 0;           // bytes of `inflight`
+    size_t inflight_urgent_bytes = 0;    // of those, on-demand (band 0)
     std::thread worker;
   };
   using Clock = std::chrono::steady_clock;
@@ -183,7 +217,8 @@ class ArcherPrefetchHandle {
   void WorkerLoop(DeviceState* dev);
   void CopyEntryLocked(DeviceState* dev, Entry* e,
                        std::unique_lock<std::mutex>& lk);
-  bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events);
+  bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events,
+                         bool* refused = nullptr);
   // A resident entry leaves the cache: policy, slot, in-flight list, tokens.
   void DropSlotLocked(DeviceState* dev, Entry* e);
   // DropSlotLocked, counted as an eviction (and as waste if never acquired).
@@ -206,6 +241,17 @@ class ArcherPrefetchHandle {
   void ResolveIdsLocked(const int64_t* ids, size_t n);
   void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const;
   void UnpinLocked(const int64_t* ids, size_t n);
+  // Throws kInvalidArgument if the distinct ids of one device need more
+  // slot bytes together than its budget (they could never be held at once).
+  void CheckFitsLocked(const int64_t* ids, size_t n) const;
+  void ReleaseLocked(const int64_t* ids, size_t n, const uintptr_t* streams);
+  // Throws unless the hint arguments are valid (HintNextUse's rules).
+  void CheckHintsLocked(const int64_t* ids, const int64_t* when, size_t n,
+                        int64_t now, bool set_now) const;
+  // A speculative (band > 0) copy may start on this device now: no
+  // on-demand copy in flight, and speculative bytes in flight under the cap
+  // (Note [Speculation never hurts]).
+  bool SpeculationAllowedLocked(DeviceState* dev);
   // Pin-count changes that keep pinned_entries_ exact.
   void PinLocked(Entry* e);
   void UnpinOneLocked(Entry* e);
@@ -216,6 +262,7 @@ class ArcherPrefetchHandle {
   const std::unique_ptr<CopyBackend> backend_;
   const size_t copy_chunk_bytes_;
   const size_t max_bytes_in_flight_;
+  const size_t max_speculative_bytes_;
   const int copy_lanes_;
   const int64_t debug_issue_delay_ns_;
   const bool poison_freed_slots_;
@@ -241,6 +288,7 @@ class ArcherPrefetchHandle {
   bool closed_ = false;   // Close() started
   int active_calls_ = 0;  // calls that may drop mu_ midway (Close waits)
   int64_t hint_clock_ = std::numeric_limits<int64_t>::min();  // HintNextUse
+  uint64_t acquire_calls_ = 0;  // Acquire calls so far: Entry::want_at's clock
   Stats stats_;           // counters; gauges are filled by GetStats
 };
 

@@ -69,6 +69,10 @@ class CopyBackend {
   virtual bool Query(CopyToken token) = 0;
   virtual void Wait(CopyToken token) = 0;
   virtual void ReleaseToken(CopyToken token) noexcept = 0;
+  // One more reference to `token`: each Retain needs its own ReleaseToken.
+  // Lets one record stand for many entries (Release records one token per
+  // stream per call and hands it to every id it unpins).
+  virtual void RetainToken(CopyToken token) noexcept { (void)token; }
 
   // Makes `stream` wait on the GPU for `token` (no CPU block).
   virtual void StreamWait(uintptr_t stream, CopyToken token) = 0;

@@ -21,6 +21,7 @@
 // Lock: `mu_` guards the lazily built per-device state and the event pool.
 #include <dlfcn.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -93,6 +94,7 @@ void Resolve(void* library, const char* name, Fn* out) {
 struct Token {
   CUevent event = nullptr;  // recorded on a copy or consumer stream
   int device = 0;           // whose context the event belongs to
+  std::atomic<int> refs{0};  // holders; back to the pool at zero
 };
 
 class CudaBackend final : public CopyBackend {
@@ -270,8 +272,14 @@ class CudaBackend final : public CopyBackend {
   void ReleaseToken(CopyToken token) noexcept override {
     if (token == kTokenDone) return;
     Token* t = AsToken(token);
+    if (t->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
     std::lock_guard<std::mutex> lk(mu_);
     devices_[static_cast<size_t>(t->device)].free_tokens.push_back(t);
+  }
+
+  void RetainToken(CopyToken token) noexcept override {
+    if (token == kTokenDone) return;
+    AsToken(token)->refs.fetch_add(1, std::memory_order_relaxed);
   }
 
   void StreamWait(uintptr_t stream, CopyToken token) override {
@@ -450,6 +458,7 @@ class CudaBackend final : public CopyBackend {
       devices_[static_cast<size_t>(device)].all_tokens.push_back(
           std::move(fresh));
     }
+    t->refs.store(1, std::memory_order_relaxed);
     CUresult r = api_.cuEventRecord(t->event, stream);
     if (r != kCudaSuccess) {
       ReleaseToken(reinterpret_cast<uintptr_t>(t));

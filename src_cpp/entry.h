@@ -51,6 +51,7 @@ struct alignas(64) Entry {
   uint64_t policy_stamp = 0;         // eviction policy's own (a clock/sequence)
   bool policy_used = false;          // eviction policy's own (a list flag)
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
+  uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
   std::string error;                 // last copy failure, raised on acquire
 };
 

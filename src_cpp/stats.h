@@ -3,7 +3,7 @@
 // Invariants (tested): requests == enqueued + deduplicated;
 // acquires == hits + misses; late <= misses; wasted <= evictions; and, with
 // no unregister, enqueued + on_demand == copies + copy_errors + cancelled +
-// queue_depth (every queued id leaves the queue exactly once).
+// declined +// queue_depth (every queued id leaves the queue exactly once).
 #pragma once
 
 #include <cstdint>
@@ -17,6 +17,8 @@ struct Stats {
   uint64_t upgraded = 0;          // queued ids moved to a more urgent band
   uint64_t touched = 0;           // resident ids whose recency was refreshed
   uint64_t cancelled = 0;         // queued ids removed by cancel
+  uint64_t declined = 0;          // prefetches dropped: the cache held only
+                                  // entries needed sooner (admission control)
   uint64_t acquires = 0;          // ids named by acquire calls
   uint64_t hits = 0;              // acquired while resident and complete
   uint64_t misses = 0;            // acquired while not resident or pending

@@ -171,13 +171,48 @@ def test_lru_evicts_least_recently_used(make_handle, rng):
 def test_prefetched_then_evicted_unused_counts_as_wasted(make_handle, rng):
     h = make_handle(device_budget_bytes=2 * SLOT)
     register_random(h, rng, range(3))
-    h.prefetch_tensors([0, 1])
+    h.prefetch_tensors([0, 1])  # both wanted by the next acquire call
     assert wait_until(lambda: h.stats()["copies"] == 2)
+    for _ in range(2):  # two acquire calls: 1's time passed without a read
+        h.acquire([0], timeout=10)
+        h.release([0])
     h.prefetch_tensors([2])
     assert wait_until(lambda: h.stats()["copies"] == 3)
     s = h.stats()
-    assert s["evictions"] == 1 and s["wasted"] == 1
-    assert h.resident() == [1, 2]
+    assert s["evictions"] == 1 and s["wasted"] == 1 and s["declined"] == 0
+    assert h.resident() == [0, 2]
+
+
+def test_a_guess_never_evicts_a_guess_wanted_sooner(make_handle, rng):
+    # Note [Speculation never hurts]: 0 and 1 are wanted by the next acquire
+    # call (band 1), 2 only by the one after (band 2): 2 is declined, the
+    # cache keeps 0 and 1, and nothing is wasted.
+    h = make_handle(device_budget_bytes=2 * SLOT)
+    register_random(h, rng, range(3))
+    h.prefetch_tensors([0, 1], priority=1)
+    assert wait_until(lambda: h.stats()["copies"] == 2)
+    h.prefetch_tensors([2], priority=2)
+    assert wait_until(lambda: h.stats()["declined"] == 1)
+    s = h.stats()
+    assert s["copies"] == 2 and s["evictions"] == 0 and s["queue_depth"] == 0
+    assert sorted(h.resident()) == [0, 1]
+    # An on-demand miss is never refused: it evicts a guess.
+    views = h.acquire([2], timeout=10)
+    assert len(views) == 1
+    h.release([2])
+    assert h.stats()["evictions"] == 1
+
+
+def test_a_guess_may_evict_one_wanted_later(make_handle, rng):
+    h = make_handle(device_budget_bytes=2 * SLOT)
+    register_random(h, rng, range(3))
+    h.prefetch_tensors([0, 1], priority=3)
+    assert wait_until(lambda: h.stats()["copies"] == 2)
+    h.prefetch_tensors([2], priority=1)  # wanted sooner than 0 and 1
+    assert wait_until(lambda: h.stats()["copies"] == 3)
+    s = h.stats()
+    assert s["evictions"] == 1 and s["declined"] == 0
+    assert 2 in h.resident()
 
 
 def test_budget_is_never_exceeded(make_handle, rng):

@@ -27,6 +27,7 @@ NONE = prefetch.NO_NEXT_USE
 COUNTERS = (
     "requests", "enqueued", "deduplicated", "upgraded", "touched", "cancelled",
     "acquires", "hits", "misses", "late", "on_demand", "evictions", "wasted", "copies", "copy_errors",
+    "declined",
 )
 
 
@@ -105,6 +106,7 @@ class Model:
         self.residents = Residents(policy)  # resident ids and their eviction order
         self.unused = set()  # resident ids copied by a prefetch, not yet acquired
         self.pins = {}  # id -> pins
+        self.want = {}  # id -> the acquire call a prefetch wants it by (0: none)
         self.c = dict.fromkeys(COUNTERS, 0)
         self.closed = False
 
@@ -132,34 +134,60 @@ class Model:
             current = self.queued_band(tid)
             if tid in self.residents:
                 self.residents.request(tid)
+                self.want[tid] = self.residents.clock + band
                 self.c["touched"] += 1
                 self.c["deduplicated"] += 1
             elif current is not None:
                 if band < current:
                     self.remove(tid)
                     self.push(tid, band)
+                    self.want[tid] = self.residents.clock + band
                     self.c["upgraded"] += 1
                 self.c["deduplicated"] += 1
             else:
                 self.push(tid, band)
+                self.want[tid] = self.residents.clock + band
                 self.c["enqueued"] += 1
 
-    def evict_one(self):
+    def needed_sooner(self, victim, tid):
+        """Note [Speculation never hurts]: `victim` is wanted no later than
+        the speculative `tid`, by the acquire clock or by its hint."""
+        r = self.residents
+        want_v, want_t = self.want.get(victim, 0), self.want.get(tid, 0)
+        if want_v != 0 and want_v >= r.clock and want_v <= want_t:
+            return True
+        hint_v, hint_t = r.hint.get(victim, NONE), r.hint.get(tid, NONE)
+        valid = r.now is None or hint_v >= r.now
+        return hint_t != NONE and hint_v != NONE and valid and hint_v <= hint_t
+
+    def evict_one(self, tid, band):
+        """Evicts the first evictable victim for `tid`; False when the only
+        candidates were refused by admission control."""
+        speculative = band != 0 and self.pins.get(tid, 0) == 0
+        refused = False
         for victim in self.residents.order():
-            if self.pins.get(victim, 0) == 0:
-                self.residents.remove(victim)
-                self.c["evictions"] += 1
-                if victim in self.unused:
-                    self.unused.discard(victim)
-                    self.c["wasted"] += 1
-                return
+            if self.pins.get(victim, 0) != 0:
+                continue
+            if speculative and self.needed_sooner(victim, tid):
+                refused = True
+                continue
+            self.residents.remove(victim)
+            self.c["evictions"] += 1
+            if victim in self.unused:
+                self.unused.discard(victim)
+                self.c["wasted"] += 1
+            return True
+        if refused:
+            return False
         raise AssertionError("model: no victim (the test keeps pins below capacity)")
 
     def drain(self):
         while self.queue:
-            _, tid = self.queue.pop(0)
-            if len(self.residents) >= CAPACITY:
-                self.evict_one()
+            band, tid = self.queue.pop(0)
+            if len(self.residents) >= CAPACITY and not self.evict_one(tid, band):
+                self.want[tid] = 0
+                self.c["declined"] += 1
+                continue
             self.residents.insert(tid)
             self.c["copies"] += 1
             if self.pins.get(tid, 0) == 0:
@@ -187,6 +215,7 @@ class Model:
         self.drain()
         for tid in ids:
             self.unused.discard(tid)
+            self.want[tid] = 0
             self.residents.use(tid)
 
     def pinned(self):
@@ -244,6 +273,7 @@ class EngineMachine(RuleBasedStateMachine):
             self.m.residents.remove(tid)
         self.m.unused.discard(tid)
         self.m.residents.hint.pop(tid, None)  # a new registration has no hint
+        self.m.want.pop(tid, None)  # nor a wanted-by time
         version = self.m.version.pop(tid) + 1
         self.h.register(tid, content(tid, version, SIZE))
         self.m.version[tid] = version

@@ -126,8 +126,8 @@ int main(int argc, char** argv) {
   if (s.requests != requested) Fail("requests", static_cast<long>(s.requests), static_cast<long>(requested));
   if (s.requests != s.enqueued + s.deduplicated) Fail("requests split", static_cast<long>(s.enqueued), static_cast<long>(s.deduplicated));
   if (s.acquires != acquired || s.acquires != s.hits + s.misses) Fail("acquires", static_cast<long>(s.acquires), static_cast<long>(acquired));
-  if (s.enqueued + s.on_demand != s.copies + s.copy_errors + s.cancelled + s.queue_depth) {
-    Fail("queue accounting", static_cast<long>(s.enqueued + s.on_demand), static_cast<long>(s.copies + s.cancelled + s.queue_depth));
+  if (s.enqueued + s.on_demand != s.copies + s.copy_errors + s.cancelled + s.declined + s.queue_depth) {
+    Fail("queue accounting", static_cast<long>(s.enqueued + s.on_demand), static_cast<long>(s.copies + s.copy_errors + s.cancelled + s.declined + s.queue_depth));
   }
   if (s.copies != s.resident_count + s.evictions) Fail("copy accounting", static_cast<long>(s.copies), static_cast<long>(s.resident_count + s.evictions));
   if (s.pinned_count != 0) Fail("pins left", static_cast<long>(s.pinned_count), 0);
