@@ -1,0 +1,138 @@
+"""BM6 (bench/generate.py) on the CPU: tiny configs, every row, the logic
+only. No timing assertions: the figures of a noisy 2-core machine mean
+nothing; what must hold is which figures exist, and that offloaded rows
+generate the resident row's tokens."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import numbers
+
+import pytest
+
+pytest.importorskip("transformers")
+
+from bench import generate  # noqa: E402
+
+ENGINE_AND_BY_HAND = (*generate.ENGINE_ROWS, "torch-by-hand")
+
+
+def _run(tmp_path, *extra):
+    path = tmp_path / "bm6.json"
+    assert generate.main(["--smoke-cpu", "--json", str(path), *extra]) == 0
+    return json.loads(path.read_text())
+
+
+def _check_figures(row):
+    """Figures are numbers where the row ran, null with a reason where not."""
+    for key in generate.FIGURES:
+        assert key in row, (row["row"], key)
+    if row.get("reason"):
+        for key in generate.FIGURES:
+            assert row[key] is None, (row["row"], key, row[key])
+        return
+    for key in ("p50_ms", "p90_ms", "prefill_ms", "ttft_ms", "x_resident"):
+        assert isinstance(row[key], numbers.Real) and row[key] > 0, (row["row"], key, row[key])
+    assert isinstance(row["tokens_equal"], bool)
+    for key in generate.FIGURES:
+        value = row[key]
+        if value is None:
+            assert row["null_reasons"][key], (row["row"], key)
+        elif key != "tokens_equal":
+            assert isinstance(value, numbers.Real) and not isinstance(value, bool), (row["row"], key, value)
+            assert value >= 0, (row["row"], key, value)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    return _run(tmp_path_factory.mktemp("bm6"))
+
+
+def test_smoke_has_every_row(smoke):
+    assert smoke["benchmark"] == "BM6 generate"
+    assert smoke["machine"]["cpu_count"]
+    models = smoke["config"]["models"]
+    assert set(models) == set(generate.SMOKE_MODELS)
+    want = {(m, b, s, r) for m in models for b in smoke["config"]["batches"]
+            for r in generate.ROWS
+            for s in ([None] if r in generate.SHARE_FREE_ROWS else smoke["config"]["shares"])}
+    got = [(r["model"], r["batch"], r["share"], r["row"]) for r in smoke["rows"]]
+    assert len(got) == len(set(got))
+    assert set(got) == want
+
+
+def test_smoke_figures(smoke):
+    for row in smoke["rows"]:
+        _check_figures(row)
+
+
+def test_engine_and_by_hand_generate_the_resident_tokens(smoke):
+    for row in smoke["rows"]:
+        if row["row"] in ENGINE_AND_BY_HAND:
+            assert row.get("reason") is None, row
+            assert row["tokens_equal"] is True, row
+            assert row["hit_rate"] is not None and 0 <= row["hit_rate"] <= 1
+            assert row["bytes_moved"] is not None
+        if row["row"] == "resident":
+            assert row["tokens_equal"] is True and row["x_resident"] > 0
+
+
+def test_oracle_replays_the_recorded_routing(smoke):
+    oracle = [r for r in smoke["rows"] if r["row"] == "oracle"]
+    assert oracle
+    for row in oracle:
+        assert row["oracle_replayed_exactly"] is True
+        assert row["recall"] == 1.0
+
+
+def test_each_block_restores_the_model(smoke):
+    assert smoke["blocks"]
+    for block in smoke["blocks"]:
+        assert block["restore_check"] is True
+        assert "routing" not in block  # large; kept out of the JSON
+
+
+def test_optional_packages_run_or_say_why(smoke):
+    optional = {"accelerate-cpu-offload": "accelerate", "moe-policylang-lru": "moe_policylang",
+                "moe-policylang-lookahead": "moe_policylang"}
+    for row in smoke["rows"]:
+        package = optional.get(row["row"])
+        if package is None:
+            continue
+        if importlib.util.find_spec(package) is None:
+            assert row["reason"] and "not importable" in row["reason"]
+        else:
+            assert row.get("reason") is None, row
+            assert row["tokens_equal"] is True, row
+
+
+def test_by_hand_runs_a_layer_in_pieces_when_slots_are_few(tmp_path):
+    """3 slots of 8 experts a layer: the prefill routes more experts than fit,
+    so torch-by-hand computes a layer in pieces; the tokens must not change.
+    The oracle has no on-demand trace to replay here: null with the reason."""
+    report = _run(tmp_path, "--models", "smoke-mixtral", "--rows", "torch-by-hand", "oracle",
+                  "--shares", "0.1", "--new-tokens", "3")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert set(rows) == {"resident", "torch-by-hand", "oracle"}
+    by_hand = rows["torch-by-hand"]
+    assert by_hand["device_expert_bytes"] == 3 * report["models"]["smoke-mixtral"]["expert_bytes"]
+    assert by_hand["tokens_equal"] is True
+    assert rows["oracle"]["reason"].startswith("not run")
+    for row in rows.values():
+        _check_figures(row)
+
+
+def test_time_budget_reports_rows_not_run(tmp_path):
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "--budget-s", "0")
+    for row in report["rows"]:
+        assert row["reason"].startswith("not run: --budget-s")
+        _check_figures(row)
+
+
+def test_without_cuda_the_real_run_is_not_measured(tmp_path, monkeypatch):
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    path = tmp_path / "bm6.json"
+    assert generate.main(["--models", "olmoe-1b-7b", "--json", str(path)]) == 1
+    assert json.loads(path.read_text())["rows"] is None
