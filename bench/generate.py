@@ -42,7 +42,8 @@ Rows (share = device cache budget / all expert bytes; share-free rows have none)
   moe-policylang-lru / moe-policylang-lookahead
                     the pip package moe-policylang (transformers experts
                     backend; plain copies), cache {eviction = lru}, the second
-                    with prefetch {strategy = lookahead} and async transfers.
+                    with prefetch {strategy = lookahead} and async transfers
+                    (CUDA only: without them its prefetch moves nothing).
                     Its cache is keyed by expert id across all layers and each
                     layer keeps its own device copies of the ids it holds, so
                     its capacity C holds up to layers x C experts: --mpl-capacity
@@ -71,8 +72,10 @@ Figures per row:
                     launches excluded; null elsewhere
   ttft_ms           a separate generate with max_new_tokens=1 on a
                     --ttft-tokens prompt per batch row, synchronised;
-                    ttft_floor_ms = max(resident's TTFT, distinct (layer,
-                    expert) the prompt routes x expert bytes / raw H2D)
+                    ttft_floor_ms = max(resident's TTFT (the resident
+                    prefill, timed after one untimed run of that shape),
+                    distinct (layer, expert) the prompt routes x expert
+                    bytes / raw H2D)
   x_resident        p50_ms / resident p50_ms (the faster of the resident row
                     and its rerun after the block, as the block's
                     resident_ref_p50_ms)
@@ -744,6 +747,10 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
             if isinstance(mode, EngineMode):
                 out["trace_steps"] = mode.trace_steps(new_tokens)
             mode.new_sequence()
+            if row == "resident":
+                # The floor of every row's TTFT: not the process's first
+                # prefill of this shape.
+                generate(torch, model, block.ttft_prompt, 1, sync)
             _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
     finally:
         if recorder is not None:
