@@ -1,8 +1,11 @@
 """Offloaded MoE models compute exactly what the original computes: tiny
 random-weight configs of each supported transformers family (no downloads),
 greedy decoding, logits compared bit for bit against the untouched model
-(both on the eager experts implementation, whose arithmetic the offloaded
-path reproduces). Plus the generic block, the predictors and traces."""
+running the same experts implementation (the offloaded path calls that very
+implementation on views of the cache: Note [Experts on cache slots] in
+prefetch/hf.py). Budgets smaller than a layer's routed experts run in
+pieces and give the same tokens. Plus the generic block, the predictors and
+traces."""
 import copy
 import json
 
@@ -15,7 +18,6 @@ import prefetch
 from prefetch.integration import (
     NextLayerGatePredictor,
     OffloadController,
-    OffloadedExperts,
     OffloadedMoEBlock,
     OraclePredictor,
     RoutingTrace,
@@ -23,6 +25,7 @@ from prefetch.integration import (
     belady_misses,
     find_hf_moe_blocks,
     offload_moe_experts,
+    offloaded_experts,
 )
 
 transformers = pytest.importorskip("transformers")
@@ -45,10 +48,10 @@ def family_configs():
     return out
 
 
-def build(cfg, device="cpu", dtype=torch.float32):
+def build(cfg, device="cpu", dtype=torch.float32, experts_implementation="eager"):
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="eager").to(device, dtype)
-    return model.eval()
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=experts_implementation)
+    return model.to(device, dtype).eval()
 
 
 def expert_bytes(model):
@@ -65,16 +68,17 @@ def greedy(model, ids, steps=4):
 
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 @pytest.mark.parametrize("predictor", [None, "next-layer"])
-def test_offloaded_model_matches_original(family, predictor):
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+def test_offloaded_model_matches_original(family, predictor, impl):
     cfg = family_configs()[family]
-    ref = build(cfg)
+    ref = build(cfg, experts_implementation=impl)
     model = copy.deepcopy(ref)
     per, num_experts = expert_bytes(model)
     # Room for one layer's experts and a few more: later layers evict earlier ones.
     ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
                               predictor=NextLayerGatePredictor() if predictor else None)
     try:
-        assert sum(isinstance(m, OffloadedExperts) for m in model.modules()) == cfg.num_hidden_layers
+        assert len(offloaded_experts(model)) == cfg.num_hidden_layers
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
         seq_ref, logits_ref = greedy(ref, ids)
         seq, logits = greedy(model, ids)
@@ -95,11 +99,88 @@ def test_offloaded_experts_hold_no_weights():
     model = build(family_configs()["mixtral"])
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
     try:
-        for m in model.modules():
-            if isinstance(m, OffloadedExperts):
-                assert not list(m.parameters())
+        for m in offloaded_experts(model):
+            assert sum(p.numel() for p in m.parameters()) == 0
         assert ctl.handle.stats()["registered"] == 3 * 6
     finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
+def test_layers_larger_than_the_cache_run_in_pieces(family, impl):
+    # A budget of 3 of a layer's 8 (mixtral: 6) experts; a 6-token prompt at
+    # batch 2 routes to nearly all of them, so prefill layers run in pieces.
+    cfg = family_configs()[family]
+    ref = build(cfg, experts_implementation=impl)
+    model = copy.deepcopy(ref)
+    per, _ = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host",
+                              predictor=NextLayerGatePredictor(), record_trace=True)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+        seq_ref, _ = greedy(ref, ids, steps=5)
+        seq, _ = greedy(model, ids, steps=5)
+        assert torch.equal(seq, seq_ref)
+        # The prompt's layers routed to more experts than fit: pieces ran.
+        assert max(len(experts) for experts in ctl.trace.steps[0]) > 3
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
+def test_one_expert_larger_than_the_budget_is_refused_at_once():
+    model = build(family_configs()["olmoe"])
+    per, _ = expert_bytes(model)
+    before = [p.clone() for p in model.parameters()]
+    with pytest.raises(ValueError, match="budget"):
+        offload_moe_experts(model, device_budget_bytes=per // 2, backend="host")
+    after = list(model.parameters())
+    assert len(before) == len(after) and all(torch.equal(a, b) for a, b in zip(before, after))
+    assert not offloaded_experts(model)
+
+
+def test_offloading_twice_says_so():
+    model = build(family_configs()["olmoe"])
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
+    try:
+        with pytest.raises(ValueError, match="already offloaded"):
+            offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
+    finally:
+        ctl.close()
+
+
+def test_one_engine_call_per_layer():
+    # Each MoE layer crosses into the engine once (PrefetchHandle.step), plus
+    # one release at the end of each forward; the guesses ride along.
+    cfg = family_configs()["qwen3_moe"]
+    model = build(cfg, experts_implementation="grouped_mm")
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
+                              predictor=NextLayerGatePredictor())
+    calls = {"step": 0, "release": 0, "other": 0}
+    real = ctl.handle
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if callable(attr) and name in ("step", "release", "acquire", "acquire_slots", "prefetch_tensors",
+                                           "hint_next_use", "cancel"):
+                def counted(*a, **k):
+                    calls[name if name in calls else "other"] += 1
+                    return attr(*a, **k)
+                return counted
+            return attr
+
+    ctl.handle = Counting()
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        greedy(model, ids, steps=3)
+        forwards = 3
+        assert calls["step"] == forwards * cfg.num_hidden_layers
+        assert calls["release"] == forwards and calls["other"] == 0
+        assert real.stats()["pinned_count"] == 0
+    finally:
+        ctl.handle = real
         ctl.close()
 
 

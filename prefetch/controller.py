@@ -1,0 +1,238 @@
+"""OffloadController: one offloaded model's engine, (layer, expert) mapping,
+predictor, routing clock and accounting.
+
+A MoE layer talks to the engine once (Note [One call per layer] in
+src_cpp/archer_prefetch_handle.cpp): `exchange` releases the layer computed
+before, cancels this layer's wrong guesses, sends hints, acquires this
+layer's experts and queues the guesses for later layers, in one GIL-free
+`PrefetchHandle.step`. The previous layer's release rides on that call: its
+compute is queued on the stream by then, so the one completion token
+recorded covers it.
+"""
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle
+from prefetch.expert_prefetcher import ExpertPrefetcher
+from prefetch.trace import RoutingTrace
+
+__all__ = ["OffloadController"]
+
+_MAX_BAND = 19  # kNumBands - 1
+
+
+class OffloadController:
+    """Owns the engine, the (layer, expert) mapping, the predictor and the
+    accounting for one offloaded model."""
+
+    def __init__(self, handle: PrefetchHandle, *, num_layers: int, num_experts: int, top_k: int,
+                 predictor=None, routers=None, record_trace: bool = False, device=None):
+        self.handle = handle
+        self.prefetcher = ExpertPrefetcher(handle)
+        self.num_layers = num_layers
+        self.num_experts = num_experts
+        self.top_k = top_k
+        self.predictor = predictor
+        self._late_predict = bool(getattr(predictor, "reads_routing", False))
+        self.routers = routers or []
+        self.device = device
+        self.step = 0
+        self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)
+        self._seen_layer0 = False  # a second layer-0 routing starts a new step
+        self.trace = RoutingTrace(num_layers, num_experts) if record_trace else None
+        self._pending: dict[tuple[int, int], np.ndarray] = {}  # (step, layer) -> guessed experts
+        self._queued_guess: dict[int, np.ndarray] = {}  # layer -> guessed tensor ids sent to the engine
+        self._held: np.ndarray | None = None  # tensor ids acquired, released by the next exchange
+        self._held_stream = None
+        self.prediction_hits = 0
+        self.predicted_total = 0
+        self.actual_total = 0
+        # Host time of the offloaded layers (ns): engine calls, the routing
+        # read-back (which waits for the GPU), and everything else we add.
+        self.layers_run = 0
+        self.engine_ns = 0
+        self.sync_ns = 0
+        self.host_ns = 0
+
+    # -- routing clock and predictions
+
+    def router_logits(self, layer: int, hidden):
+        router = self.routers[layer]
+        out = router(hidden)
+        if isinstance(out, tuple):  # HF routers return (logits, weights, indices)
+            out = out[0]
+        return out
+
+    def begin_layer(self, layer: int) -> int:
+        """Layer `layer` starts routing: moves the clock and the step count."""
+        self.clock += 1
+        if layer == 0:
+            if self._seen_layer0:
+                self.step += 1
+            self._seen_layer0 = True
+        return self.step
+
+    def predict(self, layer: int, hidden) -> dict:
+        """The predictor's guesses made before the routing reaches the host
+        (values may be device tensors)."""
+        if self.predictor is None or self._late_predict:
+            return {}
+        return self.predictor.predict(self, self.step, layer, hidden)
+
+    def observe(self, layer: int, experts: np.ndarray, guesses: dict) -> tuple[dict, list | None]:
+        """Layer `layer` routed to `experts` (sorted int64): scores earlier
+        guesses for it, records the trace, tells the predictor. `guesses`
+        ({layer: host experts}) are this layer's pre-routing guesses; a
+        predictor that reads the routing adds its own here. Returns
+        (guesses, hints)."""
+        step = self.step
+        predicted = self._pending.pop((step, layer), None)
+        if predicted is not None:
+            hit = np.zeros(self.num_experts, dtype=bool)
+            hit[experts] = True
+            self.prediction_hits += int(hit[predicted].sum())
+            self.predicted_total += int(predicted.shape[0])
+            self.actual_total += int(experts.shape[0])
+        if self.trace is not None:
+            self.trace.add(step, layer, experts.tolist())
+        hints = None
+        if self.predictor is not None:
+            hints = self.predictor.observe(self, step, layer, experts)
+            if self._late_predict:
+                guesses = {t: _distinct(g, self.num_experts)
+                           for t, g in self.predictor.predict(self, step, layer, None).items()}
+        for target, guess in guesses.items():
+            if guess.shape[0]:
+                target_step = step + (1 if target <= layer else 0)
+                self._pending[(target_step, target)] = guess
+        return guesses, hints
+
+    # -- the engine
+
+    def exchange(self, layer: int, acquire: np.ndarray, guesses: dict, hints, *, stream=None,
+                 timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:
+        """The one engine call of a layer: release what the last exchange
+        acquired, cancel this layer's guesses that the routing did not pick,
+        send hints, acquire the tensor ids `acquire` (held until the next
+        exchange or `release_held`) and queue the guesses (band = distance
+        in layers). Returns acquire's (offset, device) rows."""
+        table = self.prefetcher
+        cancel = self._queued_guess.pop(layer, None)
+        if cancel is not None and acquire.shape[0]:
+            cancel = cancel[~np.isin(cancel, acquire, assume_unique=True)]
+        prefetch = None
+        band = 1
+        extra = []
+        for target, guess in sorted(guesses.items(), key=lambda kv: (kv[0] - layer) % self.num_layers):
+            if not guess.shape[0]:
+                continue
+            distance = (target - layer) % self.num_layers or self.num_layers
+            ids = table.tensor_ids(target, guess)
+            self._queued_guess[target] = ids
+            if prefetch is None:
+                prefetch, band = ids, min(_MAX_BAND, distance)
+            else:
+                extra.append((ids, min(_MAX_BAND, distance)))
+        hint_ids = hint_when = None
+        if hints:
+            hint_ids = np.concatenate([table.tensor_ids(lyr, ex) for lyr, ex, _ in hints])
+            hint_when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
+                                        else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
+        if self._held is not None and stream is not self._held_stream and stream != self._held_stream:
+            self.release_held()  # another stream now: its own release
+        held, self._held = self._held, None
+        t0 = time.perf_counter_ns()
+        try:
+            where = self.handle.step(acquire, release=held, prefetch=prefetch, band=band, cancel=cancel,
+                                     hint_ids=hint_ids, hint_when=hint_when,
+                                     now=self.clock if hints is not None else None,
+                                     stream=stream, timeout=timeout)
+        except (ValueError, KeyError, TypeError, OverflowError):
+            # Bad arguments are refused before anything changes: still held.
+            self._held = held
+            raise
+        finally:
+            self.engine_ns += time.perf_counter_ns() - t0
+        for ids, b in extra:
+            self.handle.prefetch_tensors(ids, b)
+        if acquire.shape[0]:
+            self._held = acquire
+            self._held_stream = stream
+        return where
+
+    def release_held(self, stream=None) -> None:
+        """Releases what the last exchange acquired (the end of a forward)."""
+        held, self._held = self._held, None
+        if held is not None and held.shape[0]:
+            t0 = time.perf_counter_ns()
+            self.handle.release(held, stream=stream if stream is not None else self._held_stream)
+            self.engine_ns += time.perf_counter_ns() - t0
+
+    def on_routed(self, layer: int, hidden, experts) -> None:
+        """For callers that route on the host themselves (OffloadedMoEBlock,
+        BM5): layer `layer` chose `experts`; score, record, and queue the
+        predictor's guesses in one engine call. The caller acquires."""
+        self.begin_layer(layer)
+        raw = self.predict(layer, hidden)
+        guesses = {t: _distinct(g, self.num_experts) for t, g in raw.items()}
+        routed = _distinct(experts, self.num_experts)
+        guesses, hints = self.observe(layer, routed, guesses)
+        if guesses or hints or layer in self._queued_guess:
+            self.exchange(layer, _EMPTY, guesses, hints)
+
+    def new_sequence(self) -> None:
+        """Call between requests: resets the step counter and lets a learning
+        predictor file the finished request."""
+        if hasattr(self.predictor, "end_request"):
+            self.predictor.end_request()
+        self.step = 0
+        self._seen_layer0 = False
+        self._pending.clear()
+
+    # -- reporting
+
+    def report(self) -> dict:
+        """Hit rate, prediction precision and recall, bytes and copies moved,
+        and the host time of the offloaded layers (us per layer: engine
+        calls, the routing read-back, the rest)."""
+        s = self.handle.stats()
+        acquired = s["hits"] + s["misses"]
+        layers = self.layers_run
+        return {
+            "hit_rate": s["hits"] / acquired if acquired else None,
+            "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
+            "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
+            "bytes_copied": s["bytes_copied"],
+            "copies": s["copies"],
+            "evictions": s["evictions"],
+            "wasted": s["wasted"],
+            "late": s["late"],
+            "declined": s["declined"],
+            "layers_run": layers,
+            "engine_us_per_layer": self.engine_ns / layers / 1e3 if layers else None,
+            "sync_us_per_layer": self.sync_ns / layers / 1e3 if layers else None,
+            "host_us_per_layer": self.host_ns / layers / 1e3 if layers else None,
+        }
+
+    def close(self) -> None:
+        self._held = None
+        self.handle.close()
+
+
+_EMPTY = np.empty(0, dtype=np.int64)
+
+
+def _distinct(experts, num_experts: int) -> np.ndarray:
+    """Sorted distinct expert ids of a host sequence, numpy array or CPU
+    tensor, as int64."""
+    arr = np.asarray(experts.numpy() if hasattr(experts, "numpy") else experts, dtype=np.int64).reshape(-1)
+    if arr.shape[0] == 0:
+        return arr
+    if arr.min() < 0 or arr.max() >= num_experts:
+        raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
+    mask = np.zeros(num_experts, dtype=bool)
+    mask[arr] = True
+    return np.flatnonzero(mask)

@@ -1,0 +1,316 @@
+"""transformers adapter: offloaded experts behind transformers' own
+experts-implementation interface (transformers.integrations.moe).
+
+transformers 5 dispatches every `*Experts` module decorated with
+`use_experts_implementation` through `ALL_EXPERTS_FUNCTIONS[name](self,
+hidden, top_k_index, top_k_weights)`, `name` being the model's
+`experts_implementation` ("grouped_mm" by default, "batched_mm" during
+`generate`'s decode on a GPU, "eager", ...). `install_experts_backend` wraps
+each registered implementation once: for a module that is not offloaded the
+wrapper calls the implementation unchanged; for an offloaded one it routes
+through the engine (Note [Experts on cache slots]) and then calls the SAME
+implementation, so the offloaded model runs the kernels the resident model
+would run at that moment, switches included.
+
+Note [Experts on cache slots]
+Every expert of a model has one packed layout (gate_up [2I, H], then down
+[H, I], each 256-byte aligned) and so one slot size S in the engine's
+device arena; with one size the arena's first-fit allocator only ever hands
+out offsets that are multiples of S, so the arena is an array of n = budget
+// S slots. Viewed with strides, it is a gate_up tensor [n, 2I, H] and a down
+tensor [n, H, I], exactly the stacked parameters an experts implementation
+expects, with slot s in place of expert e. A layer then (1) reads its
+routing back to the host once (the predictor's guesses ride along in the
+same copy), (2) makes one engine call that acquires its experts and queues
+the guesses, (3) maps each routed expert to its slot on the device with one
+gather, and (4) calls the implementation on a stand-in module whose weights
+are the slot views and whose `num_experts` is n. Per row, the arithmetic is
+the resident model's, on the same bytes. A layer routing to more experts
+than there are slots (a long prompt on a small budget) runs in pieces of at
+most n experts: acquire, compute with the other experts' routing weights
+zeroed, release, next; the pieces are summed.
+"""
+from __future__ import annotations
+
+import time
+import types
+
+import numpy as np
+import torch
+
+from prefetch.controller import OffloadController, _distinct
+from prefetch.expert_prefetcher import _align
+
+__all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
+           "offloaded_experts"]
+
+_OFFLOAD_ATTR = "_prefetch_offload"
+
+
+def _wrap(name: str, inner):
+    """The implementation `name` (None: the module's own eager forward),
+    routed through the engine for offloaded modules."""
+
+    def experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        fn = inner if inner is not None else type(self).forward.__wrapped__
+        offload = self.__dict__.get(_OFFLOAD_ATTR)
+        if offload is None:
+            return fn(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        return offload.forward(fn, name, hidden_states, top_k_index, top_k_weights)
+
+    experts_forward._prefetch_wrapper = True
+    experts_forward.__name__ = f"prefetch_{name}_experts_forward"
+    return experts_forward
+
+
+def install_experts_backend() -> None:
+    """Wraps every implementation registered in transformers'
+    ALL_EXPERTS_FUNCTIONS (and "eager") once; idempotent. Modules that are
+    not offloaded are unaffected."""
+    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+    for name in [*ALL_EXPERTS_FUNCTIONS.keys(), "eager"]:
+        current = ALL_EXPERTS_FUNCTIONS[name] if name in ALL_EXPERTS_FUNCTIONS else None
+        if getattr(current, "_prefetch_wrapper", False):
+            continue
+        ALL_EXPERTS_FUNCTIONS[name] = _wrap(name, current)
+
+
+def offloaded_experts(model) -> list:
+    """The experts modules of `model` that prefetch has offloaded."""
+    return [m for m in model.modules() if _OFFLOAD_ATTR in m.__dict__]
+
+
+def find_hf_moe_blocks(model):
+    """(block, experts_module, router) for each transformers-5 MoE block, in
+    module order: a module with `.experts` holding 3-D `gate_up_proj` and
+    `down_proj` parameters and a `.gate` router. Raises if the model is
+    already offloaded."""
+    already = offloaded_experts(model)
+    if already:
+        ctl = already[0].__dict__[_OFFLOAD_ATTR].controller
+        raise ValueError(
+            f"this model's experts are already offloaded by prefetch ({len(already)} MoE layers, controller "
+            f"{ctl!r}); offload a model once. To change the budget or predictor, close the controller "
+            "(controller.close()) and offload a freshly built or loaded model")
+    found = []
+    for module in model.modules():
+        experts = getattr(module, "experts", None)
+        router = getattr(module, "gate", None)
+        if experts is None or router is None:
+            continue
+        gu = getattr(experts, "gate_up_proj", None)
+        dp = getattr(experts, "down_proj", None)
+        if isinstance(gu, torch.Tensor) and isinstance(dp, torch.Tensor) and gu.dim() == 3 and dp.dim() == 3:
+            layout_ok = (
+                not getattr(experts, "has_bias", False)
+                and not getattr(experts, "is_transposed", False)
+                and getattr(experts, "is_concatenated", True)
+                and getattr(experts, "has_gate", True)
+            )
+            if not layout_ok:
+                raise NotImplementedError(
+                    f"{type(experts).__name__}: only concatenated gate|up, untransposed, bias-free expert "
+                    "weights are supported (this layout is not)"
+                )
+            if not hasattr(type(experts).forward, "__wrapped__"):
+                raise NotImplementedError(
+                    f"{type(experts).__name__} does not dispatch through transformers' experts-implementation "
+                    "interface (use_experts_implementation); it cannot be offloaded")
+            found.append((module, experts, router))
+    return found
+
+
+class _Stand:
+    """What an experts implementation reads from `self`: the module's plain
+    attributes and submodules (act_fn, flags, config), with the cache-slot
+    views as weights and the slot count as num_experts."""
+
+
+def _raw_stream(device: torch.device):
+    if device.type != "cuda":
+        return None
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+class ExpertsOffload:
+    """One offloaded MoE layer (attached to its experts module)."""
+
+    def __init__(self, controller: OffloadController, layer: int, module, gate_up_shape, down_shape, dtype,
+                 device: torch.device):
+        self.controller = controller
+        self.layer = layer
+        self.device = device
+        self.last_layer = layer == controller.num_layers - 1
+        handle = controller.handle
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        gu_bytes = int(np.prod(gate_up_shape)) * itemsize
+        down_offset = _align(gu_bytes)
+        self.slot_bytes = _align(down_offset + int(np.prod(down_shape)) * itemsize)
+        arena = handle.arena(0)
+        if isinstance(arena, np.ndarray):
+            arena = torch.from_numpy(arena)
+        self.slots = arena.numel() // self.slot_bytes
+        if self.slots < 1:
+            raise ValueError(f"device_budget_bytes={arena.numel()} holds no expert of {self.slot_bytes} bytes")
+        typed = arena[: self.slots * self.slot_bytes].view(dtype)
+        stride = self.slot_bytes // itemsize
+        stand = _Stand()
+        for name, value in vars(module).items():
+            if not name.startswith("_"):
+                setattr(stand, name, value)
+        for name, sub in module._modules.items():
+            setattr(stand, name, sub)
+        stand.num_experts = self.slots
+        stand.gate_up_proj = typed.as_strided((self.slots, *gate_up_shape), (stride, gate_up_shape[1], 1), 0)
+        stand.down_proj = typed.as_strided((self.slots, *down_shape), (stride, down_shape[1], 1),
+                                           down_offset // itemsize)
+        apply_gate = getattr(type(module), "_apply_gate", None)
+        if apply_gate is not None:
+            stand._apply_gate = types.MethodType(apply_gate, stand)
+        self.stand = stand
+        self.num_experts = controller.num_experts
+        cuda = device.type == "cuda"
+        self._remap_host = torch.zeros(self.num_experts, dtype=torch.int64, pin_memory=cuda)
+        self._remap_np = self._remap_host.numpy()
+        self._remap_dev = torch.zeros(self.num_experts, dtype=torch.int64, device=device) if cuda else None
+
+    def _slot_ids(self, where: np.ndarray) -> np.ndarray:
+        offsets = where[:, 0]
+        slots = offsets // self.slot_bytes
+        if (offsets != slots * self.slot_bytes).any():
+            raise RuntimeError("an expert's cache slot is not on the slot grid: the handle holds tensors of "
+                               "another size (offload_moe_experts needs a handle of its own)")
+        return slots
+
+    def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
+        ctl = self.controller
+        t_start = time.perf_counter_ns()
+        layer = self.layer
+        ctl.begin_layer(layer)
+        raw = ctl.predict(layer, hidden_states)
+        flat = top_k_index.reshape(-1)
+        on_device = [(t, g) for t, g in raw.items() if isinstance(g, torch.Tensor)]
+        t0 = time.perf_counter_ns()
+        if on_device:
+            both = torch.cat([flat, *(g.reshape(-1).to(flat.dtype) for _, g in on_device)])
+            host = both.cpu().numpy()
+        else:
+            host = flat.cpu().numpy()
+        t1 = time.perf_counter_ns()
+        n = flat.shape[0]
+        experts = _distinct(host[:n], self.num_experts)
+        guesses = {}
+        pos = n
+        for target, g in on_device:
+            m = g.numel()
+            guesses[target] = _distinct(host[pos : pos + m], self.num_experts)
+            pos += m
+        for target, g in raw.items():
+            if target not in guesses:
+                guesses[target] = _distinct(g, self.num_experts)
+        guesses, hints = ctl.observe(layer, experts, guesses)
+        ids = ctl.prefetcher.tensor_ids(layer, experts)
+        stream = _raw_stream(self.device)
+        engine_before = ctl.engine_ns
+        if experts.shape[0] <= self.slots:
+            where = ctl.exchange(layer, ids, guesses, hints, stream=stream)
+            slots = self._slot_ids(where)
+            if self._remap_dev is not None:
+                self._remap_np[experts] = slots
+                self._remap_dev.copy_(self._remap_host, non_blocking=True)
+                index = self._remap_dev[top_k_index]
+            else:
+                remap = np.zeros(self.num_experts, dtype=np.int64)
+                remap[experts] = slots
+                index = torch.from_numpy(remap)[top_k_index]
+            t2 = time.perf_counter_ns()
+            out = fn(self.stand, hidden_states, index, top_k_weights)
+            t3 = time.perf_counter_ns()
+        else:
+            t2 = time.perf_counter_ns()
+            out, inner_ns = self._pieces(fn, name, hidden_states, top_k_index, top_k_weights, experts, ids,
+                                         guesses, hints, stream)
+            t3 = t2 + inner_ns
+        if self.last_layer:
+            ctl.release_held(stream)
+        t_end = time.perf_counter_ns()
+        ctl.layers_run += 1
+        ctl.sync_ns += t1 - t0
+        engine = ctl.engine_ns - engine_before
+        ctl.host_ns += (t_end - t_start) - (t1 - t0) - (t3 - t2) - engine
+        return out
+
+    def _pieces(self, fn, name, hidden_states, top_k_index, top_k_weights, experts, ids, guesses, hints, stream):
+        """More routed experts than slots: acquire, compute and release at
+        most `slots` experts at a time; the other experts' routing weights
+        are zero in each piece. grouped_mm skips rows routed to the sentinel
+        slot n; other implementations get them on a slot of the piece, with
+        weight 0."""
+        ctl = self.controller
+        out = None
+        inner_ns = 0
+        for start in range(0, experts.shape[0], self.slots):
+            piece = experts[start : start + self.slots]
+            first = start == 0
+            where = ctl.exchange(self.layer, ids[start : start + self.slots], guesses if first else {},
+                                 hints if first else None, stream=stream)
+            remap = np.full(self.num_experts, self.slots, dtype=np.int64)
+            remap[piece] = self._slot_ids(where)
+            index = torch.from_numpy(remap).to(top_k_index.device)[top_k_index]
+            inside = index < self.slots
+            weights = top_k_weights.masked_fill(~inside, 0)
+            if name != "grouped_mm":
+                index = index.masked_fill(~inside, int(remap[piece[0]]))
+            t0 = time.perf_counter_ns()
+            part = fn(self.stand, hidden_states, index, weights)
+            inner_ns += time.perf_counter_ns() - t0
+            out = part if out is None else out + part
+        return out, inner_ns
+
+
+def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False,
+                     progress=True) -> OffloadController:
+    """Registers every expert of `hf_blocks` (from find_hf_moe_blocks) with
+    the engine and attaches an ExpertsOffload to each experts module; its
+    weights are replaced by empty tensors."""
+    install_experts_backend()
+    first = hf_blocks[0][1]
+    num_experts = first.gate_up_proj.shape[0]
+    top_k = getattr(hf_blocks[0][2], "top_k", None) or getattr(model.config, "num_experts_per_tok", 1)
+    for _, experts, _ in hf_blocks:
+        if (experts.gate_up_proj.shape != first.gate_up_proj.shape or experts.down_proj.shape
+                != first.down_proj.shape or experts.gate_up_proj.dtype != first.gate_up_proj.dtype):
+            raise NotImplementedError("MoE layers whose experts differ in shape or dtype are not supported")
+    controller = OffloadController(handle, num_layers=len(hf_blocks), num_experts=num_experts, top_k=top_k,
+                                   predictor=predictor, routers=[r for _, _, r in hf_blocks],
+                                   record_trace=record_trace, device=first.gate_up_proj.device)
+    total = sum(e.gate_up_proj.numel() * e.gate_up_proj.element_size()
+                + e.down_proj.numel() * e.down_proj.element_size() for _, e, _ in hf_blocks)
+    done = 0
+    report_every = 1 << 30
+    next_report = report_every
+    offloads = []
+    # Everything is registered before the model changes: a failure part-way
+    # (memory, a budget smaller than one expert) leaves the model as it was.
+    for layer, (_, experts, _) in enumerate(hf_blocks):
+        # One device-to-host read per weight and layer, then one packed
+        # engine copy per expert.
+        gate_up = experts.gate_up_proj.detach().to("cpu")
+        down = experts.down_proj.detach().to("cpu")
+        for e in range(num_experts):
+            controller.prefetcher.register_expert(layer, e, {"gate_up_proj": gate_up[e], "down_proj": down[e]})
+        done += gate_up.numel() * gate_up.element_size() + down.numel() * down.element_size()
+        device, dtype = experts.gate_up_proj.device, experts.gate_up_proj.dtype
+        offloads.append(ExpertsOffload(controller, layer, experts, tuple(gate_up.shape[1:]),
+                                       tuple(down.shape[1:]), dtype, device))
+        del gate_up, down
+        if progress and total >= report_every and (done >= next_report or done == total):
+            print(f"prefetch: registered {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts", flush=True)
+            next_report = done + report_every
+    for (_, experts, _), offload in zip(hf_blocks, offloads):
+        empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
+        experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
+        experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
+        experts.__dict__[_OFFLOAD_ATTR] = offload
+    return controller

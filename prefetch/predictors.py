@@ -1,0 +1,200 @@
+"""Route-ahead predictors: while layer L routes, guess the experts of later
+layers so the engine can copy them before they are needed.
+
+A predictor returns guesses and next-use times; it never calls the engine.
+The controller gathers what every predictor says for a layer and sends it
+with the layer's acquire in one engine call (`PrefetchHandle.step`).
+
+- `predict(controller, step, layer, hidden)` runs before the layer's routing
+  reaches the host. It returns {later_layer: experts}, where experts are a
+  host sequence of ints or an integer tensor on the model's device (for
+  example a router's top-k indices): device tensors are read back in the same
+  device-to-host copy as the routing itself, so a prediction costs no sync
+  of its own.
+- `observe(controller, step, layer, experts)` runs once the routed experts
+  of `layer` are known on the host (a sorted int64 numpy array). It may
+  return next-use hints, a list of (layer, experts, when), `when` one time
+  for all or one per expert, on the controller's routing clock
+  (`controller.clock`); the engine's "next-use" eviction policy reads them.
+
+A predictor whose guesses depend on this layer's routing sets
+``reads_routing = True``: its `predict` then runs after `observe` and
+returns host sequences only.
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Protocol
+
+import numpy as np
+
+from prefetch._engine import NO_NEXT_USE
+
+__all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor"]
+
+
+class RoutePredictor(Protocol):
+    def predict(self, controller, step: int, layer: int, hidden) -> dict: ...
+
+    def observe(self, controller, step: int, layer: int, experts: np.ndarray) -> list | None: ...
+
+
+class NextLayerGatePredictor:
+    """The router of layer L+d applied to layer L's hidden state (the MoE
+    input), for d = 1..distance: hidden states change slowly across layers, so
+    the next router's choice on this layer's input is a good guess. The
+    guess stays on the device until the routing's own read-back."""
+
+    def __init__(self, distance: int = 1, extra_per_token: int = 0):
+        if distance < 1:
+            raise ValueError("distance must be >= 1")
+        if extra_per_token < 0:
+            raise ValueError("extra_per_token must be >= 0")
+        self.distance = distance
+        self.extra_per_token = extra_per_token  # prefetch top_k + extra per token
+
+    def predict(self, controller, step, layer, hidden):
+        import torch
+
+        out = {}
+        for d in range(1, self.distance + 1):
+            target = layer + d
+            if target >= controller.num_layers:
+                break
+            logits = controller.router_logits(target, hidden)
+            k = min(controller.top_k + self.extra_per_token, logits.shape[-1])
+            out[target] = torch.topk(logits, k, dim=-1).indices
+        return out
+
+    def observe(self, controller, step, layer, experts):
+        return None
+
+
+class TracePredictor:
+    """MoE-Infinity's activation-matrix idea: remember each past request's
+    expert activation matrix (layers x experts, counts); during a request,
+    match its partial matrix (layers seen so far) against the past ones by
+    cosine similarity and prefetch, for the next `distance` layers, the
+    experts the closest past request used most there."""
+
+    reads_routing = True  # matches on the layers seen so far, this one included
+
+    def __init__(self, distance: int = 2, max_experts: int | None = None, history: int = 256):
+        if distance < 1:
+            raise ValueError("distance must be >= 1")
+        self.distance = distance
+        self.max_experts = max_experts
+        self.history = history
+        self.past: list[np.ndarray] = []
+        self.current: np.ndarray | None = None
+
+    def begin_request(self, controller) -> None:
+        self.current = np.zeros((controller.num_layers, controller.num_experts), dtype=np.float32)
+
+    def end_request(self) -> None:
+        if self.current is not None and self.current.any():
+            self.past.append(self.current)
+            self.past = self.past[-self.history :]
+        self.current = None
+
+    def observe(self, controller, step, layer, experts):
+        if self.current is None:
+            self.begin_request(controller)
+        self.current[layer, experts] += 1
+        return None
+
+    def predict(self, controller, step, layer, hidden):
+        if not self.past:
+            return {}
+        if self.current is None:
+            self.begin_request(controller)
+        seen = self.current[: layer + 1].ravel()
+        best, best_score = None, -1.0
+        norm = float(np.linalg.norm(seen)) or 1.0
+        for eam in self.past:
+            part = eam[: layer + 1].ravel()
+            score = float(part @ seen) / ((float(np.linalg.norm(part)) or 1.0) * norm)
+            if score > best_score:
+                best, best_score = eam, score
+        out = {}
+        k = self.max_experts or controller.top_k * 2
+        for d in range(1, self.distance + 1):
+            target = layer + d
+            if target >= controller.num_layers:
+                break
+            row = best[target]
+            order = np.argsort(-row, kind="stable")
+            out[target] = [int(e) for e in order[:k] if row[e] > 0]
+        return out
+
+
+class OraclePredictor:
+    """Replays a recorded routing trace: predicts exactly what step s, layer
+    L+d will use (the ceiling of any predictor). With hints it also says
+    when each expert will next be read, on the controller's routing clock,
+    so a handle made with ``eviction_policy="next-use"`` evicts by Belady's
+    rule. ``hints=None`` (default) gives them only to such a handle (other
+    policies ignore hints, so they would cost host time for nothing); True or
+    False forces it."""
+
+    def __init__(self, trace, distance: int = 1, hints: bool | None = None):
+        if distance < 1:
+            raise ValueError("distance must be >= 1")
+        self.trace = trace
+        self.distance = distance
+        self.hints = hints
+        # layer -> expert -> the steps that read it, ascending
+        self._steps_of: list[dict[int, list[int]]] = [{} for _ in range(trace.num_layers)]
+        for s, step in enumerate(trace.steps):
+            for layer, experts in enumerate(step):
+                for e in experts:
+                    self._steps_of[layer].setdefault(int(e), []).append(s)
+        self._routed = None  # (step, layer, experts, clock) of the last routing
+        self._hints: list = []  # (layer, experts, one time or a list) not yet returned
+
+    def _sends_hints(self, controller) -> bool:
+        if self.hints is None:
+            return getattr(controller.handle, "eviction_policy", None) == "next-use"
+        return self.hints
+
+    def predict(self, controller, step, layer, hidden):
+        out = {}
+        hints = self._sends_hints(controller)
+        for d in range(1, self.distance + 1):
+            target, target_step = layer + d, step
+            if target >= controller.num_layers:
+                target -= controller.num_layers
+                target_step += 1
+            experts = self.trace.experts(target_step, target)
+            if experts:
+                out[target] = experts
+                if hints:  # read d layers from now
+                    self._hints.append((target, experts, controller.clock + d))
+        return out
+
+    def observe(self, controller, step, layer, experts):
+        if not self._sends_hints(controller):
+            self._hints.clear()
+            return None
+        now = controller.clock
+        experts = [int(e) for e in experts]
+        # The experts routed now are read now: their hint moves on only once
+        # the next layer routes (they are released by then), or a prefetch
+        # for the next layer could evict them before their acquire.
+        out = self._next_reads(controller, *self._routed) if self._routed is not None else []
+        out.append((layer, experts, now))
+        out.extend(self._hints)  # later layers' reads, from this layer's predict
+        self._hints = []
+        self._routed = (step, layer, experts, now)
+        return out
+
+    def _next_reads(self, controller, step, layer, experts, at):
+        """[(layer, experts, times)]: the next read of experts read at clock
+        `at` (step, layer); NO_NEXT_USE = never again in the trace."""
+        steps_of = self._steps_of[layer] if layer < len(self._steps_of) else {}
+        times = []
+        for e in experts:
+            steps = steps_of.get(int(e), ())
+            i = bisect.bisect_right(steps, step)
+            times.append(at + (steps[i] - step) * controller.num_layers if i < len(steps) else NO_NEXT_USE)
+        return [(layer, experts, times)]
