@@ -355,6 +355,9 @@ class ResidentMode(Mode):
             model.config._experts_implementation = impl
 
 
+_HOST_EXPERTS = {}  # id(model) -> the packed host copy its first offload made (same weights every row)
+
+
 class EngineMode(Mode):
     def __init__(self, model, budget, row, trace, cuda):
         import prefetch
@@ -368,7 +371,9 @@ class EngineMode(Mode):
             options = {"eviction_policy": "next-use"}
         kwargs = {} if cuda else {"backend": "host"}
         self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
-                                                handle_options=options, record_trace=True, **kwargs)
+                                                handle_options=options, record_trace=True,
+                                                host_experts=_HOST_EXPERTS.get(id(model)), **kwargs)
+        _HOST_EXPERTS[id(model)] = self.ctl.host_experts
 
     def counters(self):
         r = self.ctl.report()
@@ -394,7 +399,9 @@ class EngineMode(Mode):
     def extra(self):
         r = self.ctl.report()
         return {"precision": r.get("prediction_precision"), "recall": r.get("prediction_recall"),
-                "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer")}
+                "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer"),
+                "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
+                "declined": r.get("declined")}
 
     def trace_steps(self, n):
         trace = getattr(self.ctl, "trace", None)
@@ -919,6 +926,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
         settle(block_rows, block, info)
     explain_nulls(model_rows, cuda)
     rows.extend(model_rows)
+    _HOST_EXPERTS.pop(id(model), None)  # its page-locked copy goes with the model
     del model, state
     gc.collect()
     if cuda:

@@ -38,6 +38,7 @@ class OffloadController:
         self.predictor = predictor
         self._late_predict = bool(getattr(predictor, "reads_routing", False))
         self.routers = routers or []
+        self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
         self.device = device
         self.step = 0
         self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)

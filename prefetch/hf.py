@@ -34,15 +34,16 @@ from __future__ import annotations
 
 import time
 import types
+import weakref
 
 import numpy as np
 import torch
 
 from prefetch.controller import OffloadController, _distinct
-from prefetch.expert_prefetcher import _align
+from prefetch.expert_prefetcher import _align, expert_layout
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
-           "offloaded_experts"]
+           "offloaded_experts", "HostExperts"]
 
 _OFFLOAD_ATTR = "_prefetch_offload"
 
@@ -119,6 +120,70 @@ def find_hf_moe_blocks(model):
                     "interface (use_experts_implementation); it cannot be offloaded")
             found.append((module, experts, router))
     return found
+
+
+def _unregister_host(buffer) -> None:
+    torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
+
+
+class HostExperts:
+    """Every expert of a model packed in one host buffer, each expert at a
+    fixed stride in the engine's packed layout (gate_up_proj, then
+    down_proj, 256-byte aligned), page-locked in place with cudaHostRegister
+    when `pin` (one registration of touched memory costs a fraction of
+    allocating that much page-locked memory piece by piece). The engine
+    copies straight from it (register_external): no second host copy.
+
+    Made by offload_moe_experts and kept as ``controller.host_experts``;
+    pass it as ``host_experts=`` to a later offload of a model with the same
+    expert shapes (another budget or predictor) to skip packing again. The
+    buffer lives while any handle registered from it does."""
+
+    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False):
+        first = hf_blocks[0][1]
+        self.num_layers = len(hf_blocks)
+        self.num_experts = first.gate_up_proj.shape[0]
+        self.gate_up_shape = tuple(first.gate_up_proj.shape[1:])
+        self.down_shape = tuple(first.down_proj.shape[1:])
+        self.dtype = first.gate_up_proj.dtype
+        probe = {"gate_up_proj": torch.empty(self.gate_up_shape, dtype=self.dtype),
+                 "down_proj": torch.empty(self.down_shape, dtype=self.dtype)}
+        self.layout = expert_layout(probe)
+        self.expert_bytes = self.layout[-1].offset + self.layout[-1].nbytes
+        self.stride = _align(self.expert_bytes)
+        per_layer = self.num_experts * self.stride
+        total = self.num_layers * per_layer
+        self.buffer = torch.empty(total, dtype=torch.uint8)
+        done = 0
+        next_report = 1 << 30
+        for layer, (_, experts, _) in enumerate(hf_blocks):
+            rows = self.buffer[layer * per_layer : (layer + 1) * per_layer].view(self.num_experts, self.stride)
+            for part, weight in zip(self.layout, (experts.gate_up_proj, experts.down_proj)):
+                dst = rows[:, part.offset : part.offset + part.nbytes].view(self.dtype)
+                dst.view(self.num_experts, *part.shape).copy_(weight.detach())
+            done += per_layer
+            if progress and total >= (1 << 30) and (done >= next_report or done == total):
+                print(f"prefetch: packed {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts into host memory",
+                      flush=True)
+                next_report = done + (1 << 30)
+        self.pinned = False
+        if pin:
+            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), total, 0)
+            if int(getattr(err, "value", err)) != 0:
+                raise MemoryError(f"could not page-lock {total} bytes of host memory for the experts "
+                                  f"(cudaHostRegister error {err})")
+            self.pinned = True
+            weakref.finalize(self, _unregister_host, self.buffer)
+
+    def matches(self, hf_blocks) -> bool:
+        first = hf_blocks[0][1]
+        return (len(hf_blocks) == self.num_layers and first.gate_up_proj.shape[0] == self.num_experts
+                and tuple(first.gate_up_proj.shape[1:]) == self.gate_up_shape
+                and tuple(first.down_proj.shape[1:]) == self.down_shape and first.gate_up_proj.dtype == self.dtype)
+
+    def expert(self, layer: int, expert: int) -> torch.Tensor:
+        start = (layer * self.num_experts + expert) * self.stride
+        return self.buffer[start : start + self.expert_bytes]
 
 
 class _Stand:
@@ -269,11 +334,13 @@ class ExpertsOffload:
         return out, inner_ns
 
 
-def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False,
-                     progress=True) -> OffloadController:
+def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,
+                     host_experts: HostExperts | None = None) -> OffloadController:
     """Registers every expert of `hf_blocks` (from find_hf_moe_blocks) with
-    the engine and attaches an ExpertsOffload to each experts module; its
-    weights are replaced by empty tensors."""
+    the engine, zero-copy from a HostExperts (made here unless given), and
+    attaches an ExpertsOffload to each experts module; its weights are
+    replaced by empty tensors. Nothing changes in the model before every
+    expert is registered."""
     install_experts_backend()
     first = hf_blocks[0][1]
     num_experts = first.gate_up_proj.shape[0]
@@ -282,32 +349,24 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         if (experts.gate_up_proj.shape != first.gate_up_proj.shape or experts.down_proj.shape
                 != first.down_proj.shape or experts.gate_up_proj.dtype != first.gate_up_proj.dtype):
             raise NotImplementedError("MoE layers whose experts differ in shape or dtype are not supported")
+    expert_bytes = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * first.gate_up_proj.element_size()
+    budget = handle.budget_bytes(0)
+    if expert_bytes > budget:
+        raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({expert_bytes} bytes)")
+    if host_experts is None:
+        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress)
+    elif not host_experts.matches(hf_blocks):
+        raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype")
     controller = OffloadController(handle, num_layers=len(hf_blocks), num_experts=num_experts, top_k=top_k,
                                    predictor=predictor, routers=[r for _, _, r in hf_blocks],
                                    record_trace=record_trace, device=first.gate_up_proj.device)
-    total = sum(e.gate_up_proj.numel() * e.gate_up_proj.element_size()
-                + e.down_proj.numel() * e.down_proj.element_size() for _, e, _ in hf_blocks)
-    done = 0
-    report_every = 1 << 30
-    next_report = report_every
+    controller.host_experts = host_experts
     offloads = []
-    # Everything is registered before the model changes: a failure part-way
-    # (memory, a budget smaller than one expert) leaves the model as it was.
     for layer, (_, experts, _) in enumerate(hf_blocks):
-        # One device-to-host read per weight and layer, then one packed
-        # engine copy per expert.
-        gate_up = experts.gate_up_proj.detach().to("cpu")
-        down = experts.down_proj.detach().to("cpu")
         for e in range(num_experts):
-            controller.prefetcher.register_expert(layer, e, {"gate_up_proj": gate_up[e], "down_proj": down[e]})
-        done += gate_up.numel() * gate_up.element_size() + down.numel() * down.element_size()
-        device, dtype = experts.gate_up_proj.device, experts.gate_up_proj.dtype
-        offloads.append(ExpertsOffload(controller, layer, experts, tuple(gate_up.shape[1:]),
-                                       tuple(down.shape[1:]), dtype, device))
-        del gate_up, down
-        if progress and total >= report_every and (done >= next_report or done == total):
-            print(f"prefetch: registered {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts", flush=True)
-            next_report = done + report_every
+            controller.prefetcher.register_packed(layer, e, host_experts.expert(layer, e), host_experts.layout)
+        offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
+                                       host_experts.down_shape, host_experts.dtype, experts.gate_up_proj.device))
     for (_, experts, _), offload in zip(hf_blocks, offloads):
         empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)

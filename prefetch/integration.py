@@ -35,7 +35,7 @@ from torch import nn
 
 from prefetch._engine import PrefetchHandle
 from prefetch.controller import OffloadController
-from prefetch.hf import find_hf_moe_blocks, install_experts_backend, offload_hf_model, offloaded_experts
+from prefetch.hf import HostExperts, find_hf_moe_blocks, install_experts_backend, offload_hf_model, offloaded_experts
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.trace import RoutingTrace, belady_misses
 
@@ -52,6 +52,7 @@ __all__ = [
     "offloaded_experts",
     "find_hf_moe_blocks",
     "install_experts_backend",
+    "HostExperts",
 ]
 
 
@@ -133,6 +134,7 @@ def offload_moe_experts(
     handle_options: dict | None = None,
     record_trace: bool = False,
     progress: bool = True,
+    host_experts=None,
 ) -> OffloadController:
     """Moves every MoE expert of `model` into the engine (page-locked host
     memory on CUDA) and rewires the MoE blocks to acquire their routed
@@ -143,7 +145,12 @@ def offload_moe_experts(
     order: Note [Cyclic eviction]). A budget smaller than what one call
     routes to is fine (the layer runs in pieces); one expert larger than the
     whole budget is refused with ValueError. Returns the controller; the
-    model is modified in place, and offloading it a second time is refused."""
+    model is modified in place, and offloading it a second time is refused.
+    transformers models: the experts are packed once into page-locked host
+    memory (``controller.host_experts``, see prefetch.hf.HostExperts); pass
+    that as `host_experts` to offload another copy of the same model without
+    packing again. `progress` prints how far packing is on models with more
+    than 1 GiB of experts."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     if any(b.controller is not None for b in generic):
@@ -161,12 +168,13 @@ def offload_moe_experts(
     try:
         if hf_blocks:
             return offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
-                                    progress=progress)
+                                    progress=progress, host_experts=host_experts)
         controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                        top_k=generic[0].top_k, predictor=predictor,
                                        routers=[b.router for b in generic], record_trace=record_trace)
         for layer, block in enumerate(generic):
             block.attach(controller, layer)
+        controller.host_experts = None
         return controller
     except BaseException:
         handle.close()

@@ -409,3 +409,27 @@ def test_oracle_hints_make_next_use_eviction_approach_belady():
     assert hinted <= belady_misses(trace, capacity - widest)
     with pytest.raises(ValueError, match="distance"):
         OraclePredictor(trace, distance=0)
+
+
+def test_host_experts_are_reused_by_a_second_offload():
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="grouped_mm")
+    first, second = copy.deepcopy(ref), copy.deepcopy(ref)
+    per, _ = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(5))
+    seq_ref, _ = greedy(ref, ids)
+    ctl = offload_moe_experts(first, device_budget_bytes=4 * (per + 512), backend="host")
+    host = ctl.host_experts
+    assert host is not None and host.buffer.numel() >= cfg.num_hidden_layers * cfg.num_experts * per
+    ctl.close()
+    ctl = offload_moe_experts(second, device_budget_bytes=5 * (per + 512), backend="host", host_experts=host)
+    try:
+        assert ctl.host_experts is host
+        seq, _ = greedy(second, ids)
+        assert torch.equal(seq, seq_ref)
+    finally:
+        ctl.close()
+    other = build(family_configs()["mixtral"])  # 6 experts of another size
+    with pytest.raises(ValueError, match="other expert shapes"):
+        offload_moe_experts(other, device_budget_bytes=1 << 20, backend="host", host_experts=host)
+    assert not offloaded_experts(other)
