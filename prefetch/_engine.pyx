@@ -700,67 +700,84 @@ cdef class PrefetchHandle:
         (n, 2) int64 array of (offset, device) for ``acquire``."""
         self._check_open()
         cdef CStepArgs args
-        cdef const int64_t[::1] rel = as_id_array(
-            () if release is None else release)
-        cdef const int64_t[::1] can = as_id_array(
-            () if cancel is None else cancel)
-        cdef const int64_t[::1] acq = as_id_array(
-            () if acquire is None else acquire)
-        cdef const int64_t[::1] pre = as_id_array(
-            () if prefetch is None else prefetch)
-        cdef const int64_t[::1] hid = as_id_array(
-            () if hint_ids is None else hint_ids)
-        cdef size_t n_hint = hid.shape[0]
-        if hint_when is None:
-            times = np.full(n_hint, _INT64_MAX, dtype=np.int64)
-        elif (isinstance(hint_when, (int, np.integer))
-              and type(hint_when) is not _PY_BOOL):
-            times = np.full(n_hint, operator.index(hint_when), dtype=np.int64)
-        else:
-            times = as_id_array(hint_when)
-            if <size_t>times.shape[0] != n_hint:
-                raise ValueError(
-                    f"hint_when has {times.shape[0]} times for {n_hint} ids"
-                )
-        cdef const int64_t[::1] hwhen = times
+        cdef const int64_t[::1] rel
+        cdef const int64_t[::1] can
+        cdef const int64_t[::1] acq
+        cdef const int64_t[::1] pre
+        cdef const int64_t[::1] hid
+        cdef const int64_t[::1] hwhen
+        cdef vector[uintptr_t] streams
+        cdef vector[uintptr_t] release_streams
+        cdef vector[CSlotInfo] slots  # local: another thread may step too
+        cdef size_t n_acq = 0
+        cdef size_t n_hint
         args.prefetch_band = _as_priority(band)
         if type(timeout) is _PY_BOOL:
             raise TypeError("timeout must be a number of seconds")
         args.timeout_s = float(timeout)
+        if release is not None:
+            rel = as_id_array(release)
+            if rel.shape[0] > 0:
+                args.release_ids = &rel[0]
+                args.n_release = rel.shape[0]
+        if cancel is not None:
+            can = as_id_array(cancel)
+            if can.shape[0] > 0:
+                args.cancel_ids = &can[0]
+                args.n_cancel = can.shape[0]
+        if hint_ids is not None:
+            hid = as_id_array(hint_ids)
+            n_hint = hid.shape[0]
+            if hint_when is None:
+                times = np.full(n_hint, _INT64_MAX, dtype=np.int64)
+            elif (isinstance(hint_when, (int, np.integer))
+                  and type(hint_when) is not _PY_BOOL):
+                times = np.full(n_hint, operator.index(hint_when),
+                                dtype=np.int64)
+            else:
+                times = as_id_array(hint_when)
+                if <size_t>times.shape[0] != n_hint:
+                    raise ValueError(
+                        f"hint_when has {times.shape[0]} times for {n_hint} ids"
+                    )
+            hwhen = times
+            if n_hint > 0:
+                args.hint_ids = &hid[0]
+                args.hint_when = &hwhen[0]
+                args.n_hint = n_hint
+        elif hint_when is not None:
+            raise ValueError("hint_when needs hint_ids")
         if now is not None:
             if type(now) is _PY_BOOL:
                 raise TypeError("now must be an integer, got a bool")
             args.now = operator.index(now)
             args.set_now = True
-        cdef size_t n_acq = acq.shape[0]
+        if acquire is not None:
+            acq = as_id_array(acquire)
+            n_acq = acq.shape[0]
         out = np.empty((n_acq, 2), dtype=np.int64)
-        cdef vector[CSlotInfo] slots
-        slots.resize(n_acq)
-        cdef vector[uintptr_t] streams = self._streams(stream, False)
-        cdef vector[uintptr_t] release_streams
-        if rel.shape[0] > 0:
-            release_streams = self._streams(stream, True)
-            args.release_ids = &rel[0]
-            args.n_release = rel.shape[0]
-            args.release_streams = release_streams.data()
-        if can.shape[0] > 0:
-            args.cancel_ids = &can[0]
-            args.n_cancel = can.shape[0]
-        if n_hint > 0:
-            args.hint_ids = &hid[0]
-            args.hint_when = &hwhen[0]
-            args.n_hint = n_hint
+        cdef int64_t[:, ::1] where = out
         if n_acq > 0:
             args.acquire_ids = &acq[0]
             args.n_acquire = n_acq
+            slots.resize(n_acq)
             args.slots = slots.data()
-        if pre.shape[0] > 0:
-            args.prefetch_ids = &pre[0]
-            args.n_prefetch = pre.shape[0]
-        args.streams = streams.data()
+        if prefetch is not None:
+            pre = as_id_array(prefetch)
+            if pre.shape[0] > 0:
+                args.prefetch_ids = &pre[0]
+                args.n_prefetch = pre.shape[0]
+        if stream is not None or args.n_release > 0:
+            streams = self._streams(stream, False)
+            args.streams = streams.data()
+            if args.n_release > 0:
+                if stream is None and self.backend == "cuda":
+                    release_streams = self._streams(stream, True)
+                    args.release_streams = release_streams.data()
+                else:
+                    args.release_streams = streams.data()
         with nogil:
             self._c.Step(args)
-        cdef int64_t[:, ::1] where = out
         cdef size_t i
         for i in range(n_acq):
             where[i, 0] = <int64_t>slots[i].offset

@@ -113,52 +113,66 @@ class OffloadController:
 
     # -- the engine
 
-    def exchange(self, layer: int, acquire: np.ndarray, guesses: dict, hints, *, stream=None,
+    def ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Tensor ids of `experts` (distinct, in range: from _distinct) of
+        `layer`; an unregistered one maps to -1, which the engine refuses."""
+        return self.prefetcher._ids[layer][experts]
+
+    def exchange(self, layer: int, experts: np.ndarray, guesses: dict, hints, *, stream=None,
                  timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:
         """The one engine call of a layer: release what the last exchange
         acquired, cancel this layer's guesses that the routing did not pick,
-        send hints, acquire the tensor ids `acquire` (held until the next
-        exchange or `release_held`) and queue the guesses (band = distance
-        in layers). Returns acquire's (offset, device) rows."""
-        table = self.prefetcher
-        cancel = self._queued_guess.pop(layer, None)
-        if cancel is not None and acquire.shape[0]:
-            cancel = cancel[~np.isin(cancel, acquire, assume_unique=True)]
+        send hints, acquire `experts` of `layer` (distinct expert indices;
+        held until the next exchange or `release_held`) and queue the
+        guesses ({layer: experts}; band = distance in layers). Returns
+        acquire's (offset, device) rows."""
+        cancel = None
+        stale = self._queued_guess.pop(layer, None)
+        if stale is not None:
+            routed = np.zeros(self.num_experts, dtype=bool)
+            routed[experts] = True
+            stale = stale[~routed[stale]]
+            if stale.shape[0]:
+                cancel = self.ids(layer, stale)
         prefetch = None
         band = 1
-        extra = []
-        for target, guess in sorted(guesses.items(), key=lambda kv: (kv[0] - layer) % self.num_layers):
+        extra = None
+        for target, guess in guesses.items():
             if not guess.shape[0]:
                 continue
             distance = (target - layer) % self.num_layers or self.num_layers
-            ids = table.tensor_ids(target, guess)
-            self._queued_guess[target] = ids
-            if prefetch is None:
+            self._queued_guess[target] = guess
+            ids = self.ids(target, guess)
+            if prefetch is None or distance < band:
+                if prefetch is not None:
+                    extra = [*(extra or ()), (prefetch, band)]
                 prefetch, band = ids, min(_MAX_BAND, distance)
             else:
-                extra.append((ids, min(_MAX_BAND, distance)))
+                extra = [*(extra or ()), (ids, min(_MAX_BAND, distance))]
         hint_ids = hint_when = None
         if hints:
-            hint_ids = np.concatenate([table.tensor_ids(lyr, ex) for lyr, ex, _ in hints])
+            hint_ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
             hint_when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
                                         else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
         if self._held is not None and stream is not self._held_stream and stream != self._held_stream:
             self.release_held()  # another stream now: its own release
         held, self._held = self._held, None
+        acquire = self.ids(layer, experts)
         t0 = time.perf_counter_ns()
         try:
             where = self.handle.step(acquire, release=held, prefetch=prefetch, band=band, cancel=cancel,
                                      hint_ids=hint_ids, hint_when=hint_when,
                                      now=self.clock if hints is not None else None,
                                      stream=stream, timeout=timeout)
+            if extra is not None:
+                for ids, b in extra:
+                    self.handle.prefetch_tensors(ids, b)
         except (ValueError, KeyError, TypeError, OverflowError):
             # Bad arguments are refused before anything changes: still held.
             self._held = held
             raise
         finally:
             self.engine_ns += time.perf_counter_ns() - t0
-        for ids, b in extra:
-            self.handle.prefetch_tensors(ids, b)
         if acquire.shape[0]:
             self._held = acquire
             self._held_stream = stream
@@ -182,7 +196,12 @@ class OffloadController:
         routed = _distinct(experts, self.num_experts)
         guesses, hints = self.observe(layer, routed, guesses)
         if guesses or hints or layer in self._queued_guess:
-            self.exchange(layer, _EMPTY, guesses, hints)
+            held = self._held
+            self._held = None  # on_routed acquires nothing and releases nothing
+            try:
+                self.exchange(layer, _EMPTY, guesses, hints)
+            finally:
+                self._held = held
 
     def new_sequence(self) -> None:
         """Call between requests: resets the step counter and lets a learning

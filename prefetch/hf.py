@@ -275,11 +275,10 @@ class ExpertsOffload:
             if target not in guesses:
                 guesses[target] = _distinct(g, self.num_experts)
         guesses, hints = ctl.observe(layer, experts, guesses)
-        ids = ctl.prefetcher.tensor_ids(layer, experts)
         stream = _raw_stream(self.device)
         engine_before = ctl.engine_ns
         if experts.shape[0] <= self.slots:
-            where = ctl.exchange(layer, ids, guesses, hints, stream=stream)
+            where = ctl.exchange(layer, experts, guesses, hints, stream=stream)
             slots = self._slot_ids(where)
             if self._remap_dev is not None:
                 self._remap_np[experts] = slots
@@ -294,7 +293,7 @@ class ExpertsOffload:
             t3 = time.perf_counter_ns()
         else:
             t2 = time.perf_counter_ns()
-            out, inner_ns = self._pieces(fn, name, hidden_states, top_k_index, top_k_weights, experts, ids,
+            out, inner_ns = self._pieces(fn, name, hidden_states, top_k_index, top_k_weights, experts,
                                          guesses, hints, stream)
             t3 = t2 + inner_ns
         if self.last_layer:
@@ -306,7 +305,7 @@ class ExpertsOffload:
         ctl.host_ns += (t_end - t_start) - (t1 - t0) - (t3 - t2) - engine
         return out
 
-    def _pieces(self, fn, name, hidden_states, top_k_index, top_k_weights, experts, ids, guesses, hints, stream):
+    def _pieces(self, fn, name, hidden_states, top_k_index, top_k_weights, experts, guesses, hints, stream):
         """More routed experts than slots: acquire, compute and release at
         most `slots` experts at a time; the other experts' routing weights
         are zero in each piece. grouped_mm skips rows routed to the sentinel
@@ -318,8 +317,8 @@ class ExpertsOffload:
         for start in range(0, experts.shape[0], self.slots):
             piece = experts[start : start + self.slots]
             first = start == 0
-            where = ctl.exchange(self.layer, ids[start : start + self.slots], guesses if first else {},
-                                 hints if first else None, stream=stream)
+            where = ctl.exchange(self.layer, piece, guesses if first else {}, hints if first else None,
+                                 stream=stream)
             remap = np.full(self.num_experts, self.slots, dtype=np.int64)
             remap[piece] = self._slot_ids(where)
             index = torch.from_numpy(remap).to(top_k_index.device)[top_k_index]

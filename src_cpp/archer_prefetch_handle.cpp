@@ -530,6 +530,10 @@ size_t ArcherPrefetchHandle::Cancel(const int64_t* ids, size_t n) {
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
+  return CancelLocked(ids, n);
+}
+
+size_t ArcherPrefetchHandle::CancelLocked(const int64_t* ids, size_t n) {
   size_t removed = 0;
   for (size_t i = 0; i < n; ++i) {
     Entry* e = LookupLocked(ids[i]);
@@ -595,6 +599,11 @@ void ArcherPrefetchHandle::HintNextUse(const int64_t* ids, const int64_t* when,
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
   CheckHintsLocked(ids, when, n, now, set_now);
+  HintLocked(ids, when, n, now, set_now);
+}
+
+void ArcherPrefetchHandle::HintLocked(const int64_t* ids, const int64_t* when,
+                                      size_t n, int64_t now, bool set_now) {
   ResolveIdsLocked(ids, n);
   if (set_now) {
     hint_clock_ = now;
@@ -700,10 +709,10 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
     if (a.n_release > 0) {
       ReleaseLocked(a.release_ids, a.n_release, a.release_streams);
     }
-  }
-  if (a.n_cancel > 0) Cancel(a.cancel_ids, a.n_cancel);
-  if (a.n_hint > 0 || a.set_now) {
-    HintNextUse(a.hint_ids, a.hint_when, a.n_hint, a.now, a.set_now);
+    if (a.n_cancel > 0) CancelLocked(a.cancel_ids, a.n_cancel);
+    if (a.n_hint > 0 || a.set_now) {
+      HintLocked(a.hint_ids, a.hint_when, a.n_hint, a.now, a.set_now);
+    }
   }
   if (a.n_acquire > 0) {
     Acquire(a.acquire_ids, a.n_acquire, a.streams, a.timeout_s, a.slots);

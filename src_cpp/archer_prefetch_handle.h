@@ -245,6 +245,11 @@ class ArcherPrefetchHandle {
   // slot bytes together than its budget (they could never be held at once).
   void CheckFitsLocked(const int64_t* ids, size_t n) const;
   void ReleaseLocked(const int64_t* ids, size_t n, const uintptr_t* streams);
+  // Cancel and HintNextUse once their arguments are checked (CancelLocked
+  // counts what it removed and returns it).
+  size_t CancelLocked(const int64_t* ids, size_t n);
+  void HintLocked(const int64_t* ids, const int64_t* when, size_t n,
+                  int64_t now, bool set_now);
   // Throws unless the hint arguments are valid (HintNextUse's rules).
   void CheckHintsLocked(const int64_t* ids, const int64_t* when, size_t n,
                         int64_t now, bool set_now) const;

@@ -1,0 +1,124 @@
+"""The engine path of one MoE layer, all hits: host time per layer.
+
+    python bench/engine_path.py [--backend auto|cuda|host] [--layers 48] [--experts 128]
+        [--top 8] [--iterations 2000] [--json PATH]
+
+A decode loop over `layers` layers whose experts are all resident (the
+budget holds every expert), 8 routed experts per layer and 8 guesses for the
+next one, on the current CUDA stream. Rows, each the median over
+`iterations` layers of host wall time:
+  step              PrefetchHandle.step: release the previous layer's ids,
+                    acquire this layer's, queue the next layer's guesses (one
+                    GIL-free call; Note [One call per layer])
+  exchange          OffloadController.exchange: the same through the
+                    controller (tensor-id lookup, cancel of wrong guesses,
+                    bookkeeping): what an offloaded transformers layer pays
+                    in the engine
+  separate-calls    the pre-step path: prefetch_tensors + acquire_slots +
+                    release, three calls
+Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import machine_info, write_json  # noqa: E402
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--backend", default="auto", choices=["auto", "cuda", "host"])
+    parser.add_argument("--layers", type=int, default=48)
+    parser.add_argument("--experts", type=int, default=128)
+    parser.add_argument("--top", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=2000)
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    import numpy as np
+    import torch
+
+    import prefetch
+    from prefetch.controller import OffloadController
+
+    per = 4096
+    budget = args.layers * args.experts * (per + 256) + (1 << 20)
+    handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend=args.backend, eviction_policy="cyclic")
+    cuda = handle.backend == "cuda"
+    stream = torch.cuda.current_stream().cuda_stream if cuda else None
+    ctl = OffloadController(handle, num_layers=args.layers, num_experts=args.experts, top_k=args.top)
+    payload = torch.zeros(per // 4, dtype=torch.float32)
+    for layer in range(args.layers):
+        for e in range(args.experts):
+            ctl.prefetcher.register_expert(layer, e, {"w": payload})
+    rng = np.random.default_rng(0)
+    routes = [np.sort(rng.choice(args.experts, args.top, replace=False)).astype(np.int64)
+              for _ in range(args.layers * 4)]
+    # Warm: every expert resident.
+    for layer in range(args.layers):
+        ids = ctl.prefetcher.tensor_ids(layer, np.arange(args.experts))
+        handle.acquire_slots(ids, stream=stream, timeout=60)
+        handle.release(ids, stream=stream)
+    rows = {}
+
+    def timed(name, body):
+        samples = []
+        for i in range(args.iterations + 100):
+            layer = i % args.layers
+            experts = routes[i % len(routes)]
+            guess = routes[(i + 1) % len(routes)]
+            t0 = time.perf_counter_ns()
+            body(layer, experts, guess)
+            t1 = time.perf_counter_ns()
+            if i >= 100:
+                samples.append((t1 - t0) / 1e3)
+        if cuda:
+            torch.cuda.synchronize()
+        samples.sort()
+        rows[name] = {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
+                      "iterations": len(samples)}
+
+    held = [None]
+
+    def step(layer, experts, guess):
+        ids = ctl.ids(layer, experts)
+        nxt = ctl.ids((layer + 1) % args.layers, guess)
+        handle.step(ids, release=held[0], prefetch=nxt, band=1, stream=stream)
+        held[0] = ids
+
+    def exchange(layer, experts, guess):
+        ctl.exchange(layer, experts, {(layer + 1) % args.layers: guess}, None, stream=stream)
+
+    def separate(layer, experts, guess):
+        ids = ctl.ids(layer, experts)
+        handle.prefetch_tensors(ctl.ids((layer + 1) % args.layers, guess), 1)
+        handle.acquire_slots(ids, stream=stream)
+        handle.release(ids, stream=stream)
+
+    timed("step", step)
+    if held[0] is not None:
+        handle.release(held[0], stream=stream)
+    timed("exchange", exchange)
+    ctl.release_held(stream)
+    timed("separate-calls", separate)
+    s = handle.stats()
+    hit_rate = s["hits"] / max(1, s["hits"] + s["misses"])
+    print(f"engine path per layer, {args.top} experts, all hits ({handle.backend}; hit rate {hit_rate:.3f}):")
+    for name, r in rows.items():
+        print(f"  {name:15s} p50 {r['p50_us']:7.2f} us   p90 {r['p90_us']:7.2f} us")
+    ctl.close()
+    if args.json:
+        write_json(args.json, {"bench": "engine_path", "machine": machine_info(), "backend": handle.backend,
+                               "top": args.top, "layers": args.layers, "experts": args.experts,
+                               "hit_rate": hit_rate, "rows": rows})
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
