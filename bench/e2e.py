@@ -61,6 +61,11 @@ from bench.common import fmt, machine_info, raw_copy_gbps, write_json  # noqa: E
 MODELS = {
     "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
     "qwen3-30b-a3b": dict(layers=48, experts=128, top_k=8, hidden=2048, inter=768),
+    # Shapes for replaying the real traces of ../shared/traces (layers and
+    # experts as recorded, top-k as run there); hidden and expert widths
+    # from the models' published configs, quoted, not checked here.
+    "gemma4-26b-a4b": dict(layers=30, experts=128, top_k=6, hidden=2816, inter=704),
+    "gpt-oss-120b": dict(layers=36, experts=128, top_k=2, hidden=2880, inter=2880),
 }
 POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic", "torch-by-hand")
 ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic")
@@ -533,6 +538,8 @@ def main(argv=None) -> int:
     parser.add_argument("--pool", type=int, default=48, help="distinct random experts behind all (layer, expert)")
     parser.add_argument("--budget-s", type=float, default=420, help="stop starting runs after this many seconds")
     parser.add_argument("--trace-in", help="routing trace to replay (overrides the router)")
+    parser.add_argument("--trace-from", type=int, default=0,
+                        help="first step of --trace-in to replay (1 skips a recorded prompt step)")
     parser.add_argument("--trace-out", help="folder to write each model/batch routing trace to")
     parser.add_argument("--json")
     parser.add_argument("--plots", help="folder for latency_vs_share.png and timeline.png")
@@ -560,6 +567,15 @@ def main(argv=None) -> int:
     from prefetch.integration import RoutingTrace, belady_misses
 
     forced_trace = RoutingTrace.load(args.trace_in) if args.trace_in else None
+    if forced_trace is not None:
+        for name in args.models:
+            spec = MODELS[name]
+            if (forced_trace.num_layers, forced_trace.num_experts) != (spec["layers"], spec["experts"]):
+                parser.error(f"--trace-in has {forced_trace.num_layers} layers x {forced_trace.num_experts} experts; "
+                             f"{name} has {spec['layers']} x {spec['experts']} (pick the model it was recorded on)")
+        if not 0 <= args.trace_from < len(forced_trace.steps):
+            parser.error(f"--trace-from must be in 0..{len(forced_trace.steps) - 1}")
+        forced_trace.steps = forced_trace.steps[args.trace_from:]
     started = time.monotonic()
     rows = []
     timeline_summary = None

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu overlap
-# e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# steps: tox gputests enginepath bm6 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
+# overlap e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -68,6 +68,23 @@ for step in $steps; do
       else
         echo "compute-sanitizer not available" | tee "$out/csan.txt"
       fi ;;
+    gputests)
+      python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_integration.py tests/test_cuda.py 2>&1 \
+        | tee "$out/gputests.txt" | tail -15 || status=1 ;;
+    enginepath)
+      python3 bench/engine_path.py --backend cuda --json "$out/engine_path.json" 2>&1 | tee "$out/engine_path.txt" ;;
+    bm6)
+      # BM6_ARGS picks models, batches, shares (one model per device call fits its limit).
+      python3 bench/generate.py ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-480}" --json "$out/bm6${BM6_TAG:-}.json" \
+        --plot "$out/bm6${BM6_TAG:-}.png" 2>"$out/bm6${BM6_TAG:-}.log" | tee "$out/bm6${BM6_TAG:-}.txt" || status=1 ;;
+    e2etraces)
+      # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run).
+      for t in ${TRACES:-traces/*.json}; do
+        python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares 0.25 --batches 1 --warmup 2 --steps "${E2E_STEPS:-24}" \
+          --policies all-resident on-demand next-layer-gate oracle torch-by-hand --budget-s 150 \
+          --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
+          | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
+      done ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
