@@ -77,6 +77,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         vector[size_t] device_budget_bytes
         vector[void*] device_arenas
         string eviction_policy
+        uint64_t cycle_acquires
         size_t copy_chunk_bytes
         size_t max_bytes_in_flight
         size_t max_speculative_bytes_in_flight

@@ -239,6 +239,7 @@ cdef class PrefetchHandle:
         backend="auto",
         num_devices=None,
         eviction_policy="lru",
+        cycle_acquires=0,
         copy_chunk_bytes=4 << 20,
         max_bytes_in_flight=256 << 20,
         max_speculative_bytes_in_flight=None,
@@ -313,6 +314,9 @@ cdef class PrefetchHandle:
             )
             options.device_arenas.push_back(<void*><uintptr_t>address)
         options.eviction_policy = eviction_policy.encode()
+        if operator.index(cycle_acquires) < 0:
+            raise ValueError("cycle_acquires must be >= 0")
+        options.cycle_acquires = cycle_acquires
         options.copy_chunk_bytes = copy_chunk_bytes
         options.max_bytes_in_flight = max_bytes_in_flight
         if max_speculative_bytes_in_flight is not None:

@@ -67,6 +67,21 @@ class OffloadController:
             out = out[0]
         return out
 
+    def router_topk(self, layer: int, hidden, k: int):
+        """The k experts layer `layer`'s router would pick for each row of
+        `hidden` (a device tensor). A router with a 2-D `weight` (the
+        transformers top-k routers) costs one matmul and one top-k: softmax
+        keeps the order, so the top-k of the logits is the router's."""
+        import torch
+
+        router = self.routers[layer]
+        weight = getattr(router, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[-1] == hidden.shape[-1]:
+            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+        else:
+            logits = self.router_logits(layer, hidden)
+        return torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices
+
     def begin_layer(self, layer: int) -> int:
         """Layer `layer` starts routing: moves the clock and the step count."""
         self.clock += 1

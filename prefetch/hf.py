@@ -192,9 +192,15 @@ class _Stand:
     views as weights and the slot count as num_experts."""
 
 
+_current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+
+
 def _raw_stream(device: torch.device):
+    """The raw handle of torch's current stream on `device` (None on CPU)."""
     if device.type != "cuda":
         return None
+    if _current_raw_stream is not None:
+        return _current_raw_stream(device.index if device.index is not None else torch.cuda.current_device())
     return torch.cuda.current_stream(device).cuda_stream
 
 
@@ -235,10 +241,25 @@ class ExpertsOffload:
             stand._apply_gate = types.MethodType(apply_gate, stand)
         self.stand = stand
         self.num_experts = controller.num_experts
-        cuda = device.type == "cuda"
-        self._remap_host = torch.zeros(self.num_experts, dtype=torch.int64, pin_memory=cuda)
-        self._remap_np = self._remap_host.numpy()
-        self._remap_dev = torch.zeros(self.num_experts, dtype=torch.int64, device=device) if cuda else None
+        self._cuda = device.type == "cuda"
+        self._remap = np.zeros(self.num_experts, dtype=np.int64)  # expert -> slot, for this call's experts
+        self._index_host = None  # page-locked staging for the slot index (CUDA)
+        self._index_np = None
+
+    def _slot_index(self, routed: np.ndarray, shape) -> torch.Tensor:
+        """The routing with expert ids replaced by slots (self._remap), on the
+        device: mapped on the host, where the routing already is, and sent
+        in one copy from page-locked memory. The staging buffer is reused:
+        its previous copy was queued before this layer's routing read-back,
+        which waited for it."""
+        n = routed.shape[0]
+        if not self._cuda:
+            return torch.from_numpy(self._remap[routed]).view(shape)
+        if self._index_np is None or self._index_np.shape[0] < n:
+            self._index_host = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=True)
+            self._index_np = self._index_host.numpy()
+        np.take(self._remap, routed, out=self._index_np[:n])
+        return self._index_host[:n].to(self.device, non_blocking=True).view(shape)
 
     def _slot_ids(self, where: np.ndarray) -> np.ndarray:
         offsets = where[:, 0]
@@ -279,15 +300,8 @@ class ExpertsOffload:
         engine_before = ctl.engine_ns
         if experts.shape[0] <= self.slots:
             where = ctl.exchange(layer, experts, guesses, hints, stream=stream)
-            slots = self._slot_ids(where)
-            if self._remap_dev is not None:
-                self._remap_np[experts] = slots
-                self._remap_dev.copy_(self._remap_host, non_blocking=True)
-                index = self._remap_dev[top_k_index]
-            else:
-                remap = np.zeros(self.num_experts, dtype=np.int64)
-                remap[experts] = slots
-                index = torch.from_numpy(remap)[top_k_index]
+            self._remap[experts] = self._slot_ids(where)
+            index = self._slot_index(host[:n], top_k_index.shape)
             t2 = time.perf_counter_ns()
             out = fn(self.stand, hidden_states, index, top_k_weights)
             t3 = time.perf_counter_ns()

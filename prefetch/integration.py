@@ -163,7 +163,10 @@ def offload_moe_experts(
         )
     if hf_blocks and generic:
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
+    layers = len(hf_blocks) or len(generic)
     options = {"eviction_policy": "cyclic", **(handle_options or {})}
+    if options["eviction_policy"] == "cyclic":
+        options.setdefault("cycle_acquires", layers)  # one acquire per MoE layer and step
     handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **options)
     try:
         if hf_blocks:

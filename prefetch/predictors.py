@@ -54,16 +54,12 @@ class NextLayerGatePredictor:
         self.extra_per_token = extra_per_token  # prefetch top_k + extra per token
 
     def predict(self, controller, step, layer, hidden):
-        import torch
-
         out = {}
         for d in range(1, self.distance + 1):
             target = layer + d
             if target >= controller.num_layers:
                 break
-            logits = controller.router_logits(target, hidden)
-            k = min(controller.top_k + self.extra_per_token, logits.shape[-1])
-            out[target] = torch.topk(logits, k, dim=-1).indices
+            out[target] = controller.router_topk(target, hidden, controller.top_k + self.extra_per_token)
         return out
 
     def observe(self, controller, step, layer, experts):

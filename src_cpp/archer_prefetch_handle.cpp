@@ -98,7 +98,7 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
       }
       dev->cache = std::make_unique<DeviceCache>(
           static_cast<char*>(arena), budget,
-          MakeEvictionPolicy(options.eviction_policy));
+          MakeEvictionPolicy(options.eviction_policy, options.cycle_acquires));
       devices_.push_back(std::move(dev));
     }
   } catch (...) {

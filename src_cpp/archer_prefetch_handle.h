@@ -56,6 +56,8 @@ struct HandleOptions {
   // one). A caller-owned arena must outlive the handle's use of it.
   std::vector<void*> device_arenas;
   std::string eviction_policy = "lru";
+  // "cyclic": Acquire calls per decode step (Note [Cyclic eviction]); 0 = unknown.
+  uint64_t cycle_acquires = 0;
   size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
   size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
   // Speculative (band > 0) bytes in flight before the worker waits; 0 means

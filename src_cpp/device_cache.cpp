@@ -67,6 +67,7 @@ void CyclicPolicy::OnRequest(Entry* e) {
 void CyclicPolicy::OnUse(Entry* e) {
   OnRemove(e);
   e->policy_used = true;
+  e->policy_stamp = clock_;
   used_.PushNewest(e);
 }
 
@@ -125,10 +126,11 @@ void NextUsePolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
   });
 }
 
-std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name) {
+std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
+                                                   uint64_t cycle) {
   if (name == "lru") return std::make_unique<LruPolicy>();
   if (name == "cyclic") {
-    return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires);
+    return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires, cycle);
   }
   if (name == "next-use") return std::make_unique<NextUsePolicy>();
   throw PrefetchError(ErrorKind::kInvalidArgument,

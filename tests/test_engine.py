@@ -681,3 +681,33 @@ def test_no_next_use_in_a_sequence_clears_one_hint(make_handle, rng):
     assert h.resident() == [1, 0]
     h.hint_next_use([0, 1], [prefetch.NO_NEXT_USE, 9])
     assert h.resident() == [0, 1]
+
+
+@pytest.mark.parametrize("cycle", [0, 2])
+def test_cyclic_with_a_cycle_evicts_leftovers_before_the_working_set(make_handle, rng, cycle):
+    # Four leftovers (0-3, used once, like a prompt's experts) fill a cache of
+    # four; then a loop of two layers reads 4 and 5 in turn. With the cycle
+    # known (2 acquire calls per step) the leftovers go first and the loop
+    # hits from its second step on; without it MRU evicts the loop's own
+    # experts and every read misses (Note [Cyclic eviction]).
+    h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="cyclic", cycle_acquires=cycle)
+    register_random(h, rng, range(6))
+    for tid in range(4):
+        h.acquire([tid], timeout=10)
+        h.release([tid])
+    before = h.stats()["misses"]
+    for _ in range(5):
+        for tid in (4, 5):
+            h.acquire([tid], timeout=10)
+            h.release([tid])
+    misses = h.stats()["misses"] - before
+    if cycle:
+        assert misses == 2
+        assert sorted(h.resident())[-2:] == [4, 5]
+    else:
+        assert misses == 10
+
+
+def test_cycle_acquires_is_checked():
+    with pytest.raises(ValueError, match="cycle_acquires"):
+        prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", cycle_acquires=-1)
