@@ -28,10 +28,15 @@ are the slot views and whose `num_experts` is n. Per row, the arithmetic is
 the resident model's, on the same bytes. A layer routing to more experts
 than there are slots (a long prompt on a small budget) runs in pieces of at
 most n experts: acquire, compute with the other experts' routing weights
-zeroed, release, next; the pieces are summed.
+zeroed, release, next; the pieces are summed. torch's grouped_mm takes at
+most 1024 groups: with more slots than that (Qwen3-30B-A3B at 25 % has
+1,536), a grouped_mm call gets the routed slots' weights gathered into
+[k, ...] tensors (one device copy of the routed experts, in prefill where
+grouped_mm runs; decode on a GPU runs batched_mm, which gathers anyway).
 """
 from __future__ import annotations
 
+import copy
 import time
 import types
 import weakref
@@ -46,6 +51,10 @@ __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", 
            "offloaded_experts", "HostExperts"]
 
 _OFFLOAD_ATTR = "_prefetch_offload"
+# torch's grouped_mm refuses more groups than this ("Can't process more than
+# 1024 groups"); a cache with more slots runs grouped_mm on a gathered copy
+# of the routed slots instead (Note [Experts on cache slots]).
+_GROUPED_MM_MAX_GROUPS = 1024
 
 
 def _wrap(name: str, inner):
@@ -261,6 +270,23 @@ class ExpertsOffload:
         np.take(self._remap, routed, out=self._index_np[:n])
         return self._index_host[:n].to(self.device, non_blocking=True).view(shape)
 
+    def _stand_for(self, name, slots: np.ndarray, experts: np.ndarray):
+        """The stand-in to run `name` on, with self._remap mapping `experts`
+        to its expert indices: the slot views, or for a grouped_mm over more
+        slots than it takes, the routed slots gathered (in `experts`' order)."""
+        if name != "grouped_mm" or self.slots <= _GROUPED_MM_MAX_GROUPS:
+            self._remap[experts] = slots
+            return self.stand
+        picked = torch.from_numpy(slots).to(self.device)
+        stand = copy.copy(self.stand)
+        stand.gate_up_proj = self.stand.gate_up_proj.index_select(0, picked)
+        stand.down_proj = self.stand.down_proj.index_select(0, picked)
+        stand.num_experts = int(slots.shape[0])
+        if hasattr(self.stand, "_apply_gate"):
+            stand._apply_gate = types.MethodType(self.stand._apply_gate.__func__, stand)
+        self._remap[experts] = np.arange(slots.shape[0])
+        return stand
+
     def _slot_ids(self, where: np.ndarray) -> np.ndarray:
         offsets = where[:, 0]
         slots = offsets // self.slot_bytes
@@ -300,10 +326,10 @@ class ExpertsOffload:
         engine_before = ctl.engine_ns
         if experts.shape[0] <= self.slots:
             where = ctl.exchange(layer, experts, guesses, hints, stream=stream)
-            self._remap[experts] = self._slot_ids(where)
+            stand = self._stand_for(name, self._slot_ids(where), experts)
             index = self._slot_index(host[:n], top_k_index.shape)
             t2 = time.perf_counter_ns()
-            out = fn(self.stand, hidden_states, index, top_k_weights)
+            out = fn(stand, hidden_states, index, top_k_weights)
             t3 = time.perf_counter_ns()
         else:
             t2 = time.perf_counter_ns()
@@ -333,15 +359,17 @@ class ExpertsOffload:
             first = start == 0
             where = ctl.exchange(self.layer, piece, guesses if first else {}, hints if first else None,
                                  stream=stream)
-            remap = np.full(self.num_experts, self.slots, dtype=np.int64)
-            remap[piece] = self._slot_ids(where)
+            self._remap[:] = -1
+            stand = self._stand_for(name, self._slot_ids(where), piece)
+            sentinel = stand.num_experts  # grouped_mm skips rows routed past the last group
+            remap = np.where(self._remap < 0, sentinel, self._remap)
             index = torch.from_numpy(remap).to(top_k_index.device)[top_k_index]
-            inside = index < self.slots
+            inside = index < sentinel
             weights = top_k_weights.masked_fill(~inside, 0)
             if name != "grouped_mm":
                 index = index.masked_fill(~inside, int(remap[piece[0]]))
             t0 = time.perf_counter_ns()
-            part = fn(self.stand, hidden_states, index, weights)
+            part = fn(stand, hidden_states, index, weights)
             inner_ns += time.perf_counter_ns() - t0
             out = part if out is None else out + part
         return out, inner_ns
