@@ -20,6 +20,9 @@ COMPILER_DIRECTIVES = {
     "initializedcheck": DEBUG,
     "cdivision": True,
     "embedsignature": True,
+    # Method docs start with "name(self, ...)"; the class docstring carries
+    # its own text signature (PrefetchHandle(...)\n--), which inspect reads.
+    "embedsignature.format": "python",
 }
 
 ENGINE_SOURCES = [
