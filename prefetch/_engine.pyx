@@ -431,7 +431,15 @@ cdef class PrefetchHandle:
         None, one stream (for the device it belongs to; device 0 when that
         is unknown), or a dict device -> stream. On the CUDA backend a
         release without a stream for a device uses torch's current stream
-        there, so a slot is never reused under a kernel still reading it."""
+        there, so a slot is never reused under a kernel still reading it.
+        The host backend has no streams: it refuses one rather than ignore
+        it (a raw int there is a caller's mistake, not a request to wait)."""
+        if self.backend == "host" and stream is not None and stream != {}:
+            raise ValueError(
+                "the host backend has no streams: pass stream=None (got "
+                f"{type(stream).__name__} {stream!r}); streams are for "
+                "backend='cuda'"
+            )
         cdef vector[uintptr_t] out
         out.resize(self.num_devices, kNoStream)
         if isinstance(stream, dict):
@@ -715,7 +723,8 @@ cdef class PrefetchHandle:
         With ``stream`` (a torch.cuda.Stream, a raw handle, or a dict device
         -> stream) on the CUDA backend, a copy still in flight is waited for
         on the GPU: that stream waits, the CPU does not. Without one, the CPU
-        waits until the bytes have arrived. Raises TimeoutError after ``timeout``
+        waits until the bytes have arrived. The host backend has no streams:
+        a stream there raises ValueError (and nothing is pinned). Raises TimeoutError after ``timeout``
         seconds, with nothing left pinned. Views stay valid until release."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
@@ -781,7 +790,8 @@ cdef class PrefetchHandle:
     def release(self, tensor_ids, *, stream=None):
         """Unpins ids taken by acquire. On the CUDA backend the slot is not
         reused until the work queued so far on ``stream`` (default: torch's
-        current stream of the id's device) has finished.
+        current stream of the id's device) has finished. The host backend
+        takes no stream (ValueError; the ids stay acquired).
         Releasing an id that is not acquired raises RuntimeError and changes
         nothing."""
         self._check_open()

@@ -251,3 +251,20 @@ def test_a_built_handle_cannot_be_initialised_again():
         with pytest.raises(RuntimeError, match="already initialised"):
             h.__init__(device_budget_bytes=8192, backend="host")
         assert 0 in h and h.budget_bytes() == 4096  # the engine it had is untouched
+
+
+@pytest.mark.parametrize("stream", [5, 0, {0: 5}, np.int64(7)])
+def test_host_backend_refuses_a_stream_and_changes_nothing(h, stream):
+    before = snapshot(h)
+    with pytest.raises(ValueError, match="host backend has no streams"):
+        h.acquire([2], stream=stream, timeout=1)
+    with pytest.raises(ValueError, match="host backend has no streams"):
+        h.acquire_slots([2], stream=stream, timeout=1)
+    assert snapshot(h) == before  # nothing pinned, queued or counted
+    h.resume()
+    h.acquire([2], timeout=10)
+    with pytest.raises(ValueError, match="host backend has no streams"):
+        h.release([2], stream=stream)
+    assert h.stats()["pinned_count"] == 1  # still acquired
+    h.release([2], stream={})  # an empty dict names no stream
+    assert h.stats()["pinned_count"] == 0
