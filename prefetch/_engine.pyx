@@ -272,8 +272,9 @@ cdef class PrefetchHandle:
     copy_lanes=2
         Copy streams per device for prefetches (1..8): entries alternate
         between them, which lifts small copies closer to full bandwidth on
-        CUDA; on-demand copies use lane 0. The host backend has one lane of
-        memcpy whatever this says.
+        CUDA; on-demand copies have a stream of their own, of the highest
+        priority. The host backend copies with memcpy on its worker thread
+        whatever this says.
     start_paused=False
         True: the workers start paused and copy nothing until ``resume()``
         (benchmarks and tests fill the queue first).
@@ -343,7 +344,7 @@ cdef class PrefetchHandle:
             num_devices = _int_option("num_devices", num_devices, 1, 64)
         if isinstance(device_budget_bytes, (list, tuple)):
             budgets = [
-                _int_option(f"device_budget_bytes[{i}]", b, 1, _INT64_MAX)
+                _int_option(f"device_budget_bytes[{i}]", b, 256, _INT64_MAX)
                 for i, b in enumerate(device_budget_bytes)
             ]
             if not budgets:
@@ -354,7 +355,7 @@ cdef class PrefetchHandle:
                     f"{len(budgets)} budgets in device_budget_bytes"
                 )
         else:
-            budget = _int_option("device_budget_bytes", device_budget_bytes, 1, _INT64_MAX)
+            budget = _int_option("device_budget_bytes", device_budget_bytes, 256, _INT64_MAX)
             budgets = [budget] * (1 if num_devices is None else num_devices)
         chunk = _int_option("copy_chunk_bytes", copy_chunk_bytes, 1, _INT64_MAX)
         in_flight = _int_option("max_bytes_in_flight", max_bytes_in_flight, 1, _INT64_MAX)
@@ -724,8 +725,9 @@ cdef class PrefetchHandle:
         -> stream) on the CUDA backend, a copy still in flight is waited for
         on the GPU: that stream waits, the CPU does not. Without one, the CPU
         waits until the bytes have arrived. The host backend has no streams:
-        a stream there raises ValueError (and nothing is pinned). Raises TimeoutError after ``timeout``
-        seconds, with nothing left pinned. Views stay valid until release."""
+        a stream there raises ValueError (and nothing is pinned). Raises
+        TimeoutError after ``timeout`` seconds, with nothing left pinned.
+        Views stay valid until release."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]

@@ -188,14 +188,15 @@ def test_bad_registration(h):
 
 
 BAD_OPTIONS = [
-    (dict(device_budget_bytes=0), ValueError, r"device_budget_bytes must be in 1\.\."),
+    (dict(device_budget_bytes=0), ValueError, r"device_budget_bytes must be in 256\.\..*, got 0"),
+    (dict(device_budget_bytes=255), ValueError, r"device_budget_bytes must be in 256\.\."),
     (dict(device_budget_bytes=[]), ValueError, "at least one device"),
     (dict(device_budget_bytes=1e6), TypeError, r"device_budget_bytes must be an int, got float 1000000\.0"),
     (dict(device_budget_bytes="4096"), TypeError, "device_budget_bytes must be an int, got str"),
     (dict(device_budget_bytes=True), TypeError, "device_budget_bytes must be an int, got a bool"),
     (dict(device_budget_bytes=None), TypeError, "device_budget_bytes must be an int, got NoneType"),
     (dict(device_budget_bytes=[4096, 2.5]), TypeError, r"device_budget_bytes\[1\] must be an int, got float"),
-    (dict(device_budget_bytes=[4096, -1]), ValueError, r"device_budget_bytes\[1\] must be in 1\.\."),
+    (dict(device_budget_bytes=[4096, -1]), ValueError, r"device_budget_bytes\[1\] must be in 256\.\."),
     (dict(device_budget_bytes=2**70), ValueError, "device_budget_bytes must be in"),
     (dict(device_budget_bytes=4096, eviction_policy="mru"), ValueError, "eviction policy"),
     (dict(device_budget_bytes=4096, eviction_policy=1), TypeError, "eviction_policy must be"),

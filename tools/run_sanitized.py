@@ -23,7 +23,8 @@ def gcc_file(name: str) -> str:
     cc = os.environ.get("CC", "gcc")
     path = subprocess.run([cc, f"-print-file-name={name}"], capture_output=True, text=True, check=True).stdout.strip()
     if not os.path.isabs(path):
-        raise SystemExit(f"{cc} has no {name}: install the sanitizer runtime (Debian/Ubuntu: g++; Fedora: libasan, libtsan)")
+        raise SystemExit(
+            f"{cc} has no {name}: install the sanitizer runtime (Debian/Ubuntu: g++; Fedora: libasan, libtsan)")
     return path
 
 
@@ -36,7 +37,7 @@ def main() -> int:
     # Found before the build, so a machine without the runtime fails at once.
     preload = f"{gcc_file('libasan.so' if mode == 'address' else 'libtsan.so')} {gcc_file('libstdc++.so')}"
     env = dict(os.environ, PREFETCH_SANITIZE=mode)
-    print(f"run_sanitized: building a {name} copy of the package in {dest} (C++ and Cython, a minute or two)",
+    print(f"run_sanitized: building an {name} copy of the package in {dest} (C++ and Cython, a minute or two)",
           flush=True)
     subprocess.run([sys.executable, str(ROOT / "tools/sanitizer_build.py"), str(dest)], env=env, check=True)
     env.update(PYTHONMALLOC="malloc", PYTHONFAULTHANDLER="1")
