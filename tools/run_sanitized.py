@@ -37,7 +37,7 @@ def main() -> int:
     # Found before the build, so a machine without the runtime fails at once.
     preload = f"{gcc_file('libasan.so' if mode == 'address' else 'libtsan.so')} {gcc_file('libstdc++.so')}"
     env = dict(os.environ, PREFETCH_SANITIZE=mode)
-    print(f"run_sanitized: building an {name} copy of the package in {dest} (C++ and Cython, a minute or two)",
+    print(f"run_sanitized: building a copy of the package with {name} in {dest} (C++ and Cython, a minute or two)",
           flush=True)
     subprocess.run([sys.executable, str(ROOT / "tools/sanitizer_build.py"), str(dest)], env=env, check=True)
     env.update(PYTHONMALLOC="malloc", PYTHONFAULTHANDLER="1")
