@@ -1,19 +1,36 @@
 """BM2: cost of issuing a block of expert prefetches.
 
-    python bench/issuance.py [--backend host|cuda|auto] [--ids 768]
-        [--warmup 20] [--iterations 200] [--window-us 1000 | --window-json F]
-        [--json PATH]
+    python bench/issuance.py [--backend host|cuda|auto] [--experts 32]
+        [--layers 24] [--warmup 20] [--iterations 200]
+        [--window-us 1000 | --window-json F] [--json PATH]
 
-Modes, each timing the issue of the same block (default 768 ids: 32 experts x
-24 layers, the gpt-oss-20b saturated block):
+Modes, each timing the issue of the same block (experts x layers ids; default
+768 = 32 experts x 24 layers, the gpt-oss-20b saturated block):
   python-per-expert  ExpertPrefetcher's per-expert fallback: one engine call
                      per expert (the reference design's path)
   batched-cython     one PrefetchHandle.prefetch_tensors call over an int64
                      array (Python clock around the call)
   cpp-internal       the engine's own steady-clock timer of that same call
+  torch-by-hand      for comparison, the plain-PyTorch way: a Python loop of
+                     copy_(non_blocking=True) of pinned 4 KiB tensors on a
+                     side stream (needs CUDA)
 The copy workers are paused and the queue is emptied (untimed) before every
 iteration, so each iteration enqueues the same ids into the same empty queue.
-A mode that cannot be measured is reported as null, never zero.
+
+Output: per mode, the p50/p90/p99 issue time of the whole block in
+microseconds and "x batched", its p50 over batched-cython's p50 (measured in
+the same run, so steadier across runs and machines than the times).
+A row of null is a mode that could not be measured here (torch-by-hand
+without CUDA; every engine mode when the requested backend is unavailable,
+which also makes the exit status 1). Null is never zero.
+
+The last line applies BM2's decision rule at the route-ahead window W
+(--window-us, default 1000 us): the time between learning which experts a
+later layer will use and needing them, i.e. how long issuing may take before
+it is exposed. "per-expert exposed" is True when the per-expert p50 >= W;
+"batched justified" when the batched p50 < W while per-expert is exposed;
+"crossover" is the range of W, [batched p50, per-expert p50) us, in which
+the batched call is justified (None when batched is not faster).
 """
 from __future__ import annotations
 
@@ -140,11 +157,18 @@ def format_table(report: dict) -> str:
         lines.append(
             f"{mode:<20}{fmt(row['p50_us']):>10}{fmt(row['p90_us']):>10}{fmt(row['p99_us']):>10}{fmt(ratio):>11}"
         )
+    if any(row is None for row in report["modes"].values()):
+        lines.append("null: not measured on this machine (torch-by-hand needs CUDA; the engine modes the "
+                     "requested backend), never zero")
     d = report["decision"]
+    crossover = d["crossover_window_us"]
+    span = "None" if crossover is None else f"[{fmt(crossover['low_us'])}, {fmt(crossover['high_us'])}) us"
     lines.append(
         f"window W={d['window_us']:.0f} us: per-expert exposed={d['per_expert_exposed']}, "
-        f"batched justified={d['batched_justified']}, crossover={d['crossover_window_us']}"
+        f"batched justified={d['batched_justified']}, crossover={span}"
     )
+    lines.append("(W: route-ahead window; exposed: per-expert p50 >= W; justified: batched p50 < W while "
+                 "per-expert is exposed; see --help)")
     return "\n".join(lines)
 
 
@@ -239,14 +263,17 @@ def measure_torch_by_hand(n_ids: int, warmup: int, iterations: int, entry_bytes:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--backend", default="host", choices=["host", "cuda", "auto"])
-    parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS)
-    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS)
-    parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--iterations", type=int, default=200)
+    parser.add_argument("--backend", default="host", choices=["host", "cuda", "auto"],
+                        help="engine backend (default host)")
+    parser.add_argument("--experts", type=int, default=DEFAULT_EXPERTS, help="experts per layer (default 32)")
+    parser.add_argument("--layers", type=int, default=DEFAULT_LAYERS,
+                        help="layers; ids = experts x layers (default 24)")
+    parser.add_argument("--warmup", type=int, default=20, help="untimed iterations per mode (default 20)")
+    parser.add_argument("--iterations", type=int, default=200, help="timed iterations per mode (default 200)")
     window = parser.add_mutually_exclusive_group()
-    window.add_argument("--window-us", type=float, default=DEFAULT_WINDOW_US)
-    window.add_argument("--window-json", help="JSON file with a 'window_us' number")
+    window.add_argument("--window-us", type=float, default=DEFAULT_WINDOW_US,
+                        help="route-ahead window W of the decision line (default 1000)")
+    window.add_argument("--window-json", help="JSON file with a 'window_us' number (instead of --window-us)")
     parser.add_argument("--json", help="write the report here")
     args = parser.parse_args(argv)
     if args.experts <= 0 or args.layers <= 0 or args.iterations <= 0 or args.warmup < 0:

@@ -15,6 +15,7 @@ cdef extern from "_errors.h":
 
 cdef extern from "copy_backend.h" namespace "prefetch" nogil:
     const uintptr_t kNoStream
+    const int kMaxCopyLanes
     cdef cppclass CCopyBackend "prefetch::CopyBackend":
         const char* Name()
         int DeviceCount()

@@ -30,6 +30,7 @@ from prefetch._engine cimport (
     MakeFaultBackend,
     kNoStream,
     kDefaultPrefetchBand,
+    kMaxCopyLanes,
     kMaxTensorId,
     kNumBands,
 )
@@ -201,25 +202,102 @@ cdef uintptr_t _stream_handle(object stream) except? 0:
         ) from None
 
 
-cdef class PrefetchHandle:
-    """An expert prefetch engine: registry, per-device caches, copy workers.
+cdef object _int_option(str name, object value, object low, object high):
+    """`value` as a Python int in low..high, or an error naming option `name`
+    (floats, bools and strings are refused, not truncated or parsed)."""
+    if type(value) is _PY_BOOL or isinstance(value, np.bool_):
+        raise TypeError(f"{name} must be an int, got a bool ({value!r})")
+    try:
+        number = operator.index(value)
+    except TypeError:
+        hint = " (write 1 << 20 or 1_000_000, not 1e6)" if isinstance(value, float) else ""
+        raise TypeError(
+            f"{name} must be an int, got {type(value).__name__} {value!r}{hint}"
+        ) from None
+    if number < low or number > high:
+        raise ValueError(f"{name} must be in {low}..{high}, got {number}")
+    return number
 
-    ``PrefetchHandle(device_budget_bytes=..., backend="auto")``. The budget is
-    one int for every device or a list with one int per device. ``backend``
-    is ``"host"`` (the cache is a host arena, copies are memcpy; runs
-    anywhere), ``"cuda"`` or ``"auto"`` (CUDA when the driver and a device
-    are present, else host). ``"fault"`` is the host backend with injectable
-    faults for tests (``faults={...}``, see ``set_faults``).
-    ``eviction_policy`` is ``"lru"`` (least recently used first),
-    ``"cyclic"`` (for decode loops that acquire once per layer in a fixed
-    order: the most recently used entry goes first, prefetched entries not yet
-    acquired last, unless 8 acquire calls passed them by; see Note [Cyclic
-    eviction] in src_cpp/device_cache.h) or ``"next-use"`` (Belady's rule
-    fed by the caller's ``hint_next_use``: entries never hinted first, least
-    recently used first, then hints whose time has passed, then the farthest
-    next use first; Note [Next-use eviction]).
-    ``poison_freed_slots=True`` fills every freed cache slot with 0xDB, so a
-    reader of stale bytes sees them.
+
+cdef bint _flag_option(str name, object value) except -1:
+    if type(value) is _PY_BOOL or isinstance(value, np.bool_):
+        return True if value else False
+    raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+cdef class PrefetchHandle:
+    """PrefetchHandle(*, device_budget_bytes, backend='auto', num_devices=None,
+        eviction_policy='lru', cycle_acquires=0, copy_chunk_bytes=4194304,
+        max_bytes_in_flight=268435456, max_speculative_bytes_in_flight=None,
+        copy_lanes=2, start_paused=False, poison_freed_slots=False,
+        faults=None, debug_issue_delay_us=0)
+--
+
+    An expert prefetch engine: a registry of host tensors and, per device,
+    a cache arena, a priority queue and a copy worker.
+
+    Every constructor option is keyword-only:
+
+    device_budget_bytes (required)
+        Cache size in bytes: one int for every device, or a list with one int
+        per device (each at least 256). Each device's arena of that size is
+        taken once (on CUDA from torch's allocator). A tensor larger than its
+        device's budget cannot be registered.
+    backend="auto"
+        "host" (the cache is a host arena, copies are memcpy; runs anywhere),
+        "cuda" (the driver is loaded at run time from libcuda.so.1), or
+        "auto" (CUDA when the driver and a device are present, else host).
+        "fault" is the host backend with injectable faults, for tests
+        (``faults={...}``, see ``set_faults``).
+    num_devices=None
+        How many devices get a cache when ``device_budget_bytes`` is one int
+        (None: 1). With a list of budgets it may be omitted; if given it must
+        equal the list's length. More devices than the backend has is a
+        ValueError.
+    eviction_policy="lru"
+        Which resident entry makes room: "lru" (least recently used first),
+        "cyclic" (for decode loops that acquire once per layer in a fixed
+        order: the most recently used entry goes first, prefetched entries
+        not yet acquired last, unless 8 acquire calls passed them by; Note
+        [Cyclic eviction] in src_cpp/device_cache.h) or "next-use" (Belady's
+        rule fed by ``hint_next_use``: entries never hinted first, least
+        recently used first, then hints whose time has passed, then the
+        farthest next use first; Note [Next-use eviction]).
+    cycle_acquires=0
+        "cyclic" only: acquire calls per decode step (the MoE layer count;
+        offload_moe_experts sets it). An acquired entry not used within the
+        last cycle is out of the loop's working set and goes first, least
+        recently used first. 0: unknown (plain cyclic order).
+    copy_chunk_bytes=4 MiB
+        Copies are issued in pieces of at most this many bytes; between the
+        pieces of a prefetch the worker copies any on-demand (band 0) work
+        first, so an acquire overtakes a long low-priority copy.
+    max_bytes_in_flight=256 MiB
+        Asynchronous (CUDA) backends: bytes of issued copies not yet
+        finished, at most (one entry larger than this still goes alone).
+        The worker waits for the oldest copy before issuing past it.
+    max_speculative_bytes_in_flight=None
+        Asynchronous backends: bytes of prefetch (band > 0) copies in flight
+        at most (None: 2 x copy_chunk_bytes), so an on-demand copy queues
+        behind little speculation; no prefetch copy starts while an on-demand
+        one is in flight (Note [Speculation never hurts]).
+    copy_lanes=2
+        Copy streams per device for prefetches (1..8): entries alternate
+        between them, which lifts small copies closer to full bandwidth on
+        CUDA; on-demand copies have a stream of their own, of the highest
+        priority. The host backend copies with memcpy on its worker thread
+        whatever this says.
+    start_paused=False
+        True: the workers start paused and copy nothing until ``resume()``
+        (benchmarks and tests fill the queue first).
+    poison_freed_slots=False
+        True: every freed cache slot is filled with 0xDB, so a reader of
+        stale bytes sees them (debugging).
+
+    Tests only: ``faults`` (a dict for backend="fault") and
+    ``debug_issue_delay_us`` (a sleep inside the batched call).
+    Bad options raise TypeError or ValueError naming the option; nothing is
+    allocated then.
     """
 
     cdef unique_ptr[CArcherPrefetchHandle] _owner
@@ -232,7 +310,22 @@ cdef class PrefetchHandle:
     cdef readonly int num_devices
     cdef bint _closed
 
-    def __cinit__(
+    def __cinit__(self, *args, **kwargs):
+        # Fields only: __init__ (whose signature help() and inspect show)
+        # does the work. Positional arguments are caught here to name them.
+        self._c = NULL
+        self._closed = True
+        self._arenas = []
+        self._external = {}
+        self.num_devices = 0
+        if args:
+            first = repr(args[0]) if len(args) == 1 else "..."
+            raise TypeError(
+                f"PrefetchHandle takes keyword arguments only, got {len(args)} "
+                f"positional: write PrefetchHandle(device_budget_bytes={first}, ...)"
+            )
+
+    def __init__(
         self,
         *,
         device_budget_bytes,
@@ -249,34 +342,53 @@ cdef class PrefetchHandle:
         faults=None,
         debug_issue_delay_us=0,
     ):
-        self._c = NULL
-        self._closed = True
+        """Builds the engine; the options are described on the class."""
+        if self._c != NULL:
+            raise RuntimeError("PrefetchHandle is already initialised")
         if not isinstance(backend, str):
-            raise TypeError("backend must be 'host', 'cuda' or 'auto'")
+            raise TypeError(
+                f"backend must be 'host', 'cuda' or 'auto', got {type(backend).__name__}"
+            )
+        if not isinstance(eviction_policy, str):
+            raise TypeError(
+                "eviction_policy must be 'lru', 'cyclic' or 'next-use', "
+                f"got {type(eviction_policy).__name__}"
+            )
+        if num_devices is not None:
+            num_devices = _int_option("num_devices", num_devices, 1, 64)
         if isinstance(device_budget_bytes, (list, tuple)):
-            budgets = [operator.index(b) for b in device_budget_bytes]
+            budgets = [
+                _int_option(f"device_budget_bytes[{i}]", b, 256, _INT64_MAX)
+                for i, b in enumerate(device_budget_bytes)
+            ]
+            if not budgets:
+                raise ValueError("device_budget_bytes needs at least one device")
             if num_devices is not None and num_devices != len(budgets):
                 raise ValueError(
-                    "num_devices disagrees with the list of budgets"
+                    f"num_devices={num_devices} disagrees with the "
+                    f"{len(budgets)} budgets in device_budget_bytes"
                 )
         else:
-            count = 1 if num_devices is None else operator.index(num_devices)
-            if count < 1:
-                raise ValueError("num_devices must be >= 1")
-            budgets = [operator.index(device_budget_bytes)] * count
-        if not budgets:
-            raise ValueError("device_budget_bytes needs at least one device")
-        for b in budgets:
-            if b <= 0:
-                raise ValueError(
-                    f"device_budget_bytes must be positive, got {b}"
-                )
-        if operator.index(copy_chunk_bytes) <= 0:
-            raise ValueError("copy_chunk_bytes must be positive")
-        if operator.index(max_bytes_in_flight) <= 0:
-            raise ValueError("max_bytes_in_flight must be positive")
-        if debug_issue_delay_us < 0:
+            budget = _int_option("device_budget_bytes", device_budget_bytes, 256, _INT64_MAX)
+            budgets = [budget] * (1 if num_devices is None else num_devices)
+        chunk = _int_option("copy_chunk_bytes", copy_chunk_bytes, 1, _INT64_MAX)
+        in_flight = _int_option("max_bytes_in_flight", max_bytes_in_flight, 1, _INT64_MAX)
+        lanes = _int_option("copy_lanes", copy_lanes, 1, kMaxCopyLanes)
+        cycle = _int_option("cycle_acquires", cycle_acquires, 0, _INT64_MAX)
+        speculative = (
+            None if max_speculative_bytes_in_flight is None
+            else _int_option("max_speculative_bytes_in_flight",
+                             max_speculative_bytes_in_flight, 1, _INT64_MAX)
+        )
+        cdef bint paused = _flag_option("start_paused", start_paused)
+        cdef bint poison = _flag_option("poison_freed_slots", poison_freed_slots)
+        if (type(debug_issue_delay_us) is _PY_BOOL
+                or not isinstance(debug_issue_delay_us, (int, float))):
+            raise TypeError("debug_issue_delay_us must be a number of microseconds")
+        if not debug_issue_delay_us >= 0:
             raise ValueError("debug_issue_delay_us must be >= 0")
+        if faults is not None and not isinstance(faults, dict):
+            raise TypeError("faults must be a dict of setting -> int")
 
         cdef unique_ptr[CCopyBackend] cbackend
         if backend == "fault":
@@ -314,22 +426,14 @@ cdef class PrefetchHandle:
             )
             options.device_arenas.push_back(<void*><uintptr_t>address)
         options.eviction_policy = eviction_policy.encode()
-        if operator.index(cycle_acquires) < 0:
-            raise ValueError("cycle_acquires must be >= 0")
-        options.cycle_acquires = cycle_acquires
-        options.copy_chunk_bytes = copy_chunk_bytes
-        options.max_bytes_in_flight = max_bytes_in_flight
-        if max_speculative_bytes_in_flight is not None:
-            if operator.index(max_speculative_bytes_in_flight) <= 0:
-                raise ValueError(
-                    "max_speculative_bytes_in_flight must be positive"
-                )
-            options.max_speculative_bytes_in_flight = (
-                max_speculative_bytes_in_flight
-            )
-        options.copy_lanes = operator.index(copy_lanes)
-        options.start_paused = True if start_paused else False
-        options.poison_freed_slots = True if poison_freed_slots else False
+        options.cycle_acquires = cycle
+        options.copy_chunk_bytes = chunk
+        options.max_bytes_in_flight = in_flight
+        if speculative is not None:
+            options.max_speculative_bytes_in_flight = speculative
+        options.copy_lanes = lanes
+        options.start_paused = paused
+        options.poison_freed_slots = poison
         options.debug_issue_delay_ns = int(debug_issue_delay_us * 1000)
         self._owner.reset(new CArcherPrefetchHandle(options, move(cbackend)))
         self._c = self._owner.get()
@@ -351,7 +455,15 @@ cdef class PrefetchHandle:
         None, one stream (for the device it belongs to; device 0 when that
         is unknown), or a dict device -> stream. On the CUDA backend a
         release without a stream for a device uses torch's current stream
-        there, so a slot is never reused under a kernel still reading it."""
+        there, so a slot is never reused under a kernel still reading it.
+        The host backend has no streams: it refuses one rather than ignore
+        it (a raw int there is a caller's mistake, not a request to wait)."""
+        if self.backend == "host" and stream is not None and stream != {}:
+            raise ValueError(
+                "the host backend has no streams: pass stream=None (got "
+                f"{type(stream).__name__} {stream!r}); streams are for "
+                "backend='cuda'"
+            )
         cdef vector[uintptr_t] out
         out.resize(self.num_devices, kNoStream)
         if isinstance(stream, dict):
@@ -464,6 +576,8 @@ cdef class PrefetchHandle:
         self._external.pop(tid, None)
 
     def __contains__(self, tensor_id):
+        """``tensor_id in handle``: whether the id is registered (False for
+        anything that is not a valid id, and after close)."""
         if self._closed or type(tensor_id) is _PY_BOOL:
             return False
         try:
@@ -633,8 +747,10 @@ cdef class PrefetchHandle:
         With ``stream`` (a torch.cuda.Stream, a raw handle, or a dict device
         -> stream) on the CUDA backend, a copy still in flight is waited for
         on the GPU: that stream waits, the CPU does not. Without one, the CPU
-        waits until the bytes have arrived. Raises TimeoutError after ``timeout``
-        seconds, with nothing left pinned. Views stay valid until release."""
+        waits until the bytes have arrived. The host backend has no streams:
+        a stream there raises ValueError (and nothing is pinned). Raises
+        TimeoutError after ``timeout`` seconds, with nothing left pinned.
+        Views stay valid until release."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]
@@ -801,7 +917,8 @@ cdef class PrefetchHandle:
     def release(self, tensor_ids, *, stream=None):
         """Unpins ids taken by acquire. On the CUDA backend the slot is not
         reused until the work queued so far on ``stream`` (default: torch's
-        current stream of the id's device) has finished.
+        current stream of the id's device) has finished. The host backend
+        takes no stream (ValueError; the ids stay acquired).
         Releasing an id that is not acquired raises RuntimeError and changes
         nothing."""
         self._check_open()
@@ -821,6 +938,8 @@ cdef class PrefetchHandle:
         self._c.Pause()
 
     def resume(self):
+        """Lets paused workers copy again (undoes ``pause()`` and
+        ``start_paused=True``); queued ids are copied most urgent first."""
         self._check_open()
         self._c.Resume()
 
@@ -836,11 +955,65 @@ cdef class PrefetchHandle:
         return list(self._c.ResidentSnapshot(operator.index(device)))
 
     def budget_bytes(self, device=0):
+        """The cache budget of `device` in bytes, as given to the
+        constructor (the size of ``arena(device)``)."""
         self._check_open()
         return self._c.BudgetBytes(operator.index(device))
 
     def stats(self):
-        """A consistent snapshot of the engine's counters and gauges."""
+        """A consistent snapshot of the engine's counters and gauges, as a
+        dict (all devices together). Counters, since the handle was made:
+
+        requests        ids named by prefetch calls (prefetch_tensors,
+                        enqueue_prefetch), duplicates included
+        enqueued        of those, newly queued
+        deduplicated    of those, already queued, copying or resident
+                        (requests == enqueued + deduplicated)
+        upgraded        queued ids moved to a more urgent band (by a prefetch
+                        or by an acquire waiting for them)
+        touched         resident ids a prefetch call refreshed (a use, for
+                        the eviction policy) instead of copying
+        cancelled       queued ids removed by cancel, cancel_below, cancel_all
+                        or a step's cancel
+        declined        prefetches dropped because only entries needed
+                        sooner could make room (Note [Speculation never
+                        hurts])
+        acquires        ids named by acquire calls (acquires == hits + misses)
+        hits            acquired while resident with the copy complete
+        misses          acquired while not resident, or still being copied
+        late            misses whose copy was already under way (prefetched,
+                        but too late to arrive first); late <= misses
+        on_demand       ids an acquire had to queue itself (at band 0): not
+                        queued, copying or resident when acquired (never
+                        prefetched, evicted first, or a failed copy)
+        evictions       resident entries evicted to make room, or by evict()
+        wasted          evictions of entries copied by a prefetch and never
+                        acquired while resident (copied for nothing);
+                        wasted <= evictions
+        copies          completed copies
+        caller_copies   of those, issued by the acquiring thread itself
+                        (asynchronous backends: Note [Caller-runs on-demand
+                        copies] in docs/design.md)
+        copy_errors     failed copies (the acquirer of that id gets the error)
+        bytes_copied    bytes of the completed copies
+        copy_seconds    time spent issuing (CUDA) or doing (host) copies
+
+        Gauges, now:
+
+        queue_depth       queued ids
+        bytes_in_flight   bytes being copied
+        resident_count    entries in the caches
+        resident_bytes    bytes of cache slots in use
+        pinned_count      entries acquired and not yet released
+        registered        registered ids
+        registered_bytes  their bytes
+
+        Last batched prefetch call (prefetch_tensors), engine's steady clock:
+        last_batch_ns (its duration), last_batch_start_ns,
+        last_batch_end_ns.
+
+        With no unregister: enqueued + on_demand == copies + copy_errors +
+        cancelled + queue_depth."""
         self._check_open()
         cdef CStats s = self._c.GetStats()
         return {
@@ -883,6 +1056,7 @@ cdef class PrefetchHandle:
 
     @property
     def closed(self):
+        """True after close() (or if the constructor failed)."""
         return self._closed
 
     def close(self):

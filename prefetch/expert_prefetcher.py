@@ -83,16 +83,24 @@ class ExpertPrefetcher:
     optionally, ``prefetch_tensors``). ``use_batched=None`` picks the batched
     call when the engine has one; ``False`` forces the per-expert loop (the
     reference design's path, kept as a fallback and as the BM2 baseline).
-    Ids are handed out densely from ``first_tensor_id``.
+
+    Each registered expert gets the next tensor id. By default that is the
+    lowest id from 0 up that the engine does not have yet (``tid in
+    engine``), so ids registered by hand or by another prefetcher on the
+    same handle are skipped. ``first_tensor_id=N`` hands ids out densely
+    from N instead, without looking; an id the engine already has then
+    raises ValueError from its register call.
     """
 
-    def __init__(self, engine, *, use_batched: bool | None = None, first_tensor_id: int = 0):
+    def __init__(self, engine, *, use_batched: bool | None = None, first_tensor_id: int | None = None):
         self.engine = engine
         has_batched = callable(getattr(engine, "prefetch_tensors", None))
         if use_batched and not has_batched:
             raise ValueError("use_batched=True but the engine has no prefetch_tensors")
         self.batched = has_batched if use_batched is None else bool(use_batched)
-        self._next_id = int(first_tensor_id)
+        self._next_id = 0 if first_tensor_id is None else int(first_tensor_id)
+        # Automatic ids skip the engine's: needs `in` (PrefetchHandle has it).
+        self._skip_taken = first_tensor_id is None and hasattr(type(engine), "__contains__")
         self._ids: dict[int, np.ndarray] = {}  # layer -> expert-indexed ids, -1 = none
         self._layouts: dict[int, tuple[PartLayout, ...]] = {}  # tensor id -> parts
         # Views reused while an expert's slot stays put (see _acquire_cached):
@@ -118,7 +126,7 @@ class ExpertPrefetcher:
         layout = expert_layout(weights)
         parts = [(tensor, part.offset) for part, tensor in zip(layout, _weight_items(weights).values())]
         total = layout[-1].offset + layout[-1].nbytes
-        tensor_id = self._next_id
+        tensor_id = self._free_id()
         self.engine.register_parts(tensor_id, parts, total_bytes=total, device=device)
         return self._remember(layer_id, expert_id, tensor_id, layout)
 
@@ -131,7 +139,7 @@ class ExpertPrefetcher:
         need = layout[-1].offset + layout[-1].nbytes
         if buffer.numel() * buffer.element_size() < need:
             raise ValueError(f"buffer holds {buffer.numel() * buffer.element_size()} bytes, layout needs {need}")
-        tensor_id = self._next_id
+        tensor_id = self._free_id()
         self.engine.register_external(tensor_id, buffer, device=device)
         return self._remember(layer_id, expert_id, tensor_id, layout)
 
@@ -144,8 +152,16 @@ class ExpertPrefetcher:
             raise ValueError(f"expert ({layer_id}, {expert_id}) is already registered")
         return layer_id, expert_id
 
+    def _free_id(self) -> int:
+        """The id the next expert gets (see the class docstring)."""
+        tensor_id = self._next_id
+        if self._skip_taken:
+            while tensor_id in self.engine:
+                tensor_id += 1
+        return tensor_id
+
     def _remember(self, layer_id: int, expert_id: int, tensor_id: int, layout) -> int:
-        self._next_id += 1
+        self._next_id = tensor_id + 1
         table = self._ids.get(layer_id)
         if table is None or table.shape[0] <= expert_id:
             grown = np.full(max(expert_id + 1, 2 * (0 if table is None else table.shape[0])), -1, dtype=np.int64)

@@ -187,14 +187,85 @@ def test_bad_registration(h):
     assert 10 not in h
 
 
-def test_bad_constructor_arguments():
-    with pytest.raises(ValueError):
-        prefetch.PrefetchHandle(device_budget_bytes=0, backend="host")
-    with pytest.raises(ValueError):
-        prefetch.PrefetchHandle(device_budget_bytes=[], backend="host")
-    with pytest.raises(ValueError, match="eviction policy"):
-        prefetch.PrefetchHandle(device_budget_bytes=4096, backend="host", eviction_policy="mru")
-    with pytest.raises(TypeError):
-        prefetch.PrefetchHandle(4096)  # keywords only
-    with pytest.raises(ValueError, match="num_devices"):
-        prefetch.PrefetchHandle(device_budget_bytes=[4096], num_devices=2, backend="host")
+BAD_OPTIONS = [
+    (dict(device_budget_bytes=0), ValueError, r"device_budget_bytes must be in 256\.\..*, got 0"),
+    (dict(device_budget_bytes=255), ValueError, r"device_budget_bytes must be in 256\.\."),
+    (dict(device_budget_bytes=[]), ValueError, "at least one device"),
+    (dict(device_budget_bytes=1e6), TypeError, r"device_budget_bytes must be an int, got float 1000000\.0"),
+    (dict(device_budget_bytes="4096"), TypeError, "device_budget_bytes must be an int, got str"),
+    (dict(device_budget_bytes=True), TypeError, "device_budget_bytes must be an int, got a bool"),
+    (dict(device_budget_bytes=None), TypeError, "device_budget_bytes must be an int, got NoneType"),
+    (dict(device_budget_bytes=[4096, 2.5]), TypeError, r"device_budget_bytes\[1\] must be an int, got float"),
+    (dict(device_budget_bytes=[4096, -1]), ValueError, r"device_budget_bytes\[1\] must be in 256\.\."),
+    (dict(device_budget_bytes=2**70), ValueError, "device_budget_bytes must be in"),
+    (dict(device_budget_bytes=4096, eviction_policy="mru"), ValueError, "eviction policy"),
+    (dict(device_budget_bytes=4096, eviction_policy=1), TypeError, "eviction_policy must be"),
+    (dict(device_budget_bytes=4096, backend=None), TypeError, "backend must be"),
+    (dict(device_budget_bytes=[4096], num_devices=2), ValueError, "num_devices=2 disagrees"),
+    (dict(device_budget_bytes=4096, num_devices=0), ValueError, r"num_devices must be in 1\.\.64"),
+    (dict(device_budget_bytes=4096, num_devices=1.0), TypeError, "num_devices must be an int"),
+    (dict(device_budget_bytes=4096, copy_chunk_bytes=0), ValueError, "copy_chunk_bytes must be in 1"),
+    (dict(device_budget_bytes=4096, copy_chunk_bytes=4e6), TypeError, "copy_chunk_bytes must be an int"),
+    (dict(device_budget_bytes=4096, max_bytes_in_flight=-1), ValueError, "max_bytes_in_flight must be in 1"),
+    (dict(device_budget_bytes=4096, max_bytes_in_flight=2.0**28), TypeError, "max_bytes_in_flight must be an int"),
+    (dict(device_budget_bytes=4096, copy_lanes=0), ValueError, r"copy_lanes must be in 1\.\.8, got 0"),
+    (dict(device_budget_bytes=4096, copy_lanes=2**40), ValueError, r"copy_lanes must be in 1\.\.8"),
+    (dict(device_budget_bytes=4096, copy_lanes="2"), TypeError, "copy_lanes must be an int"),
+    (dict(device_budget_bytes=4096, start_paused=1), TypeError, "start_paused must be True or False"),
+    (dict(device_budget_bytes=4096, poison_freed_slots="yes"), TypeError, "poison_freed_slots must be True or False"),
+    (dict(device_budget_bytes=4096, faults={"copy_delay_us": 1}), ValueError, "faults= needs backend='fault'"),
+    (dict(device_budget_bytes=4096, debug_issue_delay_us=-1), ValueError, "debug_issue_delay_us"),
+]
+
+
+@pytest.mark.parametrize("options,error,message", BAD_OPTIONS)
+def test_bad_constructor_options_name_the_option(options, error, message):
+    options = dict(options)
+    options.setdefault("backend", "host")
+    with pytest.raises(error, match=message):
+        prefetch.PrefetchHandle(**options)
+
+
+def test_constructor_options_accept_numpy_ints_and_bools():
+    with prefetch.PrefetchHandle(
+        device_budget_bytes=np.int64(4096), backend="host", copy_lanes=np.int32(3),
+        start_paused=np.bool_(True), num_devices=np.uint8(1),
+    ) as h:
+        assert h.budget_bytes(0) == 4096
+        h.register(0, b"abcd")
+        h.prefetch_tensors([0])
+        assert h.queued() == [(prefetch.DEFAULT_PRIORITY, 0)]  # start_paused held it
+
+
+def test_positional_constructor_arguments_say_keywords_only():
+    with pytest.raises(TypeError, match=r"keyword arguments only.*device_budget_bytes=1048576"):
+        prefetch.PrefetchHandle(1 << 20)
+    with pytest.raises(TypeError, match="keyword arguments only, got 2 positional"):
+        prefetch.PrefetchHandle(1 << 20, "host")
+    with pytest.raises(TypeError, match="device_budget_bytes"):
+        prefetch.PrefetchHandle(backend="host")  # the required option is named
+
+
+def test_a_built_handle_cannot_be_initialised_again():
+    with prefetch.PrefetchHandle(device_budget_bytes=4096, backend="host") as h:
+        h.register(0, b"abcd")
+        with pytest.raises(RuntimeError, match="already initialised"):
+            h.__init__(device_budget_bytes=8192, backend="host")
+        assert 0 in h and h.budget_bytes() == 4096  # the engine it had is untouched
+
+
+@pytest.mark.parametrize("stream", [5, 0, {0: 5}, np.int64(7)])
+def test_host_backend_refuses_a_stream_and_changes_nothing(h, stream):
+    before = snapshot(h)
+    with pytest.raises(ValueError, match="host backend has no streams"):
+        h.acquire([2], stream=stream, timeout=1)
+    with pytest.raises(ValueError, match="host backend has no streams"):
+        h.acquire_slots([2], stream=stream, timeout=1)
+    assert snapshot(h) == before  # nothing pinned, queued or counted
+    h.resume()
+    h.acquire([2], timeout=10)
+    with pytest.raises(ValueError, match="host backend has no streams"):
+        h.release([2], stream=stream)
+    assert h.stats()["pinned_count"] == 1  # still acquired
+    h.release([2], stream={})  # an empty dict names no stream
+    assert h.stats()["pinned_count"] == 0

@@ -1,5 +1,6 @@
 """The BM2 report functions, including null handling, and one short run."""
 import json
+import re
 
 import pytest
 
@@ -89,3 +90,27 @@ def test_unavailable_backend_reports_null(tmp_path):
         assert all(report["modes"][m] is None for m in issuance.MODES)
     else:
         assert rc == 0 and report["backend"] == "cuda"
+
+
+def test_help_names_only_options_that_exist(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        issuance.main(["--help"])
+    assert exit_info.value.code == 0
+    text = capsys.readouterr().out
+    named = set(re.findall(r"\[(--[a-z][a-z-]*)", issuance.__doc__))
+    assert named >= {"--experts", "--layers", "--window-us", "--json"}
+    for option in named:
+        assert re.search(rf"^\s+{option}\b", text, re.M), f"the usage names {option}, which the parser lacks"
+    assert "window W" in text and "null" in text  # the output's last line and null rows are explained
+
+
+def test_table_explains_null_rows_and_the_window_line():
+    report = issuance.build_bm2_report(
+        {"python-per-expert": [400_000] * 3, "batched-cython": [4_000] * 3, "cpp-internal": [3_500] * 3},
+        machine={}, backend="host", block_size=768, warmup=0, iterations=3, window_us=100,
+    )
+    table = issuance.format_table(report)
+    assert "torch-by-hand             null" in table
+    assert "null: not measured on this machine" in table
+    assert "crossover=[4.00, 400.00) us" in table
+    assert "exposed: per-expert p50 >= W" in table

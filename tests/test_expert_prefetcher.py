@@ -230,3 +230,39 @@ def test_acquire_slots_and_arena(make_handle, rng):
     with pytest.raises(KeyError):
         h.acquire_slots([0, 99])
     assert h.stats()["pinned_count"] == 0
+
+
+def test_automatic_ids_skip_ids_the_handle_already_has(make_handle):
+    h = make_handle(device_budget_bytes=1 << 20)
+    for tid in (0, 1, 4):
+        h.register(tid, bytes([tid + 1]) * 64)
+    pf = ExpertPrefetcher(h)
+    populate(pf, layers=1, experts=2)
+    other = ExpertPrefetcher(h)  # a second prefetcher on the same handle
+    other.register_expert(0, 0, expert_weights(50))
+    buffer, layout = prefetch.pack_expert(expert_weights(2))
+    pf.register_packed(0, 2, buffer, layout)
+    assert pf.tensor_ids(0, [0, 1, 2]).tolist() == [2, 3, 6]  # 4 was taken, 5 went to `other`
+    assert other.tensor_id(0, 0) == 5
+    got = pf.acquire_experts(0, [0, 1, 2])
+    for expert, weights in enumerate(got):
+        assert torch.equal(weights["w3"], expert_weights(expert)["w3"])
+    pf.release_experts(0, [0, 1, 2])
+    with other.experts(0, [0]) as (weights,):
+        assert torch.equal(weights["w1"], expert_weights(50)["w1"])
+    views = h.acquire([0, 1, 4])  # the ids registered by hand kept their bytes
+    assert [bytes(v[:2]) for v in views] == [b"\x01\x01", b"\x02\x02", b"\x05\x05"]
+    h.release([0, 1, 4])
+
+
+def test_explicit_first_tensor_id_is_dense_and_refuses_taken_ids(make_handle):
+    h = make_handle(device_budget_bytes=1 << 20)
+    h.register(11, b"x" * 64)
+    pf = ExpertPrefetcher(h, first_tensor_id=10)
+    pf.register_expert(0, 0, expert_weights(0))
+    assert pf.tensor_id(0, 0) == 10
+    with pytest.raises(ValueError, match="tensor id 11 is already registered"):
+        pf.register_expert(0, 1, expert_weights(1))
+    with pytest.raises(KeyError):
+        pf.tensor_id(0, 1)  # the failed expert is not half-registered
+    assert list(pf.registered_experts()) == [(0, 0)]
