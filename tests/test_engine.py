@@ -711,3 +711,65 @@ def test_cyclic_with_a_cycle_evicts_leftovers_before_the_working_set(make_handle
 def test_cycle_acquires_is_checked():
     with pytest.raises(ValueError, match="cycle_acquires"):
         prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", cycle_acquires=-1)
+
+
+def test_acquire_that_can_never_fit_raises_at_once(make_handle, rng):
+    # Three one-slot tensors, room for two: no wait for the timeout, a
+    # ValueError naming the budget and the bytes, and nothing pinned.
+    h = make_handle(device_budget_bytes=2 * SLOT)
+    register_random(h, rng, range(3))
+    with pytest.raises(ValueError, match=r"needs 768 bytes .* budget is 512"):
+        h.acquire([0, 1, 2], timeout=30)
+    assert h.stats()["pinned_count"] == 0 and h.stats()["acquires"] == 0
+    h.acquire([0, 0, 1], timeout=10)  # duplicates hold one slot: fits
+    h.release([0, 0, 1])
+
+
+def test_step_runs_release_cancel_acquire_prefetch_in_one_call(make_handle, rng):
+    h = make_handle(device_budget_bytes=8 * SLOT, eviction_policy="cyclic")
+    data = register_random(h, rng, range(6))
+    where = h.step([0, 1], prefetch=[2, 3], band=1)
+    assert where.shape == (2, 2)
+    arena = h.arena(0)
+    for tid, (offset, device) in zip([0, 1], where.tolist()):
+        assert device == 0
+        np.testing.assert_array_equal(arena[offset : offset + SLOT], data[tid])
+    assert h.stats()["pinned_count"] == 2
+    assert wait_until(lambda: h.stats()["queue_depth"] == 0)
+    h.pause()
+    h.prefetch_tensors([4, 5], 2)
+    # Release the last layer, drop a wrong guess (5), acquire 2 and 3.
+    where = h.step([2, 3], release=[0, 1], cancel=[5])
+    s = h.stats()
+    assert s["pinned_count"] == 2 and s["cancelled"] == 1
+    assert [tid for _, tid in h.queued()] == [4]
+    h.resume()
+    h.step(None, release=[2, 3])
+    assert h.stats()["pinned_count"] == 0
+
+
+def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
+    h = make_handle(device_budget_bytes=4 * SLOT)
+    register_random(h, rng, range(6))
+    h.acquire([0], timeout=10)
+    h.pause()
+    h.prefetch_tensors([3])
+    before = h.stats()
+    bad = [
+        (dict(acquire=[1], release=[0, 2]), RuntimeError),  # 2 is not acquired
+        (dict(acquire=[1, 99], release=[0]), KeyError),
+        (dict(acquire=[1], release=[0], prefetch=[77]), KeyError),
+        (dict(acquire=[1], release=[0], cancel=[3], band=20), ValueError),
+        (dict(acquire=[1, 2, 4, 5, 0], release=[0]), ValueError),  # can never fit
+        (dict(acquire=[1], release=[0], hint_ids=[1], hint_when=[-1]), ValueError),
+        (dict(acquire=[1], release=[0], hint_ids=[1, 2], hint_when=[5]), ValueError),
+        (dict(acquire=[1], release=[0], timeout=-1), ValueError),
+    ]
+    for kwargs, error in bad:
+        with pytest.raises(error):
+            h.step(**kwargs)
+        after = h.stats()
+        assert after["pinned_count"] == 1 and after["cancelled"] == 0, kwargs
+        assert after["acquires"] == before["acquires"] and h.queued() == [(1, 3)], kwargs
+    h.resume()
+    h.release([0])
