@@ -182,11 +182,17 @@ class HostExperts:
                 continue
             start = int(self._row[layer, ex[0]]) * self.stride
             rows = self.buffer[start : start + ex.shape[0] * self.stride].view(ex.shape[0], self.stride)
-            whole = ex.shape[0] == self.num_experts and self.experts is None
+            # A contiguous run of experts (all of them, or a balanced slice) is
+            # one view of the weight; another subset is copied expert by
+            # expert (no gathered temporary on the weight's device).
+            run = int(ex[-1] - ex[0]) + 1 == ex.shape[0] and bool((np.diff(ex) == 1).all())
             for part, weight in zip(self.layout, (module.gate_up_proj, module.down_proj)):
-                dst = rows[:, part.offset : part.offset + part.nbytes].view(self.dtype)
-                src = weight.detach() if whole else weight.detach()[torch.from_numpy(ex).to(weight.device)]
-                dst.view(ex.shape[0], *part.shape).copy_(src)
+                dst = rows[:, part.offset : part.offset + part.nbytes].view(self.dtype).view(ex.shape[0], *part.shape)
+                if run:
+                    dst.copy_(weight.detach().narrow(0, int(ex[0]), ex.shape[0]))
+                else:
+                    for i, e in enumerate(ex.tolist()):
+                        dst[i].copy_(weight.detach()[e])
             done += ex.shape[0] * self.stride
             if progress and total >= (1 << 30) and (done >= next_report or done == total):
                 print(f"prefetch: packed {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts into host memory",
