@@ -29,7 +29,7 @@ class OffloadController:
     accounting for one offloaded model."""
 
     def __init__(self, handle: PrefetchHandle, *, num_layers: int, num_experts: int, top_k: int,
-                 predictor=None, routers=None, record_trace: bool = False, device=None):
+                 predictor=None, routers=None, record_trace: bool = False, device=None, local=None):
         self.handle = handle
         self.prefetcher = ExpertPrefetcher(handle)
         self.num_layers = num_layers
@@ -40,6 +40,11 @@ class OffloadController:
         self.routers = routers or []
         self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
         self.device = device
+        # Expert parallel: [layers, experts] bool, the experts this rank owns
+        # (only those are registered); exchange drops guesses and hints for
+        # the others. None: every expert is ours (no process group).
+        self.local = None if local is None else np.asarray(local, dtype=bool)
+        self.expert_parallel = None  # prefetch.expert_parallel.ExpertParallel, set by the transformers adapter
         self.step = 0
         self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)
         self._seen_layer0 = False  # a second layer-0 routing starts a new step
@@ -57,6 +62,7 @@ class OffloadController:
         self.engine_ns = 0
         self.sync_ns = 0
         self.host_ns = 0
+        self.comm_ns = 0  # expert parallel: the per-layer all-reduces (they wait for the slowest rank)
 
     # -- routing clock and predictions
 
@@ -140,7 +146,10 @@ class OffloadController:
         send hints, acquire `experts` of `layer` (distinct expert indices;
         held until the next exchange or `release_held`) and queue the
         guesses ({layer: experts}; band = distance in layers). Returns
-        acquire's (offset, device) rows."""
+        acquire's (offset, device) rows. Expert parallel: `experts` are this
+        rank's own; guesses and hints for other ranks' experts are dropped."""
+        if self.local is not None:
+            guesses, hints = self._only_local(guesses, hints)
         cancel = None
         stale = self._queued_guess.pop(layer, None)
         if stale is not None:
@@ -192,6 +201,19 @@ class OffloadController:
             self._held = acquire
             self._held_stream = stream
         return where
+
+    def _only_local(self, guesses: dict, hints):
+        local = self.local
+        guesses = {t: g[local[t][g]] for t, g in guesses.items()}
+        if hints:
+            kept = []
+            for lyr, ex, when in hints:
+                ex = np.asarray(ex, dtype=np.int64)
+                mask = local[lyr][ex]
+                if mask.any():
+                    kept.append((lyr, ex[mask], when if np.isscalar(when) else np.asarray(when)[mask]))
+            hints = kept
+        return guesses, hints
 
     def release_held(self, stream=None) -> None:
         """Releases what the last exchange acquired (the end of a forward)."""
@@ -250,6 +272,8 @@ class OffloadController:
             "engine_us_per_layer": self.engine_ns / layers / 1e3 if layers else None,
             "sync_us_per_layer": self.sync_ns / layers / 1e3 if layers else None,
             "host_us_per_layer": self.host_ns / layers / 1e3 if layers else None,
+            "allreduce_us_per_layer": (self.comm_ns / layers / 1e3 if layers and self.expert_parallel is not None
+                                       else None),
         }
 
     def close(self) -> None:

@@ -146,9 +146,11 @@ class HostExperts:
     Made by offload_moe_experts and kept as ``controller.host_experts``;
     pass it as ``host_experts=`` to a later offload of a model with the same
     expert shapes (another budget or predictor) to skip packing again. The
-    buffer lives while any handle registered from it does."""
+    buffer lives while any handle registered from it does. `experts` (per
+    layer, the expert ids to pack) packs only a subset: an expert-parallel
+    rank's own slice (prefetch/expert_parallel.py)."""
 
-    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False):
+    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None):
         first = hf_blocks[0][1]
         self.num_layers = len(hf_blocks)
         self.num_experts = first.gate_up_proj.shape[0]
@@ -160,23 +162,53 @@ class HostExperts:
         self.layout = expert_layout(probe)
         self.expert_bytes = self.layout[-1].offset + self.layout[-1].nbytes
         self.stride = _align(self.expert_bytes)
-        per_layer = self.num_experts * self.stride
-        total = self.num_layers * per_layer
+        # experts: per layer, the expert ids packed here (an expert-parallel
+        # rank's slice); None packs them all. _row maps (layer, expert) to
+        # its row in the buffer, -1 where not packed.
+        if experts is None:
+            self.experts = None
+            chosen = [np.arange(self.num_experts)] * self.num_layers
+        else:
+            chosen = [np.asarray(ex, dtype=np.int64).reshape(-1) for ex in experts]
+            if len(chosen) != self.num_layers or any(
+                    ex.shape[0] and (ex.min() < 0 or ex.max() >= self.num_experts
+                                     or np.unique(ex).shape[0] != ex.shape[0]) for ex in chosen):
+                raise ValueError(f"experts must list, for each of the {self.num_layers} layers, distinct expert ids "
+                                 f"in 0..{self.num_experts - 1}")
+            self.experts = tuple(tuple(int(e) for e in ex) for ex in chosen)
+        self._row = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)
+        rows_before = 0
+        for layer, ex in enumerate(chosen):
+            self._row[layer, ex] = rows_before + np.arange(ex.shape[0])
+            rows_before += ex.shape[0]
+        total = rows_before * self.stride
         self.buffer = torch.empty(total, dtype=torch.uint8)
         done = 0
         next_report = 1 << 30
-        for layer, (_, experts, _) in enumerate(hf_blocks):
-            rows = self.buffer[layer * per_layer : (layer + 1) * per_layer].view(self.num_experts, self.stride)
-            for part, weight in zip(self.layout, (experts.gate_up_proj, experts.down_proj)):
-                dst = rows[:, part.offset : part.offset + part.nbytes].view(self.dtype)
-                dst.view(self.num_experts, *part.shape).copy_(weight.detach())
-            done += per_layer
+        for layer, (_, module, _) in enumerate(hf_blocks):
+            ex = chosen[layer]
+            if not ex.shape[0]:
+                continue
+            start = int(self._row[layer, ex[0]]) * self.stride
+            rows = self.buffer[start : start + ex.shape[0] * self.stride].view(ex.shape[0], self.stride)
+            # A contiguous run of experts (all of them, or a balanced slice) is
+            # one view of the weight; another subset is copied expert by
+            # expert (no gathered temporary on the weight's device).
+            run = int(ex[-1] - ex[0]) + 1 == ex.shape[0] and bool((np.diff(ex) == 1).all())
+            for part, weight in zip(self.layout, (module.gate_up_proj, module.down_proj)):
+                dst = rows[:, part.offset : part.offset + part.nbytes].view(self.dtype).view(ex.shape[0], *part.shape)
+                if run:
+                    dst.copy_(weight.detach().narrow(0, int(ex[0]), ex.shape[0]))
+                else:
+                    for i, e in enumerate(ex.tolist()):
+                        dst[i].copy_(weight.detach()[e])
+            done += ex.shape[0] * self.stride
             if progress and total >= (1 << 30) and (done >= next_report or done == total):
                 print(f"prefetch: packed {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts into host memory",
                       flush=True)
                 next_report = done + (1 << 30)
         self.pinned = False
-        if pin:
+        if pin and total:
             err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), total, 0)
             if int(getattr(err, "value", err)) != 0:
                 raise MemoryError(f"could not page-lock {total} bytes of host memory for the experts "
@@ -184,14 +216,21 @@ class HostExperts:
             self.pinned = True
             weakref.finalize(self, _unregister_host, self.buffer)
 
-    def matches(self, hf_blocks) -> bool:
+    def matches(self, hf_blocks, experts=None) -> bool:
+        """Whether this buffer holds the experts of `hf_blocks`' shapes that an
+        offload would pack (`experts`: the same per-layer subset, None = all)."""
         first = hf_blocks[0][1]
+        subset = None if experts is None else tuple(tuple(int(e) for e in ex) for ex in experts)
         return (len(hf_blocks) == self.num_layers and first.gate_up_proj.shape[0] == self.num_experts
                 and tuple(first.gate_up_proj.shape[1:]) == self.gate_up_shape
-                and tuple(first.down_proj.shape[1:]) == self.down_shape and first.gate_up_proj.dtype == self.dtype)
+                and tuple(first.down_proj.shape[1:]) == self.down_shape and first.gate_up_proj.dtype == self.dtype
+                and subset == self.experts)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
-        start = (layer * self.num_experts + expert) * self.stride
+        row = int(self._row[layer, expert])
+        if row < 0:
+            raise KeyError(f"expert {expert} of layer {layer} is not in this HostExperts (another rank's slice)")
+        start = row * self.stride
         return self.buffer[start : start + self.expert_bytes]
 
 
@@ -217,7 +256,7 @@ class ExpertsOffload:
     """One offloaded MoE layer (attached to its experts module)."""
 
     def __init__(self, controller: OffloadController, layer: int, module, gate_up_shape, down_shape, dtype,
-                 device: torch.device):
+                 device: torch.device, ep=None):
         self.controller = controller
         self.layer = layer
         self.device = device
@@ -254,6 +293,14 @@ class ExpertsOffload:
         self._remap = np.zeros(self.num_experts, dtype=np.int64)  # expert -> slot, for this call's experts
         self._index_host = None  # page-locked staging for the slot index (CUDA)
         self._index_np = None
+        # Expert parallel (Note [Expert parallel] in prefetch/expert_parallel.py):
+        # the experts this rank owns; None without a process group.
+        self.ep = ep
+        self._local = None
+        if ep is not None:
+            self._local = ep.local[layer]
+            self._remap[~self._local] = self.slots  # other ranks' experts: the sentinel slot
+            self._foreign = torch.from_numpy(~self._local).to(device)  # expert -> not ours, on the device
 
     def _slot_index(self, routed: np.ndarray, shape) -> torch.Tensor:
         """The routing with expert ids replaced by slots (self._remap), on the
@@ -324,7 +371,10 @@ class ExpertsOffload:
         guesses, hints = ctl.observe(layer, experts, guesses)
         stream = _raw_stream(self.device)
         engine_before = ctl.engine_ns
-        if experts.shape[0] <= self.slots:
+        if self._local is not None:
+            out, t2, t3 = self._forward_local(fn, name, hidden_states, top_k_index, top_k_weights, host[:n],
+                                               experts, guesses, hints, stream)
+        elif experts.shape[0] <= self.slots:
             where = ctl.exchange(layer, experts, guesses, hints, stream=stream)
             stand = self._stand_for(name, self._slot_ids(where), experts)
             index = self._slot_index(host[:n], top_k_index.shape)
@@ -338,12 +388,49 @@ class ExpertsOffload:
             t3 = t2 + inner_ns
         if self.last_layer:
             ctl.release_held(stream)
+        comm = 0
+        if self.ep is not None:
+            t4 = time.perf_counter_ns()
+            self.ep.all_reduce(out)
+            comm = time.perf_counter_ns() - t4
+            ctl.comm_ns += comm
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
         ctl.sync_ns += t1 - t0
         engine = ctl.engine_ns - engine_before
-        ctl.host_ns += (t_end - t_start) - (t1 - t0) - (t3 - t2) - engine
+        ctl.host_ns += (t_end - t_start) - (t1 - t0) - (t3 - t2) - engine - comm
         return out
+
+    def _forward_local(self, fn, name, hidden_states, top_k_index, top_k_weights, routed, experts, guesses, hints,
+                       stream):
+        """Expert parallel: this rank's share of the layer. One engine call
+        for the routed experts it owns (the controller drops the guesses for
+        the others); the rows routed to other ranks' experts get weight 0
+        and the sentinel slot (grouped_mm and batched_mm take it; eager,
+        which cannot, gets a slot of ours and multiplies by 0). Returns
+        (partial output, t before compute, t after compute)."""
+        ctl = self.controller
+        mine = experts[self._local[experts]]
+        if mine.shape[0] > self.slots:
+            t2 = time.perf_counter_ns()
+            out, inner_ns = self._pieces(fn, name, hidden_states, top_k_index, top_k_weights, mine, guesses,
+                                         hints, stream)
+            return out, t2, t2 + inner_ns
+        where = ctl.exchange(self.layer, mine, guesses, hints, stream=stream)
+        t2 = time.perf_counter_ns()
+        if not mine.shape[0]:
+            return torch.zeros_like(hidden_states), t2, time.perf_counter_ns()
+        self._remap[mine] = self._slot_ids(where)
+        sentinel_ok = name in ("grouped_mm", "batched_mm")
+        if not sentinel_ok:
+            self._remap[~self._local] = self._remap[mine[0]]
+        index = self._slot_index(routed, top_k_index.shape)
+        if not sentinel_ok:
+            self._remap[~self._local] = self.slots
+        weights = top_k_weights.masked_fill(self._foreign[top_k_index], 0)
+        t2 = time.perf_counter_ns()
+        out = fn(self.stand, hidden_states, index, weights)
+        return out, t2, time.perf_counter_ns()
 
     def _pieces(self, fn, name, hidden_states, top_k_index, top_k_weights, experts, guesses, hints, stream):
         """More routed experts than slots: acquire, compute and release at
@@ -376,12 +463,13 @@ class ExpertsOffload:
 
 
 def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,
-                     host_experts: HostExperts | None = None) -> OffloadController:
+                     host_experts: HostExperts | None = None, ep=None) -> OffloadController:
     """Registers every expert of `hf_blocks` (from find_hf_moe_blocks) with
     the engine, zero-copy from a HostExperts (made here unless given), and
     attaches an ExpertsOffload to each experts module; its weights are
     replaced by empty tensors. Nothing changes in the model before every
-    expert is registered."""
+    expert is registered. With `ep` (an ExpertParallel), only this rank's
+    experts are packed and registered."""
     install_experts_backend()
     first = hf_blocks[0][1]
     num_experts = first.gate_up_proj.shape[0]
@@ -394,20 +482,31 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
     budget = handle.budget_bytes(0)
     if expert_bytes > budget:
         raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({expert_bytes} bytes)")
+    device = first.gate_up_proj.device
+    if ep is not None and handle.backend == "cuda" and device != torch.device("cuda", 0):
+        raise ValueError(f"the engine's cache is on CUDA device 0 of this process, the model on {device}: run one "
+                         "process per GPU, each seeing only its own (CUDA_VISIBLE_DEVICES=<local rank>), with the "
+                         "model on cuda:0")
+    mine = None if ep is None else [ep.local_experts(layer) for layer in range(len(hf_blocks))]
     if host_experts is None:
-        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress)
-    elif not host_experts.matches(hf_blocks):
-        raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype")
+        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine)
+    elif not host_experts.matches(hf_blocks, mine):
+        raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
+                         "for another rank's slice of the experts")
     controller = OffloadController(handle, num_layers=len(hf_blocks), num_experts=num_experts, top_k=top_k,
                                    predictor=predictor, routers=[r for _, _, r in hf_blocks],
-                                   record_trace=record_trace, device=first.gate_up_proj.device)
+                                   record_trace=record_trace, device=device,
+                                   local=None if ep is None else ep.local)
     controller.host_experts = host_experts
+    controller.expert_parallel = ep
     offloads = []
     for layer, (_, experts, _) in enumerate(hf_blocks):
-        for e in range(num_experts):
-            controller.prefetcher.register_packed(layer, e, host_experts.expert(layer, e), host_experts.layout)
+        for e in (range(num_experts) if mine is None else mine[layer]):
+            controller.prefetcher.register_packed(layer, int(e), host_experts.expert(layer, int(e)),
+                                                  host_experts.layout)
         offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
-                                       host_experts.down_shape, host_experts.dtype, experts.gate_up_proj.device))
+                                       host_experts.down_shape, host_experts.dtype, experts.gate_up_proj.device,
+                                       ep=ep))
     for (_, experts, _), offload in zip(hf_blocks, offloads):
         empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)

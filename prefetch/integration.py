@@ -135,6 +135,9 @@ def offload_moe_experts(
     record_trace: bool = False,
     progress: bool = True,
     host_experts=None,
+    process_group=None,
+    expert_placement: str = "balanced",
+    activation_counts=None,
 ) -> OffloadController:
     """Moves every MoE expert of `model` into the engine (page-locked host
     memory on CUDA) and rewires the MoE blocks to acquire their routed
@@ -150,7 +153,18 @@ def offload_moe_experts(
     memory (``controller.host_experts``, see prefetch.hf.HostExperts); pass
     that as `host_experts` to offload another copy of the same model without
     packing again. `progress` prints how far packing is on models with more
-    than 1 GiB of experts."""
+    than 1 GiB of experts.
+
+    Expert parallel (transformers models): with a torch.distributed
+    `process_group`, every MoE layer's experts are partitioned over its
+    ranks (`expert_placement`: "balanced", contiguous blocks of equal bytes,
+    or "activations", the same block sizes balanced by `activation_counts`,
+    a [layers, experts] array or a RoutingTrace); this rank registers,
+    packs and caches only its own, `device_budget_bytes` being this rank's
+    cache, and each layer's output is summed over the group with one
+    all-reduce. Call it on every rank with the same model and arguments;
+    the ranks check that with one all_gather (Note [Expert parallel] in
+    prefetch/expert_parallel.py)."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     if any(b.controller is not None for b in generic):
@@ -163,6 +177,18 @@ def offload_moe_experts(
         )
     if hf_blocks and generic:
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
+    if process_group is None and (expert_placement != "balanced" or activation_counts is not None):
+        raise ValueError("expert_placement and activation_counts need a process_group")
+    ep = None
+    if process_group is not None:
+        if generic:
+            raise NotImplementedError("expert parallel (process_group) supports transformers MoE blocks only, not "
+                                      "OffloadedMoEBlock")
+        from prefetch.expert_parallel import setup_expert_parallel
+
+        top_k = getattr(hf_blocks[0][2], "top_k", None) or getattr(model.config, "num_experts_per_tok", 1)
+        ep = setup_expert_parallel(process_group, hf_blocks, top_k=top_k, placement=expert_placement,
+                                   counts=activation_counts)
     layers = len(hf_blocks) or len(generic)
     options = {"eviction_policy": "cyclic", **(handle_options or {})}
     if options["eviction_policy"] == "cyclic":
@@ -171,7 +197,7 @@ def offload_moe_experts(
     try:
         if hf_blocks:
             return offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
-                                    progress=progress, host_experts=host_experts)
+                                    progress=progress, host_experts=host_experts, ep=ep)
         controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                        top_k=generic[0].top_k, predictor=predictor,
                                        routers=[b.router for b in generic], record_trace=record_trace)

@@ -1,0 +1,291 @@
+"""BM7: expert parallel `generate`, one process per GPU under torchrun, against
+one GPU in the same run.
+
+    torchrun --standalone --nproc-per-node 2 bench/ep_generate.py [--models olmoe-1b-7b qwen3-30b-a3b]
+        [--batches 1 8] [--shares 0.25 0.5] [--predictor gate|none] [--new-tokens 64] [--warmup-tokens 8]
+        [--prompt-tokens 32] [--vocab 32000] [--no-single] [--timeout-s 1800] [--json PATH]
+    torchrun --standalone --nproc-per-node 2 bench/ep_generate.py --smoke-cpu [--json PATH]
+
+Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES is set from
+LOCAL_RANK before torch starts: the engine's cache is on the process's CUDA
+device 0) and builds the same model (bench/generate.py's shapes and random
+bf16 weights, same seed). Per model:
+
+  1. rank 0 alone (the others wait at a barrier): the resident model's
+     greedy tokens for each batch (the reference every row is compared to)
+     and its ms/token; then, unless --no-single, the single-process
+     offload (`offload_moe_experts`, no group) at each share of ALL the
+     experts' bytes: the "1-gpu" rows.
+  2. every rank: `offload_moe_experts(..., process_group=WORLD)` at each share
+     of ITS slice's bytes (balanced placement: experts / ranks per layer),
+     the same predictor: the "ep" rows. The total device cache equals the
+     1-gpu row's at the same share.
+
+Each row: a warm-up generate on another prompt, then the measured generate
+of --new-tokens tokens (min = max, no eos). Figures (rank 0's clock,
+torch.cuda.synchronize before each reading): p50_ms / p90_ms of decode
+ms/token (the prefill step excluded), tokens_equal / first_mismatch against
+the resident tokens, x_1gpu = ep p50 / 1-gpu p50; per rank: hit_rate
+(decode), bytes copied, experts registered, all-reduce us per layer.
+
+Rounding: with top-2 routing in float32 the all-reduced sum is bit-equal to
+one process (the CPU test checks it); with top-8 in bf16 each rank rounds its
+partial sum, so logits can differ in the last bits and a near-tie can turn a
+greedy token (first_mismatch says where).
+
+--smoke-cpu: gloo, tiny Qwen3-MoE and OLMoE configs in float32 on the CPU,
+host backend: checks the logic, measures nothing.
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import os
+import statistics
+import sys
+import time
+from datetime import timedelta
+
+
+def _own_gpu() -> None:
+    """Under torchrun, make this process see only GPU LOCAL_RANK (of those
+    already visible), before torch initialises CUDA."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None or "--smoke-cpu" in sys.argv:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v for v in visible.split(",") if v.strip()]
+        if int(local) >= len(ids):
+            raise SystemExit(f"LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES={visible} lists {len(ids)} GPUs")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(local)]
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = local
+
+
+_own_gpu()
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.generate import MODELS, SMOKE_MODELS, ModelState, StepTimer, build_model, generate, percentile  # noqa: E402
+
+SMOKE = ("smoke-qwen3-moe", "smoke-olmoe")
+
+
+def first_mismatch(a, b):
+    """The first generated position where any sequence of the batch differs
+    (None: equal)."""
+    if a.shape != b.shape:
+        return 0
+    differ = (a != b).any(dim=0).nonzero()
+    return int(differ[0]) if differ.numel() else None
+
+
+def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw, host=None):
+    """Offloads, warms up, runs the measured generate, restores the model.
+    Returns (figures of this rank, generated ids, the HostExperts to reuse)."""
+    import prefetch
+    from prefetch.integration import NextLayerGatePredictor
+
+    predictor = NextLayerGatePredictor() if args.predictor == "gate" else None
+    ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor, process_group=group,
+                                       host_experts=host, progress=False, **backend_kw)
+    marks = {}
+    try:
+        generate(torch, model, prompts["warm"], args.warmup_tokens, sync)
+        ctl.new_sequence()
+
+        def first():
+            marks["stats"] = ctl.handle.stats()
+            marks["comm_ns"], marks["layers"] = ctl.comm_ns, ctl.layers_run
+
+        timer = StepTimer(sync, on_first=first)
+        ids, _, _ = generate(torch, model, prompts["measured"], args.new_tokens, sync, timer)
+        end = ctl.handle.stats()
+        layers = ctl.layers_run - marks["layers"]
+        host = ctl.host_experts
+        figures = {
+            "registered": end["registered"],
+            "hit_rate": _hit_rate(marks["stats"], end),
+            "bytes_copied": end["bytes_copied"] - marks["stats"]["bytes_copied"],
+            "allreduce_us_per_layer": ((ctl.comm_ns - marks["comm_ns"]) / layers / 1e3
+                                       if group is not None and layers else None),
+        }
+    finally:
+        ctl.close()
+        state.restore()
+        gc.collect()
+    figures.update(_decode_ms(timer.times))
+    return figures, ids, host
+
+
+def _hit_rate(a, b):
+    hits, misses = b["hits"] - a["hits"], b["misses"] - a["misses"]
+    return hits / (hits + misses) if hits + misses else None
+
+
+def _decode_ms(times):
+    decode = [(y - x) * 1e3 for x, y in zip(times, times[1:])]
+    return {"p50_ms": statistics.median(decode) if decode else None,
+            "p90_ms": percentile(decode, 0.9) if decode else None, "decode_tokens": len(decode)}
+
+
+def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
+    from prefetch.expert_parallel import partition_experts
+
+    family, shape = (SMOKE_MODELS if args.smoke_cpu else MODELS)[name]
+    model = build_model(torch, family, shape, args.vocab, device, dtype)
+    state = ModelState(model)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    backend_kw = {} if cuda else {"backend": "host"}
+    mine = int((partition_experts(state.num_layers, state.num_experts, world) == rank).sum())
+    slice_bytes = mine * state.expert_bytes
+
+    def prompts(batch):
+        def one(seed):
+            g = torch.Generator().manual_seed(seed)
+            return torch.randint(1, args.vocab, (batch, args.prompt_tokens), generator=g).to(device)
+        return {"measured": one(100 + batch), "warm": one(200 + batch)}
+
+    base = {"model": name, "layers": state.num_layers, "experts": state.num_experts}
+    reference, single = {}, {}
+    if rank == 0:
+        host = None
+        for batch in args.batches:
+            p = prompts(batch)
+            generate(torch, model, p["warm"], args.warmup_tokens, sync)
+            timer = StepTimer(sync)
+            reference[batch], _, _ = generate(torch, model, p["measured"], args.new_tokens, sync, timer)
+            rows.append({**base, "batch": batch, "share": None, "mode": "resident", "ranks": 1,
+                         **_decode_ms(timer.times)})
+            if args.no_single:
+                continue
+            for share in args.shares:
+                budget = int(share * state.total_bytes)
+                figures, ids, host = run_row(torch, model, state, p, args, sync, budget, None, backend_kw, host)
+                single[(batch, share)] = figures["p50_ms"]
+                rows.append({**base, "batch": batch, "share": share, "mode": "1-gpu", "ranks": 1,
+                             "budget_bytes_per_rank": budget, "tokens_equal": bool(torch.equal(ids, reference[batch])),
+                             "first_mismatch": first_mismatch(ids, reference[batch]), **figures})
+        del host
+        gc.collect()
+    dist.barrier(**({"device_ids": [0]} if cuda else {}))
+    host = None
+    for batch in args.batches:
+        p = prompts(batch)
+        for share in args.shares:
+            budget = int(share * slice_bytes)
+            figures, ids, host = run_row(torch, model, state, p, args, sync, budget, dist.group.WORLD, backend_kw,
+                                         host)
+            gathered = [None] * world
+            dist.all_gather_object(gathered, {"figures": figures, "ids": ids.cpu()})
+            if rank != 0:
+                continue
+            per_rank = [g["figures"] for g in gathered]
+            row = {**base, "batch": batch, "share": share, "mode": "ep", "ranks": world,
+                   "budget_bytes_per_rank": budget, "p50_ms": figures["p50_ms"], "p90_ms": figures["p90_ms"],
+                   "decode_tokens": figures["decode_tokens"],
+                   "tokens_equal": bool(torch.equal(ids.cpu(), reference[batch].cpu())),
+                   "first_mismatch": first_mismatch(ids.cpu(), reference[batch].cpu()),
+                   "ranks_agree": all(torch.equal(g["ids"], gathered[0]["ids"]) for g in gathered),
+                   "x_1gpu": (figures["p50_ms"] / single[(batch, share)]
+                              if single.get((batch, share)) and figures["p50_ms"] else None)}
+            for key in ("hit_rate", "bytes_copied", "registered", "allreduce_us_per_layer"):
+                row[f"{key}_per_rank"] = [f[key] for f in per_rank]
+            rows.append(row)
+    del host, model, state
+    gc.collect()
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def format_table(rows) -> str:
+    lines = [f"{'model':<18} {'batch':>5} {'share':>5} {'mode':<8} {'p50 ms':>8} {'p90 ms':>8} {'x 1gpu':>6} "
+             f"{'equal':>5} hit rate per rank"]
+    for r in rows:
+        hits = r.get("hit_rate_per_rank") or ([r["hit_rate"]] if "hit_rate" in r else [])
+        lines.append(f"{r['model']:<18} {r['batch']:>5} {fmt(r['share']) if r['share'] else '-':>5} {r['mode']:<8} "
+                     f"{fmt(r['p50_ms']):>8} {fmt(r['p90_ms']):>8} {fmt(r.get('x_1gpu')):>6} "
+                     f"{str(r.get('tokens_equal', '-')):>5} {' '.join(fmt(h) for h in hits)}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--models", nargs="+", default=None, help=f"of {list(MODELS)} (smoke: {list(SMOKE)})")
+    parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.25, 0.5])
+    parser.add_argument("--predictor", choices=["gate", "none"], default="gate")
+    parser.add_argument("--new-tokens", type=int, default=None, help="measured tokens per row (default 64)")
+    parser.add_argument("--warmup-tokens", type=int, default=None, help="tokens of the warm-up generate (default 8)")
+    parser.add_argument("--prompt-tokens", type=int, default=None, help="prompt length (default 32)")
+    parser.add_argument("--vocab", type=int, default=None, help="vocab size (default 32000)")
+    parser.add_argument("--no-single", action="store_true", help="skip the 1-gpu offload rows (resident still runs)")
+    parser.add_argument("--timeout-s", type=float, default=1800,
+                        help="process group timeout: the other ranks wait this long while rank 0 runs alone")
+    parser.add_argument("--json")
+    parser.add_argument("--smoke-cpu", action="store_true", help="gloo, tiny configs in float32 on the CPU")
+    args = parser.parse_args(argv)
+    smoke = args.smoke_cpu
+    for key, full, tiny in (("models", list(MODELS), list(SMOKE)), ("new_tokens", 64, 4), ("warmup_tokens", 8, 2),
+                            ("prompt_tokens", 32, 8), ("vocab", 32000, 128)):
+        if getattr(args, key) is None:
+            setattr(args, key, tiny if smoke else full)
+    table = SMOKE_MODELS if smoke else MODELS
+    unknown = [m for m in args.models if m not in table]
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {list(table) if not smoke else list(SMOKE)}")
+    if args.new_tokens < 2:
+        parser.error("--new-tokens must be >= 2 (the decode figure excludes the prefill)")
+    if not all(0 < s <= 1 for s in args.shares):
+        parser.error("--shares must be in (0, 1]")
+    if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+        parser.error("run under torchrun, e.g. torchrun --standalone --nproc-per-node 2 bench/ep_generate.py")
+
+    import torch
+    import torch.distributed as dist
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    cuda = not smoke and torch.cuda.is_available()
+    if not smoke and not cuda:
+        print("BM7 needs a CUDA device per rank (or --smoke-cpu): not measured", file=sys.stderr)
+        return 1
+    if cuda:
+        torch.cuda.set_device(0)
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=args.timeout_s),
+                            **({"device_id": torch.device("cuda", 0)} if cuda else {}))
+    try:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        if smoke:
+            torch.set_num_threads(1)
+        device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+        dtype = torch.bfloat16 if cuda else torch.float32
+        torch.set_grad_enabled(False)
+        started = time.monotonic()
+        rows = []
+        for name in args.models:
+            run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows)
+        if rank == 0:
+            report = {"benchmark": "BM7 expert-parallel generate", "machine": machine_info(), "smoke_cpu": smoke,
+                      "world_size": world, "backend": dist.get_backend(),
+                      "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "predictor",
+                                                                "new_tokens", "warmup_tokens", "prompt_tokens",
+                                                                "vocab", "no_single")},
+                      "transformers": transformers.__version__,
+                      "notes": ["random weights; vocab reduced to --vocab",
+                                "ep budget per rank = share x the rank's slice; 1-gpu budget = share x all experts",
+                                "p50/p90 on rank 0's clock; tokens compared to rank 0's resident run"],
+                      "rows": rows, "wall_s": time.monotonic() - started}
+            print(format_table(rows))
+            if args.json:
+                write_json(args.json, report)
+    finally:
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,216 @@
+"""Expert parallel over torch.distributed: every MoE layer's experts are
+partitioned over the ranks of a process group; each rank keeps only its own
+experts (its own PrefetchHandle, device cache and host copy), computes its
+local routed experts for the whole batch, and the partial outputs are summed
+with one all-reduce per layer. Attention and the dense weights are
+replicated: every rank runs the whole model on the whole batch.
+
+    dist.init_process_group("nccl")        # under torchrun; "gloo" on the CPU
+    ctl = prefetch.offload_moe_experts(model, device_budget_bytes=per_rank_budget,
+                                       process_group=dist.group.WORLD)
+
+Note [Expert parallel]
+Placement is by expert id, the same table on every rank (`partition_experts`):
+"balanced" gives each rank a contiguous block of near-equal size (experts of
+a model are one size, so equal counts are equal bytes); "activations" keeps
+those block sizes but assigns experts to ranks by recorded activation
+counts, heaviest first onto the rank with the least load so far (longest
+processing time first), so the routed load evens out while the bytes stay
+balanced. A layer on a rank then (1) reads its full routing back once (as
+without a group; the predictor's guesses ride along), (2) scores the
+predictor and records the trace on the full routing, (3) makes one engine
+call acquiring only the routed experts it owns, the controller dropping the
+guesses and hints for experts it does not own, (4) runs the experts
+implementation with the other experts' routing weights set to 0 and their
+rows sent to the sentinel slot (grouped_mm skips them; the other
+implementations read them from a local slot and multiply by 0), and (5)
+all-reduces the [tokens, hidden] output over the group. With top-2 routing
+the sum is bit-equal to one process (x + 0 + y = x + y); with top-k > 2 the
+order of the additions can differ in the last bits.
+
+Every collective here is blocking and bounded by the process group's
+timeout: a rank that dies or stops answering makes the others raise (gloo)
+or be aborted by NCCL's watchdog, never hang for ever. `offload_moe_experts`
+checks first, with one all_gather, that every rank has the same model
+(layers, experts, shapes, dtype, top-k, the routers' bytes) and the same
+placement, and that every rank could set up; a rank that could not still
+joins the gather, so all ranks raise together.
+"""
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import torch
+
+__all__ = ["partition_experts", "activation_counts", "ExpertParallel", "setup_expert_parallel"]
+
+PLACEMENTS = ("balanced", "activations")
+_FIELDS = ("status", "layers", "experts", "gate_up rows", "gate_up cols", "down rows", "down cols", "dtype",
+           "top_k", "world size", "placement", "routers")
+
+
+def activation_counts(trace, num_layers: int | None = None, num_experts: int | None = None) -> np.ndarray:
+    """Per layer, per expert: how many steps of a RoutingTrace routed to the
+    expert (what each step would have to copy or compute)."""
+    layers = trace.num_layers if num_layers is None else num_layers
+    experts = trace.num_experts if num_experts is None else num_experts
+    counts = np.zeros((layers, experts), dtype=np.int64)
+    for step in trace.steps:
+        for layer, routed in enumerate(step[:layers]):
+            for e in routed:
+                if 0 <= e < experts:
+                    counts[layer, e] += 1
+    return counts
+
+
+def _block_sizes(num_experts: int, world_size: int) -> np.ndarray:
+    sizes = np.full(world_size, num_experts // world_size, dtype=np.int64)
+    sizes[: num_experts % world_size] += 1
+    return sizes
+
+
+def partition_experts(num_layers: int, num_experts: int, world_size: int, placement: str = "balanced",
+                      counts=None) -> np.ndarray:
+    """The owner rank of every (layer, expert), as an int64 [layers, experts]
+    table. "balanced": contiguous blocks, the first `experts % world_size`
+    ranks one expert more. "activations": the same number of experts per
+    rank, experts assigned heaviest first (by `counts`, [layers, experts] or
+    a RoutingTrace) to the rank with the least load so far; ties go to the
+    lower expert id and the lower rank, so every rank computes the same
+    table."""
+    if placement not in PLACEMENTS:
+        raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {placement!r}")
+    if world_size < 1:
+        raise ValueError(f"world size must be >= 1, got {world_size}")
+    if world_size > num_experts:
+        raise ValueError(f"expert parallel over {world_size} ranks needs at least {world_size} experts per layer; "
+                         f"this model has {num_experts}: use a group of at most {num_experts} ranks")
+    sizes = _block_sizes(num_experts, world_size)
+    if placement == "balanced":
+        if counts is not None:
+            raise ValueError('activation_counts is only used with expert_placement="activations"')
+        row = np.repeat(np.arange(world_size, dtype=np.int64), sizes)
+        return np.tile(row, (num_layers, 1))
+    if counts is None:
+        raise ValueError('expert_placement="activations" needs activation_counts (a [layers, experts] array or '
+                         "a RoutingTrace)")
+    if hasattr(counts, "steps"):
+        if counts.num_layers != num_layers or counts.num_experts != num_experts:
+            raise ValueError(f"the trace has {counts.num_layers} layers x {counts.num_experts} experts, the model "
+                             f"{num_layers} x {num_experts}")
+        counts = activation_counts(counts)
+    counts = np.asarray(counts)
+    if counts.shape != (num_layers, num_experts):
+        raise ValueError(f"activation_counts must have shape ({num_layers}, {num_experts}) (layers, experts), "
+                         f"got {counts.shape}")
+    if not np.issubdtype(counts.dtype, np.number) or not np.isfinite(counts).all() or (counts < 0).any():
+        raise ValueError("activation_counts must be finite and non-negative")
+    owner = np.empty((num_layers, num_experts), dtype=np.int64)
+    for layer in range(num_layers):
+        load = np.zeros(world_size, dtype=np.float64)
+        room = sizes.copy()
+        for e in np.argsort(-counts[layer].astype(np.float64), kind="stable"):
+            open_ranks = np.flatnonzero(room > 0)
+            r = open_ranks[np.argmin(load[open_ranks])]
+            owner[layer, e] = r
+            load[r] += float(counts[layer, e])
+            room[r] -= 1
+    return owner
+
+
+def _hash63(data: bytes) -> int:
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little") & ((1 << 63) - 1)
+
+
+def _tensor_bytes(t: torch.Tensor) -> bytes:
+    return t.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
+
+
+class ExpertParallel:
+    """This rank's share of the experts and the per-layer all-reduce."""
+
+    def __init__(self, group, owner: np.ndarray, rank: int, world_size: int):
+        self.group = group
+        self.owner = owner
+        self.rank = rank
+        self.world_size = world_size
+        self.local = owner == rank  # [layers, experts] bool
+
+    def local_experts(self, layer: int) -> np.ndarray:
+        return np.flatnonzero(self.local[layer])
+
+    def all_reduce(self, out: torch.Tensor) -> torch.Tensor:
+        """Sums this layer's partial outputs over the group, in place."""
+        torch.distributed.all_reduce(out, group=self.group)
+        return out
+
+    def __repr__(self) -> str:
+        counts = self.local.sum(axis=1)
+        return (f"<ExpertParallel rank {self.rank}/{self.world_size}: {int(counts.sum())} of {self.owner.size} "
+                f"experts ({int(counts.min())}..{int(counts.max())} per layer)>")
+
+
+def _collective_device(group, device: torch.device) -> torch.device:
+    backend = str(torch.distributed.get_backend(group))
+    if "nccl" in backend and "gloo" not in backend:
+        if device.type != "cuda":
+            raise ValueError(f"an NCCL process group needs the model on a CUDA device, got {device}")
+        return device
+    return torch.device("cpu")
+
+
+def setup_expert_parallel(group, hf_blocks, *, top_k: int, placement: str = "balanced",
+                          counts=None) -> ExpertParallel:
+    """Checks that every rank of `group` offloads the same model with the same
+    placement (one all_gather, bounded by the group's timeout) and returns
+    this rank's ExpertParallel. A rank whose setup failed still joins the
+    gather, then every rank raises."""
+    dist = torch.distributed
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("process_group given but torch.distributed is not initialised: call "
+                           "torch.distributed.init_process_group first (torchrun sets up the environment)")
+    rank = dist.get_rank(group)
+    world = dist.get_world_size(group)
+    if rank < 0:
+        raise ValueError("this process is not a member of process_group")
+    first = hf_blocks[0][1]
+    device = first.gate_up_proj.device
+    num_layers, num_experts = len(hf_blocks), first.gate_up_proj.shape[0]
+    error = None
+    owner = None
+    fields = [0, num_layers, num_experts, *first.gate_up_proj.shape[1:], *first.down_proj.shape[1:],
+              _hash63(str(first.gate_up_proj.dtype).encode()), top_k, world, 0, 0]
+    try:
+        owner = partition_experts(num_layers, num_experts, world, placement, counts)
+        fields[-2] = _hash63(owner.tobytes())
+        routers = hashlib.blake2b(digest_size=8)
+        for _, _, router in hf_blocks:
+            weight = getattr(router, "weight", None)
+            if isinstance(weight, torch.Tensor):
+                routers.update(_tensor_bytes(weight))
+        fields[-1] = _hash63(routers.digest())
+    except (ValueError, TypeError) as exc:
+        error = exc
+        fields[0] = 1
+    mine = torch.tensor(fields, dtype=torch.int64, device=_collective_device(group, device))
+    gathered = [torch.empty_like(mine) for _ in range(world)]
+    try:
+        dist.all_gather(gathered, mine, group=group, async_op=True).wait()
+    except RuntimeError as exc:
+        raise RuntimeError(f"expert parallel setup: rank {rank} could not hear from every rank of the group within "
+                           f"its timeout ({exc})") from exc
+    rows = [g.cpu().tolist() for g in gathered]
+    if error is not None:
+        raise error
+    failed = [r for r, row in enumerate(rows) if row[0] != 0]
+    if failed:
+        raise RuntimeError(f"expert parallel setup failed on rank(s) {failed} (see their errors); rank {rank} "
+                           "stops too")
+    for r, row in enumerate(rows):
+        if row != rows[0]:
+            diff = [f"{name}: rank 0 {a}, rank {r} {b}" for name, a, b in zip(_FIELDS, rows[0], row) if a != b]
+            raise ValueError("the ranks of the process group do not offload the same model with the same expert "
+                             f"placement ({'; '.join(diff)}): load the same checkpoint on every rank and pass the "
+                             "same expert_placement and activation_counts")
+    return ExpertParallel(group, owner, rank, world)

@@ -1,0 +1,318 @@
+"""Expert parallel over torch.distributed, on the CPU: two real processes
+over gloo, each offloading its half of every layer's experts to its own host
+-backend engine, tiny Qwen3-MoE and OLMoE models; greedy tokens must equal
+the untouched single-process model's. A rank that fails or stops answering
+must make the other fail within the group's timeout; the parent joins with a
+deadline and kills what is left, so nothing here can hang CI.
+
+Each scenario is one pair of spawned processes (python, torch and
+transformers start in each: a few seconds); the scenarios that leave the
+group usable share a pair."""
+import copy
+import multiprocessing as mp
+import os
+import time
+import traceback
+from datetime import timedelta
+
+import numpy as np
+import pytest
+import torch
+
+from prefetch.expert_parallel import activation_counts, partition_experts
+from prefetch.hf import offloaded_experts
+from prefetch.trace import RoutingTrace
+
+transformers = pytest.importorskip("transformers")
+
+from test_integration import build, expert_bytes, family_configs, greedy  # noqa: E402
+
+WORLD = 2
+JOIN_S = 90  # the parent's deadline for a pair of ranks; scenarios take a few seconds
+FAMILIES = ("qwen3_moe", "olmoe")
+IMPLS = ("eager", "grouped_mm", "batched_mm")
+BATCHES = (1, 2)
+SKEWED = np.array([[9, 1, 8, 2, 7, 3, 6, 4]] * 3)  # activation counts for the "activations" placement
+
+
+def prompt(cfg, batch):
+    return torch.randint(0, cfg.vocab_size, (batch, 6), generator=torch.Generator().manual_seed(10 + batch))
+
+
+def slots_budget(model, slots):
+    per, _ = expert_bytes(model)
+    return slots * (per + 512)
+
+
+# -- what each rank runs (module level: spawned processes import this file)
+
+
+def _offload(model, group, slots, **kw):
+    import prefetch
+
+    return prefetch.offload_moe_experts(model, device_budget_bytes=slots_budget(model, slots), backend="host",
+                                        process_group=group, **kw)
+
+
+def _catch(fn):
+    try:
+        fn().close()
+    except Exception as exc:  # the scenario records what each rank raised
+        return (type(exc).__name__, str(exc))
+    return None
+
+
+def scenario_tokens_and_errors(rank, group):
+    from prefetch.integration import NextLayerGatePredictor
+
+    out = {"errors": {}, "runs": {}}
+    # Bad input first: every case fails on both ranks at offload's one
+    # all_gather, so the group stays usable.
+    cfg = family_configs()["qwen3_moe"]
+    other = build(cfg)
+    if rank == 1:
+        with torch.no_grad():
+            for p in other.parameters():
+                p.add_(0.01)  # another checkpoint: same shapes, other weights
+    out["errors"]["mismatch"] = _catch(lambda: _offload(other, group, 3))
+    out["errors"]["placement differs"] = _catch(lambda: _offload(
+        build(cfg), group, 3, expert_placement="activations", activation_counts=np.roll(SKEWED, rank, axis=1)))
+    out["errors"]["bad counts on rank 1"] = _catch(lambda: _offload(
+        build(cfg), group, 3, expert_placement="activations", activation_counts=SKEWED if rank == 0 else SKEWED[:1]))
+    one = transformers.MixtralConfig(vocab_size=96, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+                                     num_key_value_heads=2, intermediate_size=48, num_local_experts=1,
+                                     num_experts_per_tok=1)
+    out["errors"]["one expert"] = _catch(lambda: _offload(build(one), group, 3))
+
+    for family in FAMILIES:
+        cfg = family_configs()[family]
+        for impl in IMPLS:
+            for batch in BATCHES:
+                model = build(cfg, experts_implementation=impl)
+                predictor = NextLayerGatePredictor() if impl != "eager" else None
+                placement = {"expert_placement": "activations", "activation_counts": SKEWED} if batch == 2 else {}
+                # 3 slots for this rank's 4 experts x 3 layers: evictions every
+                # step, and the prompt's layers run in pieces.
+                ctl = _offload(model, group, 3, predictor=predictor, **placement)
+                try:
+                    seq, _ = greedy(model, prompt(cfg, batch))
+                    s = ctl.handle.stats()
+                    out["runs"][(family, impl, batch)] = {
+                        "seq": seq, "registered": s["registered"], "evictions": s["evictions"],
+                        "pinned": s["pinned_count"], "local": ctl.expert_parallel.local.copy(),
+                        "report": ctl.report()}
+                finally:
+                    ctl.close()
+    # One engine call per layer and rank: a slice's worth of slots, no pieces.
+    cfg = family_configs()["qwen3_moe"]
+    model = build(cfg, experts_implementation="grouped_mm")
+    ctl = _offload(model, group, 5, predictor=NextLayerGatePredictor())
+    calls = {"step": 0, "release": 0, "other": 0}
+    real = ctl.handle
+
+    class Counting:
+        def __getattr__(self, name):
+            attr = getattr(real, name)
+            if callable(attr) and name in ("step", "release", "acquire", "acquire_slots", "prefetch_tensors",
+                                           "hint_next_use", "cancel"):
+                def counted(*a, **k):
+                    calls[name if name in calls else "other"] += 1
+                    return attr(*a, **k)
+                return counted
+            return attr
+
+    ctl.handle = Counting()
+    try:
+        seq, _ = greedy(model, prompt(cfg, 1), steps=3)
+        out["calls"] = dict(calls)
+        out["calls_seq"] = seq
+    finally:
+        ctl.handle = real
+        ctl.close()
+    return out
+
+
+def scenario_rank_fails(rank, group):
+    """Rank 1 raises inside its second decoder layer, before that layer's
+    all-reduce: rank 0 must raise from the collective, not wait for ever."""
+    cfg = family_configs()["olmoe"]
+    model = build(cfg, experts_implementation="grouped_mm")
+    ctl = _offload(model, group, 4)
+    if rank == 1:
+        def boom(*_):
+            raise RuntimeError("injected failure on rank 1")
+        model.model.layers[1].register_forward_pre_hook(boom)
+    try:
+        greedy(model, prompt(cfg, 1))
+    finally:
+        ctl.close()
+
+
+def scenario_rank_hangs(rank, group):
+    """Rank 1 offloads, then never runs the model: rank 0's first all-reduce
+    must time out (the group's timeout) and raise."""
+    cfg = family_configs()["qwen3_moe"]
+    model = build(cfg)
+    ctl = _offload(model, group, 4)
+    if rank == 1:
+        time.sleep(600)  # the parent kills it
+    try:
+        greedy(model, prompt(cfg, 1))
+    finally:
+        ctl.close()
+
+
+SCENARIOS = {"tokens": scenario_tokens_and_errors, "fails": scenario_rank_fails, "hangs": scenario_rank_hangs}
+
+
+def _rank_main(rank, scenario, init_file, result_dir, timeout_s):
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    result = {}
+    code = 0
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=WORLD,
+                                timeout=timedelta(seconds=timeout_s))
+        result["value"] = SCENARIOS[scenario](rank, dist.group.WORLD)
+    except BaseException as exc:
+        result["error"] = (type(exc).__name__, str(exc), traceback.format_exc())
+        code = 1
+    torch.save(result, os.path.join(result_dir, f"rank{rank}.pt"))
+    os._exit(code)  # no atexit teardown of a group whose peer may be gone
+
+
+def run_ranks(tmp_path, scenario, timeout_s=30):
+    """Runs `scenario` on two spawned ranks; returns ({rank: result},
+    {rank: exit code}, seconds). Ranks still alive at the deadline are
+    killed (their exit code is then negative)."""
+    ctx = mp.get_context("spawn")
+    init_file = tmp_path / "store"
+    procs = [ctx.Process(target=_rank_main, args=(r, scenario, str(init_file), str(tmp_path), timeout_s))
+             for r in range(WORLD)]
+    start = time.monotonic()
+    for p in procs:
+        p.start()
+    deadline = start + JOIN_S
+    first_failure = None
+    try:
+        # Wait for every rank, but once one has failed give the others only
+        # the group's timeout (plus slack) to notice, then kill them.
+        while any(p.is_alive() for p in procs) and time.monotonic() < deadline:
+            if first_failure is None and any(p.exitcode not in (None, 0) for p in procs):
+                first_failure = time.monotonic()
+                deadline = min(deadline, first_failure + timeout_s + 3)
+            time.sleep(0.05)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+            p.join(10)
+    results = {}
+    for r in range(WORLD):
+        path = tmp_path / f"rank{r}.pt"
+        if path.exists():
+            results[r] = torch.load(path, weights_only=False)
+    return results, [p.exitcode for p in procs], time.monotonic() - start
+
+
+def test_placement_tables():
+    table = partition_experts(3, 8, 2)
+    assert (table == np.repeat([0, 1], 4)).all()
+    assert [list(np.bincount(row)) for row in partition_experts(2, 10, 4)] == [[3, 3, 2, 2]] * 2
+    act = partition_experts(3, 8, 2, "activations", SKEWED)
+    assert [np.bincount(row).tolist() for row in act] == [[4, 4]] * 3  # bytes stay balanced
+    loads = [SKEWED[0][act[0] == r].sum() for r in range(2)]
+    assert loads == [20, 20]  # 9 8 7 6 | 1 2 3 4 in blocks would be 30 | 10
+    trace = RoutingTrace(3, 8, [[[0, 1], [2], [7]], [[0], [2, 3], [7]]])
+    counts = activation_counts(trace)
+    assert counts[0].tolist() == [2, 1, 0, 0, 0, 0, 0, 0] and counts[2, 7] == 2
+    assert (partition_experts(3, 8, 2, "activations", trace) == partition_experts(3, 8, 2, "activations",
+                                                                                   counts)).all()
+    with pytest.raises(ValueError, match="at least 3 experts"):
+        partition_experts(3, 2, 3)
+    with pytest.raises(ValueError, match="expert_placement"):
+        partition_experts(3, 8, 2, "random")
+    with pytest.raises(ValueError, match="needs activation_counts"):
+        partition_experts(3, 8, 2, "activations")
+    with pytest.raises(ValueError, match="shape"):
+        partition_experts(3, 8, 2, "activations", SKEWED[:1])
+    with pytest.raises(ValueError, match="non-negative"):
+        partition_experts(3, 8, 2, "activations", -SKEWED)
+    with pytest.raises(ValueError, match="4 layers"):
+        partition_experts(3, 8, 2, "activations", RoutingTrace(4, 8))
+
+
+def test_placement_options_need_a_group():
+    import prefetch
+
+    model = build(family_configs()["olmoe"])
+    with pytest.raises(ValueError, match="need a process_group"):
+        prefetch.offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
+                                     expert_placement="activations", activation_counts=SKEWED)
+    with pytest.raises(RuntimeError, match="not initialised"):
+        prefetch.offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", process_group=object())
+    assert not offloaded_experts(model)
+
+
+def test_two_ranks_match_one_process(tmp_path):
+    results, codes, _ = run_ranks(tmp_path, "tokens")
+    for r in range(WORLD):
+        assert "error" not in results.get(r, {"error": "no result"}), results[r]["error"][2]
+    assert codes == [0, 0]
+    got = [results[r]["value"] for r in range(WORLD)]
+
+    errors = [g["errors"] for g in got]
+    for r in range(WORLD):
+        assert errors[r]["mismatch"][0] == "ValueError" and "routers" in errors[r]["mismatch"][1]
+        assert errors[r]["placement differs"][0] == "ValueError"
+        assert "placement" in errors[r]["placement differs"][1]
+        assert errors[r]["one expert"][0] == "ValueError" and "at least 2 experts" in errors[r]["one expert"][1]
+    assert errors[1]["bad counts on rank 1"][0] == "ValueError"
+    assert errors[0]["bad counts on rank 1"][0] == "RuntimeError"
+    assert "rank(s) [1]" in errors[0]["bad counts on rank 1"][1]
+
+    for family in FAMILIES:
+        cfg = family_configs()[family]
+        for impl in IMPLS:
+            ref = build(cfg, experts_implementation=impl)
+            for batch in BATCHES:
+                seq_ref, _ = greedy(copy.deepcopy(ref), prompt(cfg, batch))
+                runs = [g["runs"][(family, impl, batch)] for g in got]
+                for r, run in enumerate(runs):
+                    assert torch.equal(run["seq"], seq_ref), (family, impl, batch, r)
+                    # Only its own share: 4 of 8 experts in each of 3 layers.
+                    assert run["registered"] == run["local"].sum() == 3 * 4
+                    assert run["evictions"] > 0 and run["pinned"] == 0
+                # The two ranks' shares are disjoint and cover every expert.
+                assert (runs[0]["local"] ^ runs[1]["local"]).all()
+                if batch == 2:  # "activations" placement: not the contiguous blocks
+                    assert not (runs[0]["local"][:, :4]).all()
+                if impl != "eager":
+                    assert runs[0]["report"]["prediction_recall"] == runs[1]["report"]["prediction_recall"]
+
+    cfg = family_configs()["qwen3_moe"]
+    seq_ref, _ = greedy(build(cfg, experts_implementation="grouped_mm"), prompt(cfg, 1), steps=3)
+    for g in got:
+        assert torch.equal(g["calls_seq"], seq_ref)
+        forwards = 3
+        # One step per layer; the last layer releases what it holds (nothing
+        # when none of its routed experts is this rank's).
+        assert g["calls"]["step"] == forwards * cfg.num_hidden_layers and g["calls"]["other"] == 0
+        assert 1 <= g["calls"]["release"] <= forwards
+
+
+def test_a_failing_rank_fails_the_other(tmp_path):
+    results, codes, _ = run_ranks(tmp_path, "fails")
+    assert codes == [1, 1]
+    assert "injected failure on rank 1" in results[1]["error"][1]
+    name, message, _ = results[0]["error"]
+    assert name in ("RuntimeError", "DistBackendError"), message
+
+
+def test_a_silent_rank_times_out(tmp_path):
+    results, codes, _ = run_ranks(tmp_path, "hangs", timeout_s=4)
+    assert codes[0] == 1 and codes[1] != 0  # rank 1 was killed by the parent
+    name, message, _ = results[0]["error"]
+    assert name in ("RuntimeError", "DistBackendError"), message
+    assert 1 not in results
