@@ -420,16 +420,15 @@ class ExpertsOffload:
         t2 = time.perf_counter_ns()
         if not mine.shape[0]:
             return torch.zeros_like(hidden_states), t2, time.perf_counter_ns()
-        self._remap[mine] = self._slot_ids(where)
+        stand = self._stand_for(name, self._slot_ids(where), mine)
+        # Other ranks' experts: the sentinel (one past the stand's last
+        # expert), or for eager a slot of ours; their weight is 0 either way.
         sentinel_ok = name in ("grouped_mm", "batched_mm")
-        if not sentinel_ok:
-            self._remap[~self._local] = self._remap[mine[0]]
+        self._remap[~self._local] = stand.num_experts if sentinel_ok else self._remap[mine[0]]
         index = self._slot_index(routed, top_k_index.shape)
-        if not sentinel_ok:
-            self._remap[~self._local] = self.slots
         weights = top_k_weights.masked_fill(self._foreign[top_k_index], 0)
         t2 = time.perf_counter_ns()
-        out = fn(self.stand, hidden_states, index, weights)
+        out = fn(stand, hidden_states, index, weights)
         return out, t2, time.perf_counter_ns()
 
     def _pieces(self, fn, name, hidden_states, top_k_index, top_k_weights, experts, guesses, hints, stream):
@@ -446,10 +445,11 @@ class ExpertsOffload:
             first = start == 0
             where = ctl.exchange(self.layer, piece, guesses if first else {}, hints if first else None,
                                  stream=stream)
-            self._remap[:] = -1
             stand = self._stand_for(name, self._slot_ids(where), piece)
             sentinel = stand.num_experts  # grouped_mm skips rows routed past the last group
-            remap = np.where(self._remap < 0, sentinel, self._remap)
+            in_piece = np.zeros(self.num_experts, dtype=bool)
+            in_piece[piece] = True
+            remap = np.where(in_piece, self._remap, sentinel)
             index = torch.from_numpy(remap).to(top_k_index.device)[top_k_index]
             inside = index < sentinel
             weights = top_k_weights.masked_fill(~inside, 0)

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath bm6 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
+# steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # overlap e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
@@ -77,6 +77,10 @@ for step in $steps; do
       # BM6_ARGS picks models, batches, shares (one model per device call fits its limit).
       python3 bench/generate.py ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-480}" --json "$out/bm6${BM6_TAG:-}.json" \
         --plot "$out/bm6${BM6_TAG:-}.png" 2>"$out/bm6${BM6_TAG:-}.log" | tee "$out/bm6${BM6_TAG:-}.txt" || status=1 ;;
+    bm7)
+      # Expert parallel over the GPUs of this machine (BM7_ARGS: models, batches, shares).
+      timeout "${BM7_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "${BM7_RANKS:-2}" bench/ep_generate.py \
+        ${BM7_ARGS:-} --json "$out/bm7.json" 2>"$out/bm7.log" | tee "$out/bm7.txt" || status=1 ;;
     e2etraces)
       # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run).
       for t in ${TRACES:-traces/*.json}; do
