@@ -229,6 +229,15 @@ class OffloadController:
         predictor's guesses in one engine call. The caller acquires."""
         self.begin_layer(layer)
         raw = self.predict(layer, hidden)
+        on_device = [(t, g) for t, g in raw.items() if hasattr(g, "device") and g.device.type != "cpu"]
+        if on_device:  # one read-back for every device guess
+            import torch
+
+            host = torch.cat([g.reshape(-1) for _, g in on_device]).cpu()
+            pos = 0
+            for target, g in on_device:
+                raw[target] = host[pos : pos + g.numel()]
+                pos += g.numel()
         guesses = {t: _distinct(g, self.num_experts) for t, g in raw.items()}
         routed = _distinct(experts, self.num_experts)
         guesses, hints = self.observe(layer, routed, guesses)
@@ -287,7 +296,9 @@ _EMPTY = np.empty(0, dtype=np.int64)
 def _distinct(experts, num_experts: int) -> np.ndarray:
     """Sorted distinct expert ids of a host sequence, numpy array or CPU
     tensor, as int64."""
-    arr = np.asarray(experts.numpy() if hasattr(experts, "numpy") else experts, dtype=np.int64).reshape(-1)
+    if hasattr(experts, "detach"):  # a torch tensor: on the host, without autograd
+        experts = experts.detach().cpu().numpy()
+    arr = np.asarray(experts, dtype=np.int64).reshape(-1)
     if arr.shape[0] == 0:
         return arr
     if arr.min() < 0 or arr.max() >= num_experts:
