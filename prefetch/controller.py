@@ -293,6 +293,16 @@ class OffloadController:
 _EMPTY = np.empty(0, dtype=np.int64)
 
 
+def _routed_experts(routed: np.ndarray, num_experts: int) -> np.ndarray:
+    """Sorted distinct experts of a routing read back from the model: router
+    top-k indices, in 0..num_experts-1 by construction (so no range scan;
+    one past the end still raises IndexError). Half the cost of _distinct,
+    twice a layer on the serving path."""
+    mask = np.zeros(num_experts, dtype=bool)
+    mask[routed] = True
+    return mask.nonzero()[0]
+
+
 def _distinct(experts, num_experts: int) -> np.ndarray:
     """Sorted distinct expert ids of a host sequence, numpy array or CPU
     tensor, as int64."""

@@ -44,7 +44,7 @@ import weakref
 import numpy as np
 import torch
 
-from prefetch.controller import OffloadController, _distinct
+from prefetch.controller import OffloadController, _distinct, _routed_experts
 from prefetch.expert_prefetcher import _align, expert_layout
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
@@ -335,9 +335,8 @@ class ExpertsOffload:
         return stand
 
     def _slot_ids(self, where: np.ndarray) -> np.ndarray:
-        offsets = where[:, 0]
-        slots = offsets // self.slot_bytes
-        if (offsets != slots * self.slot_bytes).any():
+        slots, off_grid = np.divmod(where[:, 0], self.slot_bytes)
+        if off_grid.any():
             raise RuntimeError("an expert's cache slot is not on the slot grid: the handle holds tensors of "
                                "another size (offload_moe_experts needs a handle of its own)")
         return slots
@@ -358,12 +357,12 @@ class ExpertsOffload:
             host = flat.cpu().numpy()
         t1 = time.perf_counter_ns()
         n = flat.shape[0]
-        experts = _distinct(host[:n], self.num_experts)
+        experts = _routed_experts(host[:n], self.num_experts)
         guesses = {}
         pos = n
         for target, g in on_device:
             m = g.numel()
-            guesses[target] = _distinct(host[pos : pos + m], self.num_experts)
+            guesses[target] = _routed_experts(host[pos : pos + m], self.num_experts)
             pos += m
         for target, g in raw.items():
             if target not in guesses:
