@@ -342,9 +342,13 @@ def test_belady_floor():
 
 
 @pytest.mark.gpu
-def test_offloaded_model_on_gpu_matches_original():
+@pytest.mark.parametrize("impl,dtype", [("eager", torch.float32), ("grouped_mm", torch.bfloat16),
+                                        ("batched_mm", torch.bfloat16)])
+def test_offloaded_model_on_gpu_matches_original(impl, dtype):
+    # On the GPU generate's decode switches grouped_mm to batched_mm: both
+    # the resident and the offloaded model follow it, bit for bit.
     cfg = family_configs()["qwen3_moe"]
-    ref = build(cfg, device="cuda")
+    ref = build(cfg, device="cuda", dtype=dtype, experts_implementation=impl)
     model = copy.deepcopy(ref)
     per, num_experts = expert_bytes(model)
     ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
