@@ -70,3 +70,28 @@ def make_handle():
     yield make
     for h in handles:
         h.close()
+
+
+ENGINE_CALLS = ("step", "release", "acquire", "acquire_slots", "prefetch_tensors", "hint_next_use", "cancel")
+
+
+class CountingHandle:
+    """Wraps a PrefetchHandle and counts the calls an offloaded layer makes
+    into the engine: `calls["step"]`, `calls["release"]`, and every other
+    crossing of ENGINE_CALLS under "other"."""
+
+    def __init__(self, handle):
+        self.real = handle
+        self.calls = {"step": 0, "release": 0, "other": 0}
+
+    def __getattr__(self, name):
+        attr = getattr(self.real, name)
+        if callable(attr) and name in ENGINE_CALLS:
+            key = name if name in self.calls else "other"
+
+            def counted(*a, **k):
+                self.calls[key] += 1
+                return attr(*a, **k)
+
+            return counted
+        return attr

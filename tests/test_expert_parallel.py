@@ -25,6 +25,7 @@ from prefetch.trace import RoutingTrace
 
 transformers = pytest.importorskip("transformers")
 
+from conftest import CountingHandle  # noqa: E402
 from test_integration import build, expert_bytes, family_configs, greedy  # noqa: E402
 
 WORLD = 2
@@ -107,21 +108,9 @@ def scenario_tokens_and_errors(rank, group):
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="grouped_mm")
     ctl = _offload(model, group, 5, predictor=NextLayerGatePredictor())
-    calls = {"step": 0, "release": 0, "other": 0}
     real = ctl.handle
-
-    class Counting:
-        def __getattr__(self, name):
-            attr = getattr(real, name)
-            if callable(attr) and name in ("step", "release", "acquire", "acquire_slots", "prefetch_tensors",
-                                           "hint_next_use", "cancel"):
-                def counted(*a, **k):
-                    calls[name if name in calls else "other"] += 1
-                    return attr(*a, **k)
-                return counted
-            return attr
-
-    ctl.handle = Counting()
+    ctl.handle = CountingHandle(real)
+    calls = ctl.handle.calls
     try:
         seq, _ = greedy(model, prompt(cfg, 1), steps=3)
         out["calls"] = dict(calls)

@@ -11,7 +11,7 @@ import json
 
 import pytest
 import torch
-from conftest import wait_drained
+from conftest import CountingHandle, wait_drained
 from torch import nn
 
 import prefetch
@@ -157,21 +157,9 @@ def test_one_engine_call_per_layer():
     model = build(cfg, experts_implementation="grouped_mm")
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
                               predictor=NextLayerGatePredictor())
-    calls = {"step": 0, "release": 0, "other": 0}
     real = ctl.handle
-
-    class Counting:
-        def __getattr__(self, name):
-            attr = getattr(real, name)
-            if callable(attr) and name in ("step", "release", "acquire", "acquire_slots", "prefetch_tensors",
-                                           "hint_next_use", "cancel"):
-                def counted(*a, **k):
-                    calls[name if name in calls else "other"] += 1
-                    return attr(*a, **k)
-                return counted
-            return attr
-
-    ctl.handle = Counting()
+    ctl.handle = CountingHandle(real)
+    calls = ctl.handle.calls
     try:
         ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
         greedy(model, ids, steps=3)
