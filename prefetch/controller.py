@@ -50,7 +50,7 @@ class OffloadController:
         self._seen_layer0 = False  # a second layer-0 routing starts a new step
         self.trace = RoutingTrace(num_layers, num_experts) if record_trace else None
         self._pending: dict[tuple[int, int], np.ndarray] = {}  # (step, layer) -> guessed experts
-        self._queued_guess: dict[int, np.ndarray] = {}  # layer -> guessed tensor ids sent to the engine
+        self._queued_guess: dict[int, np.ndarray] = {}  # layer -> guessed experts sent to the engine
         self._held: np.ndarray | None = None  # tensor ids acquired, released by the next exchange
         self._held_stream = None
         self.prediction_hits = 0
@@ -142,7 +142,7 @@ class OffloadController:
     def exchange(self, layer: int, experts: np.ndarray, guesses: dict, hints, *, stream=None,
                  timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:
         """The one engine call of a layer: release what the last exchange
-        acquired, cancel this layer's guesses that the routing did not pick,
+        acquired, cancel this layer's guesses still queued,
         send hints, acquire `experts` of `layer` (distinct expert indices;
         held until the next exchange or `release_held`) and queue the
         guesses ({layer: experts}; band = distance in layers). Returns
@@ -150,14 +150,11 @@ class OffloadController:
         rank's own; guesses and hints for other ranks' experts are dropped."""
         if self.local is not None:
             guesses, hints = self._only_local(guesses, hints)
-        cancel = None
+        # Every guess for this layer still queued is dropped; a right one is
+        # then acquired at band 0 in the same call (queued again and issued
+        # by this thread), as a queued guess would have been upgraded.
         stale = self._queued_guess.pop(layer, None)
-        if stale is not None:
-            routed = np.zeros(self.num_experts, dtype=bool)
-            routed[experts] = True
-            stale = stale[~routed[stale]]
-            if stale.shape[0]:
-                cancel = self.ids(layer, stale)
+        cancel = self.ids(layer, stale) if stale is not None else None
         prefetch = None
         band = 1
         extra = None
