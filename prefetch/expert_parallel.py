@@ -22,8 +22,9 @@ predictor and records the trace on the full routing, (3) makes one engine
 call acquiring only the routed experts it owns, the controller dropping the
 guesses and hints for experts it does not own, (4) runs the experts
 implementation with the other experts' routing weights set to 0 and their
-rows sent to the sentinel slot (grouped_mm skips them; the other
-implementations read them from a local slot and multiply by 0), and (5)
+rows sent to the sentinel slot for grouped_mm (it skips them) or to a slot
+the call acquired for the others (they read it and multiply by 0; a slot
+not held could be mid-copy, and 0 x NaN is NaN), and (5)
 all-reduces the [tokens, hidden] output over the group. With top-2 routing
 the sum is bit-equal to one process (x + 0 + y = x + y); with top-k > 2 the
 order of the additions can differ in the last bits.

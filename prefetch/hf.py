@@ -405,8 +405,9 @@ class ExpertsOffload:
         """Expert parallel: this rank's share of the layer. One engine call
         for the routed experts it owns (the controller drops the guesses for
         the others); the rows routed to other ranks' experts get weight 0
-        and the sentinel slot (grouped_mm and batched_mm take it; eager,
-        which cannot, gets a slot of ours and multiplies by 0). Returns
+        and, for grouped_mm, the sentinel slot (it skips them); the other
+        implementations read them from a slot this call acquired and
+        multiply by 0. Returns
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
         mine = experts[self._local[experts]]
@@ -420,9 +421,14 @@ class ExpertsOffload:
         if not mine.shape[0]:
             return torch.zeros_like(hidden_states), t2, time.perf_counter_ns()
         stand = self._stand_for(name, self._slot_ids(where), mine)
-        # Other ranks' experts: the sentinel (one past the stand's last
-        # expert), or for eager a slot of ours; their weight is 0 either way.
-        sentinel_ok = name in ("grouped_mm", "batched_mm")
+        # Other ranks' experts: grouped_mm skips rows routed past its last
+        # group (the sentinel) and reads nothing for them. Every other
+        # implementation reads the weights of the index it is given (batched_mm
+        # clamps the sentinel to the last slot), so those rows go to a slot
+        # this call acquired: a slot we do not hold may be mid-copy or never
+        # written, and 0 x NaN is NaN (a batched_mm rank under ASan, CI). The
+        # routing weight is 0, so the rows add exact zeros.
+        sentinel_ok = name == "grouped_mm"
         self._remap[~self._local] = stand.num_experts if sentinel_ok else self._remap[mine[0]]
         index = self._slot_index(routed, top_k_index.shape)
         weights = top_k_weights.masked_fill(self._foreign[top_k_index], 0)

@@ -51,8 +51,14 @@ def slots_budget(model, slots):
 def _offload(model, group, slots, **kw):
     import prefetch
 
-    return prefetch.offload_moe_experts(model, device_budget_bytes=slots_budget(model, slots), backend="host",
-                                        process_group=group, **kw)
+    ctl = prefetch.offload_moe_experts(model, device_budget_bytes=slots_budget(model, slots), backend="host",
+                                       process_group=group, **kw)
+    # Every slot NaN until a copy fills it (0xFF bytes): a computation that
+    # reads a slot it did not acquire, even times a zero routing weight,
+    # shows up as NaN logits instead of passing by luck (a batched_mm rank
+    # once read its last, never written slot for other ranks' experts).
+    ctl.handle._debug_fill_cache(0xFF)
+    return ctl
 
 
 def _catch(fn):
