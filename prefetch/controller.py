@@ -104,6 +104,32 @@ class OffloadController:
             return {}
         return self.predictor.predict(self, self.step, layer, hidden)
 
+    def read_back(self, raw: dict, routing=None):
+        """The layer's one device-to-host copy: `routing` (a device index
+        tensor, or None) and every guess in `raw` that is a device tensor
+        come back together. Returns (routing as an int64 numpy array or None,
+        {layer: sorted distinct experts} for every guess). Time spent waiting
+        counts in sync_ns."""
+        import torch
+
+        on_device = [(t, g) for t, g in raw.items() if isinstance(g, torch.Tensor) and g.device.type != "cpu"]
+        parts = ([] if routing is None else [routing.reshape(-1)])
+        parts += [g.reshape(-1).to(torch.int64) for _, g in on_device]
+        host = None
+        if parts:
+            t0 = time.perf_counter_ns()
+            host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+            self.sync_ns += time.perf_counter_ns() - t0
+        pos = 0 if routing is None else routing.numel()
+        guesses = {}
+        for target, g in on_device:  # router top-k indices: in range
+            guesses[target] = _routed_experts(host[pos : pos + g.numel()], self.num_experts)
+            pos += g.numel()
+        for target, g in raw.items():
+            if target not in guesses:
+                guesses[target] = _distinct(g, self.num_experts)
+        return (None if routing is None else host[: routing.numel()]), guesses
+
     def observe(self, layer: int, experts: np.ndarray, guesses: dict) -> tuple[dict, list | None]:
         """Layer `layer` routed to `experts` (sorted int64): scores earlier
         guesses for it, records the trace, tells the predictor. `guesses`
@@ -225,17 +251,7 @@ class OffloadController:
         BM5): layer `layer` chose `experts`; score, record, and queue the
         predictor's guesses in one engine call. The caller acquires."""
         self.begin_layer(layer)
-        raw = self.predict(layer, hidden)
-        on_device = [(t, g) for t, g in raw.items() if hasattr(g, "device") and g.device.type != "cpu"]
-        if on_device:  # one read-back for every device guess
-            import torch
-
-            host = torch.cat([g.reshape(-1) for _, g in on_device]).cpu()
-            pos = 0
-            for target, g in on_device:
-                raw[target] = host[pos : pos + g.numel()]
-                pos += g.numel()
-        guesses = {t: _distinct(g, self.num_experts) for t, g in raw.items()}
+        _, guesses = self.read_back(self.predict(layer, hidden))
         routed = _distinct(experts, self.num_experts)
         guesses, hints = self.observe(layer, routed, guesses)
         if guesses or hints or layer in self._queued_guess:

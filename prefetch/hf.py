@@ -44,7 +44,7 @@ import weakref
 import numpy as np
 import torch
 
-from prefetch.controller import OffloadController, _distinct, _routed_experts
+from prefetch.controller import OffloadController, _routed_experts
 from prefetch.expert_prefetcher import _align, expert_layout
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
@@ -346,37 +346,19 @@ class ExpertsOffload:
         t_start = time.perf_counter_ns()
         layer = self.layer
         ctl.begin_layer(layer)
-        raw = ctl.predict(layer, hidden_states)
-        flat = top_k_index.reshape(-1)
-        on_device = [(t, g) for t, g in raw.items() if isinstance(g, torch.Tensor)]
-        t0 = time.perf_counter_ns()
-        if on_device:
-            both = torch.cat([flat, *(g.reshape(-1).to(flat.dtype) for _, g in on_device)])
-            host = both.cpu().numpy()
-        else:
-            host = flat.cpu().numpy()
-        t1 = time.perf_counter_ns()
-        n = flat.shape[0]
-        experts = _routed_experts(host[:n], self.num_experts)
-        guesses = {}
-        pos = n
-        for target, g in on_device:
-            m = g.numel()
-            guesses[target] = _routed_experts(host[pos : pos + m], self.num_experts)
-            pos += m
-        for target, g in raw.items():
-            if target not in guesses:
-                guesses[target] = _distinct(g, self.num_experts)
+        sync_before = ctl.sync_ns
+        routed, guesses = ctl.read_back(ctl.predict(layer, hidden_states), top_k_index)
+        experts = _routed_experts(routed, self.num_experts)
         guesses, hints = ctl.observe(layer, experts, guesses)
         stream = _raw_stream(self.device)
         engine_before = ctl.engine_ns
         if self._local is not None:
-            out, t2, t3 = self._forward_local(fn, name, hidden_states, top_k_index, top_k_weights, host[:n],
+            out, t2, t3 = self._forward_local(fn, name, hidden_states, top_k_index, top_k_weights, routed,
                                                experts, guesses, hints, stream)
         elif experts.shape[0] <= self.slots:
             where = ctl.exchange(layer, experts, guesses, hints, stream=stream)
             stand = self._stand_for(name, self._slot_ids(where), experts)
-            index = self._slot_index(host[:n], top_k_index.shape)
+            index = self._slot_index(routed, top_k_index.shape)
             t2 = time.perf_counter_ns()
             out = fn(stand, hidden_states, index, top_k_weights)
             t3 = time.perf_counter_ns()
@@ -395,9 +377,9 @@ class ExpertsOffload:
             ctl.comm_ns += comm
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
-        ctl.sync_ns += t1 - t0
         engine = ctl.engine_ns - engine_before
-        ctl.host_ns += (t_end - t_start) - (t1 - t0) - (t3 - t2) - engine - comm
+        sync = ctl.sync_ns - sync_before
+        ctl.host_ns += (t_end - t_start) - sync - (t3 - t2) - engine - comm
         return out
 
     def _forward_local(self, fn, name, hidden_states, top_k_index, top_k_weights, routed, experts, guesses, hints,

@@ -203,7 +203,6 @@ def offload_moe_experts(
                                        routers=[b.router for b in generic], record_trace=record_trace)
         for layer, block in enumerate(generic):
             block.attach(controller, layer)
-        controller.host_experts = None
         return controller
     except BaseException:
         handle.close()
