@@ -685,8 +685,8 @@ void ArcherPrefetchHandle::CheckHintsLocked(const int64_t* ids,
 // Note [One call per layer]
 // A decode step crosses into the engine once per MoE layer: Step releases
 // the layer before (its compute is queued on the stream by now, so the one
-// token recorded covers it), cancels the guesses for this layer that the
-// routing proved wrong, moves the hints, acquires this layer's experts and
+// token recorded covers it), cancels the caller's guesses for this layer
+// still queued, moves the hints, acquires this layer's experts and
 // queues the guesses for later layers. Release -> acquire -> prefetch is
 // also the order the cache wants: the slots the last layer held are free to
 // take, and this layer's misses are issued before any speculation.
@@ -721,7 +721,6 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
     EnqueuePrefetchTensors(a.prefetch_ids, a.n_prefetch, a.prefetch_band);
   }
 }
-
 
 void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
                                    const uintptr_t* streams, double timeout_s,
@@ -1108,8 +1107,9 @@ void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
   q.erase(keep, q.end());
 }
 
-bool ArcherPrefetchHandle::SpeculationAllowedLocked(DeviceState* dev) {
-  if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
+bool ArcherPrefetchHandle::SpeculationAllowedLocked(
+    const DeviceState* dev) const {
+  // The worker loop retired finished copies just before asking.
   // copying_bytes > 0 here (outside the worker's own copy) is an acquirer
   // issuing its misses.
   return dev->copying_bytes == 0 && dev->inflight_urgent_bytes == 0 &&

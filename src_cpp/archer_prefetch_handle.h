@@ -258,8 +258,9 @@ class ArcherPrefetchHandle {
                         int64_t now, bool set_now) const;
   // A speculative (band > 0) copy may start on this device now: no
   // on-demand copy in flight, and speculative bytes in flight under the cap
-  // (Note [Speculation never hurts]).
-  bool SpeculationAllowedLocked(DeviceState* dev);
+  // (Note [Speculation never hurts]). Reads the in-flight gauges as they
+  // are: the caller retires finished copies first (RetireInflightLocked).
+  bool SpeculationAllowedLocked(const DeviceState* dev) const;
   // Pin-count changes that keep pinned_entries_ exact.
   void PinLocked(Entry* e);
   void UnpinOneLocked(Entry* e);
