@@ -27,6 +27,13 @@ Rows (share = device cache budget / all expert bytes; share-free rows have none)
   gate              ... predictor=NextLayerGatePredictor()
   oracle            ... predictor=OraclePredictor(trace of on-demand's measured
                     generate), eviction_policy "next-use"
+                    (all three with the default sync_free=None: on-demand and
+                    oracle decode without a routing sync, Note [Sync-free
+                    decode]; the gate's guesses need that sync, so it stays
+                    on the synced path)
+  on-demand-synced / oracle-synced
+                    the same with sync_free=False: every layer reads its
+                    routing on the host first
   torch-by-hand     plain PyTorch a user would write: an LRU over (layer,
                     expert) of budget // expert-bytes device slots (one
                     preallocated [slots, ...] tensor per weight), experts in
@@ -141,9 +148,10 @@ SMOKE_MODELS = {
                                       num_experts_per_tok=2)),
 }
 SHARE_FREE_ROWS = ("resident", "resident-eager", "accelerate-cpu-offload")
-SHARE_ROWS = ("on-demand", "gate", "oracle", "torch-by-hand", "moe-policylang-lru", "moe-policylang-lookahead")
+SHARE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced", "torch-by-hand",
+              "moe-policylang-lru", "moe-policylang-lookahead")
 ROWS = ("resident", "resident-eager", *SHARE_ROWS, "accelerate-cpu-offload")
-ENGINE_ROWS = ("on-demand", "gate", "oracle")
+ENGINE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced")
 MPL_ROWS = ("moe-policylang-lru", "moe-policylang-lookahead")
 BY_HAND_IMPL = "bench_torch_by_hand"
 FIGURES = ("p50_ms", "p90_ms", "prefill_ms", "ttft_ms", "tokens_equal", "hit_rate", "bytes_moved", "copies",
@@ -364,6 +372,8 @@ class EngineMode(Mode):
         from prefetch.integration import NextLayerGatePredictor, OraclePredictor
 
         predictor, options = None, None
+        sync_free = False if row.endswith("-synced") else None
+        row = row.removesuffix("-synced")
         if row == "gate":
             predictor = NextLayerGatePredictor()
         elif row == "oracle":
@@ -371,18 +381,22 @@ class EngineMode(Mode):
             options = {"eviction_policy": "next-use"}
         kwargs = {} if cuda else {"backend": "host"}
         self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
-                                                handle_options=options, record_trace=True,
+                                                handle_options=options, record_trace=True, sync_free=sync_free,
                                                 host_experts=_HOST_EXPERTS.get(id(model)), **kwargs)
         _HOST_EXPERTS[id(model)] = self.ctl.host_experts
 
     def counters(self):
-        r = self.ctl.report()
-        out = {"bytes": r.get("bytes_copied"), "copies": r.get("copies"), "hits": None, "misses": None,
-               "evictions": r.get("evictions"), "wasted": r.get("wasted"), "late": r.get("late")}
+        r = self.ctl.report()  # reads the routings still on their way back first
+        # Bytes moved: the engine's copies plus the experts the sync-free path
+        # read straight from host memory; hits and misses likewise.
+        out = {"bytes": r.get("bytes_copied") + r.get("zero_copy_bytes", 0), "copies": r.get("copies"),
+               "hits": None, "misses": None, "evictions": r.get("evictions"), "wasted": r.get("wasted"),
+               "late": r.get("late"), "zero_copy_reads": r.get("zero_copy_reads")}
         handle = getattr(self.ctl, "handle", None)
         if handle is not None and hasattr(handle, "stats"):
             s = handle.stats()
-            out["hits"], out["misses"] = s.get("hits"), s.get("misses")
+            out["hits"] = s.get("hits") + getattr(self.ctl, "pinned_hits", 0)
+            out["misses"] = s.get("misses") + getattr(self.ctl, "zero_copy_reads", 0)
         return out
 
     def new_sequence(self):
@@ -879,7 +893,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
                 block_rows.append(null_row(base, "not run: the resident row did not run"))
                 continue
             trace = None
-            if row == "oracle":
+            if row in ("oracle", "oracle-synced"):
                 trace = oracle_trace(block, share)
                 if trace is None:
                     block_rows.append(null_row(base, "not run: no recorded routing trace (on-demand did not run)"))
@@ -901,7 +915,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
                 record_routing(block)
             if row == "on-demand" and steps is not None:
                 block.traces[share] = steps
-            if row == "oracle" and steps is not None:
+            if row in ("oracle", "oracle-synced") and steps is not None:
                 res["oracle_replayed_exactly"] = steps == trace.steps
             ref = block.reference[:, :generated.shape[1]]
             res["tokens_equal"] = bool(torch.equal(generated, ref))

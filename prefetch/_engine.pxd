@@ -108,6 +108,11 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         const int64_t* prefetch_ids
         size_t n_prefetch
         int prefetch_band
+        const int64_t* pin_ids
+        size_t n_pin
+        int64_t* pin_offsets
+        const int64_t* use_ids
+        size_t n_use
         const uintptr_t* streams
         const uintptr_t* release_streams
         double timeout_s

@@ -805,7 +805,8 @@ cdef class PrefetchHandle:
     def step(self, acquire=None, *, release=None, prefetch=None,
              band=DEFAULT_PRIORITY, cancel=None, hint_ids=None,
              hint_when=None, now=None, stream=None,
-             timeout=DEFAULT_ACQUIRE_TIMEOUT_S):
+             timeout=DEFAULT_ACQUIRE_TIMEOUT_S, pin=None, pin_into=None,
+             use=None):
         """One MoE layer's engine work in one GIL-free call, in this order:
         ``release`` (ids a previous acquire took; their slots are reused
         only after the work queued so far on ``stream`` - default torch's
@@ -817,7 +818,16 @@ cdef class PrefetchHandle:
         releases without an acquire, bad hints, an acquire that can never
         fit: nothing happens); after that a failing acquire (timeout,
         copy error) leaves the release, cancel and hints done. Returns the
-        (n, 2) int64 array of (offset, device) for ``acquire``."""
+        (n, 2) int64 array of (offset, device) for ``acquire``.
+
+        ``pin`` (with ``pin_into``, a writable int64 array of the same
+        length) pins those ids that are resident, without waiting, fetching
+        or counting a use, and writes each one's slot offset into
+        ``pin_into`` (-1: not resident, not pinned); a copy issued but not
+        complete is waited for on ``stream`` (on the GPU). Pinned ids are
+        released like acquired ones. ``use`` reports ids read since (an id
+        not resident counts as used when its copy lands). Both run after
+        the hints and before ``acquire`` (Note [Pins without waiting])."""
         self._check_open()
         cdef CStepArgs args
         cdef const int64_t[::1] rel
@@ -887,6 +897,27 @@ cdef class PrefetchHandle:
             if pre.shape[0] > 0:
                 args.prefetch_ids = &pre[0]
                 args.n_prefetch = pre.shape[0]
+        cdef const int64_t[::1] pin_ids
+        cdef int64_t[::1] pin_out
+        if pin is not None:
+            pin_ids = as_id_array(pin)
+            if pin_into is None:
+                raise ValueError("pin needs pin_into (an int64 array as long as pin)")
+            pin_out = pin_into
+            if pin_out.shape[0] != pin_ids.shape[0]:
+                raise ValueError(f"pin_into has {pin_out.shape[0]} places for {pin_ids.shape[0]} pin ids")
+            if pin_ids.shape[0] > 0:
+                args.pin_ids = &pin_ids[0]
+                args.n_pin = pin_ids.shape[0]
+                args.pin_offsets = &pin_out[0]
+        elif pin_into is not None:
+            raise ValueError("pin_into needs pin")
+        cdef const int64_t[::1] use_ids
+        if use is not None:
+            use_ids = as_id_array(use)
+            if use_ids.shape[0] > 0:
+                args.use_ids = &use_ids[0]
+                args.n_use = use_ids.shape[0]
         if stream is not None or args.n_release > 0:
             streams = self._streams(stream, False)
             args.streams = streams.data()

@@ -48,7 +48,7 @@ class OffloadController:
         self.step = 0
         self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)
         self._seen_layer0 = False  # a second layer-0 routing starts a new step
-        self.trace = RoutingTrace(num_layers, num_experts) if record_trace else None
+        self._trace = RoutingTrace(num_layers, num_experts) if record_trace else None
         self._pending: dict[tuple[int, int], np.ndarray] = {}  # (step, layer) -> guessed experts
         self._queued_guess: dict[int, np.ndarray] = {}  # layer -> guessed experts sent to the engine
         self._held: np.ndarray | None = None  # tensor ids acquired, released by the next exchange
@@ -63,6 +63,24 @@ class OffloadController:
         self.sync_ns = 0
         self.host_ns = 0
         self.comm_ns = 0  # expert parallel: the per-layer all-reduces (they wait for the slowest rank)
+        # Sync-free decode (Note [Sync-free decode] in prefetch/hf.py): off
+        # until the transformers adapter enables it.
+        self.sync_free = False
+        self._lagged: list = []  # routings queued for a later read: [layer, step, mask, staging, n, event]
+        self._staging: dict = {}  # layer -> (page-locked int64 buffer, the record using it or None)
+        self.zero_copy_reads = 0  # routed experts read from host memory (not resident at pin time)
+        self.expert_bytes = 0  # bytes of one expert (set with sync_free)
+        self.pinned_hits = 0  # routed experts read from the cache on the sync-free path
+        self._use: list = []  # tensor ids read, from drained routings, not yet sent to the engine
+        self._fetch: list = []  # tensor ids read from host memory: prefetched for the next step
+        self._late_hints: list = []
+
+    @property
+    def trace(self):
+        """The recorded routing (RoutingTrace), or None without record_trace;
+        routings still on their way back from the device are read first."""
+        self.flush()
+        return self._trace
 
     # -- routing clock and predictions
 
@@ -130,13 +148,15 @@ class OffloadController:
                 guesses[target] = _distinct(g, self.num_experts)
         return (None if routing is None else host[: routing.numel()]), guesses
 
-    def observe(self, layer: int, experts: np.ndarray, guesses: dict) -> tuple[dict, list | None]:
+    def observe(self, layer: int, experts: np.ndarray, guesses: dict, step: int | None = None
+                ) -> tuple[dict, list | None]:
         """Layer `layer` routed to `experts` (sorted int64): scores earlier
         guesses for it, records the trace, tells the predictor. `guesses`
         ({layer: host experts}) are this layer's pre-routing guesses; a
         predictor that reads the routing adds its own here. Returns
-        (guesses, hints)."""
-        step = self.step
+        (guesses, hints). `step`: the step the routing belongs to (default:
+        the current one; the sync-free path reads routings late)."""
+        step = self.step if step is None else step
         predicted = self._pending.pop((step, layer), None)
         if predicted is not None:
             hit = np.zeros(self.num_experts, dtype=bool)
@@ -144,8 +164,8 @@ class OffloadController:
             self.prediction_hits += int(hit[predicted].sum())
             self.predicted_total += int(predicted.shape[0])
             self.actual_total += int(experts.shape[0])
-        if self.trace is not None:
-            self.trace.add(step, layer, experts.tolist())
+        if self._trace is not None:
+            self._trace.add(step, layer, experts.tolist())
         hints = None
         if self.predictor is not None:
             hints = self.predictor.observe(self, step, layer, experts)
@@ -225,6 +245,124 @@ class OffloadController:
             self._held_stream = stream
         return where
 
+    # -- sync-free decode (Note [Sync-free decode] in prefetch/hf.py)
+
+    def enable_sync_free(self, num_experts: int, expert_bytes: int) -> None:
+        self.sync_free = True
+        self.expert_bytes = expert_bytes
+        self._layer_ids = [np.ascontiguousarray(self.ids(layer, np.arange(num_experts)))
+                           for layer in range(self.num_layers)]
+        self._pin_out = [np.empty(num_experts, dtype=np.int64) for _ in range(self.num_layers)]
+        self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
+
+    def sync_free_now(self) -> bool:
+        return self.sync_free
+
+    def pin_layer(self, layer: int, hidden, stream) -> np.ndarray:
+        """The sync-free path's one engine call for `layer`: release what the
+        last layer held, report the uses of the routings read back since,
+        prefetch the experts they read from host memory (and the guesses of
+        a predictor that makes them on the host), pin every resident expert
+        of `layer`. Returns the slot offset of each expert of the layer
+        (-1: not pinned, read from host memory)."""
+        self.drain(wait=False)
+        prefetch = self._fetch
+        if self._host_guesses:
+            for target, guess in self.predictor.predict(self, self.step, layer, hidden).items():
+                guess = _distinct(guess, self.num_experts)
+                if guess.shape[0]:
+                    prefetch.append(self.ids(target, guess))
+        use = (self._use[0] if len(self._use) == 1 else np.concatenate(self._use)) if self._use else None
+        fetch = None
+        if prefetch:
+            fetch = prefetch[0] if len(prefetch) == 1 else np.unique(np.concatenate(prefetch))
+        hints = self._late_hints
+        hint_ids = hint_when = None
+        if hints:
+            hint_ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
+            hint_when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
+                                        else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
+        if self._held is not None and stream != self._held_stream:
+            self.release_held()
+        held, self._held = self._held, None
+        out = self._pin_out[layer]
+        t0 = time.perf_counter_ns()
+        try:
+            self.handle.step(release=held, pin=self._layer_ids[layer], pin_into=out, use=use, prefetch=fetch,
+                             band=1, hint_ids=hint_ids, hint_when=hint_when,
+                             now=self.clock if hints else None, stream=stream)
+        except (ValueError, KeyError, TypeError, OverflowError):
+            self._held = held
+            raise
+        finally:
+            self.engine_ns += time.perf_counter_ns() - t0
+        self._use, self._fetch, self._late_hints = [], [], []
+        pinned = self._layer_ids[layer][out >= 0]
+        if pinned.shape[0]:
+            self._held = pinned
+            self._held_stream = stream
+        return out
+
+    def queue_routing(self, layer: int, top_k_index, pinned: np.ndarray) -> None:
+        """Queues the device-to-host copy of `layer`'s routing; `pinned`
+        (bool per expert) says which experts the layer read from the cache.
+        Read by a later `drain`."""
+        import torch
+
+        n = top_k_index.numel()
+        staging, user, event = self._staging.get(layer, (None, None, None))
+        if user is not None:
+            self.drain(wait=True, upto=user)  # one step ago: long done
+        cuda = top_k_index.device.type == "cuda"
+        if staging is None or staging.shape[0] < n:
+            staging = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=cuda)
+        staging[:n].copy_(top_k_index.reshape(-1), non_blocking=cuda)
+        if cuda:
+            if event is None:
+                event = torch.cuda.Event()
+            event.record()
+        record = [layer, self.step, pinned, staging, n, event]
+        self._staging[layer] = (staging, record, event)
+        self._lagged.append(record)
+
+    def drain(self, *, wait: bool, upto=None) -> None:
+        """Reads the queued routings whose copies have landed (`wait`: all of
+        them, or up to and including `upto`): scores, trace, predictor, and
+        the uses and host reads the next engine call reports."""
+        while self._lagged:
+            record = self._lagged[0]
+            layer, step, pinned, staging, n, event = record
+            if event is not None and not event.query():
+                if not (wait and (upto is None or any(r is upto for r in self._lagged))):
+                    return
+                t0 = time.perf_counter_ns()
+                event.synchronize()
+                self.sync_ns += time.perf_counter_ns() - t0
+            self._lagged.pop(0)
+            if self._staging[layer][1] is record:
+                self._staging[layer] = (staging, None, event)
+            experts = _routed_experts(staging.numpy()[:n], self.num_experts)
+            guesses, hints = self.observe(layer, experts, {}, step=step)
+            hit = pinned[experts]
+            missed = experts[~hit]
+            self.pinned_hits += int(hit.sum())
+            self.zero_copy_reads += int(missed.shape[0])
+            self._use.append(self.ids(layer, experts))
+            if missed.shape[0]:
+                self._fetch.append(self.ids(layer, missed))
+            for target, guess in guesses.items():
+                if guess.shape[0] and self._late_predict:
+                    self._fetch.append(self.ids(target, guess))
+            if hints:
+                self._late_hints.extend(hints)
+            if record is upto:
+                return
+
+    def flush(self) -> None:
+        """Reads every routing still queued (waits for its copy)."""
+        if self._lagged:
+            self.drain(wait=True)
+
     def _only_local(self, guesses: dict, hints):
         local = self.local
         guesses = {t: g[local[t][g]] for t, g in guesses.items()}
@@ -277,11 +415,15 @@ class OffloadController:
         """Hit rate, prediction precision and recall, bytes and copies moved,
         and the host time of the offloaded layers (us per layer: engine
         calls, the routing read-back, the rest)."""
+        self.flush()
         s = self.handle.stats()
-        acquired = s["hits"] + s["misses"]
+        hits = s["hits"] + self.pinned_hits
+        acquired = s["hits"] + s["misses"] + self.pinned_hits + self.zero_copy_reads
         layers = self.layers_run
         return {
-            "hit_rate": s["hits"] / acquired if acquired else None,
+            "hit_rate": hits / acquired if acquired else None,
+            "zero_copy_reads": self.zero_copy_reads,
+            "zero_copy_bytes": self.zero_copy_reads * self.expert_bytes,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
             "bytes_copied": s["bytes_copied"],
@@ -299,6 +441,8 @@ class OffloadController:
         }
 
     def close(self) -> None:
+        if not self.handle.closed:
+            self.flush()
         self._held = None
         self.handle.close()
 

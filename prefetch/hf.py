@@ -150,7 +150,7 @@ class HostExperts:
     layer, the expert ids to pack) packs only a subset: an expert-parallel
     rank's own slice (prefetch/expert_parallel.py)."""
 
-    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None):
+    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None, align_to: int | None = None):
         first = hf_blocks[0][1]
         self.num_layers = len(hf_blocks)
         self.num_experts = first.gate_up_proj.shape[0]
@@ -182,7 +182,12 @@ class HostExperts:
             self._row[layer, ex] = rows_before + np.arange(ex.shape[0])
             rows_before += ex.shape[0]
         total = rows_before * self.stride
-        self.buffer = torch.empty(total, dtype=torch.uint8)
+        # align_to (an address, the engine's arena): the buffer starts a whole
+        # number of strides from it, so one strided tensor addresses both
+        # (Note [Sync-free decode]).
+        self._raw = torch.empty(total + (self.stride if align_to is not None else 0), dtype=torch.uint8)
+        shift = 0 if align_to is None else (align_to - self._raw.data_ptr()) % self.stride
+        self.buffer = self._raw[shift : shift + total]
         done = 0
         next_report = 1 << 30
         for layer, (_, module, _) in enumerate(hf_blocks):
@@ -209,12 +214,12 @@ class HostExperts:
                 next_report = done + (1 << 30)
         self.pinned = False
         if pin and total:
-            err = torch.cuda.cudart().cudaHostRegister(self.buffer.data_ptr(), total, 0)
+            err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self._raw.numel(), 0)
             if int(getattr(err, "value", err)) != 0:
                 raise MemoryError(f"could not page-lock {total} bytes of host memory for the experts "
                                   f"(cudaHostRegister error {err})")
             self.pinned = True
-            weakref.finalize(self, _unregister_host, self.buffer)
+            weakref.finalize(self, _unregister_host, self._raw)
 
     def matches(self, hf_blocks, experts=None) -> bool:
         """Whether this buffer holds the experts of `hf_blocks`' shapes that an
@@ -232,6 +237,84 @@ class HostExperts:
             raise KeyError(f"expert {expert} of layer {layer} is not in this HostExperts (another rank's slice)")
         start = row * self.stride
         return self.buffer[start : start + self.expert_bytes]
+
+
+def _address(buffer) -> int:
+    return buffer.data_ptr() if isinstance(buffer, torch.Tensor) else buffer.ctypes.data
+
+
+class _RawBytes:
+    """`nbytes` bytes at address `ptr` through the array interfaces (no copy,
+    no ownership): what torch.as_tensor needs to view memory it did not
+    allocate."""
+
+    def __init__(self, ptr: int, nbytes: int, cuda: bool):
+        face = {"shape": (nbytes,), "typestr": "|u1", "data": (ptr, False), "version": 3}
+        if cuda:
+            self.__cuda_array_interface__ = face
+        else:
+            self.__array_interface__ = face
+
+
+class Universe:
+    """Note [Sync-free decode]
+    With unified virtual addressing a kernel reads page-locked host memory
+    registered with CUDA through the same kind of pointer as device memory,
+    over PCIe (measured on the H200, tools/uva_probe.py: a gather of 8
+    OLMoE experts from host memory moves 51 GB/s, the copy engine 55). The
+    engine's arena and the packed host experts (HostExperts, placed a whole
+    number of slot strides from the arena) are then rows of ONE strided
+    tensor: row r is either a cache slot or a host expert. An experts
+    implementation run on that tensor with expert ids mapped to rows reads a
+    cached expert from HBM and a missing one straight from host memory, so a
+    layer needs no routing on the host before it computes: no sync. Per
+    layer the host (1) pins every resident expert of the layer in one engine
+    call (Note [Pins without waiting]) and releases the last layer's, (2)
+    sends the layer's expert -> row map (resident: its slot; else its host
+    row) in one small copy, (3) runs the implementation with the routing
+    mapped through it on the GPU, and (4) queues a copy of the routing back
+    to the host. That copy is read a layer or more later, without waiting:
+    it says which experts were read (a use, for the eviction policy), which
+    of them came from host memory (those are prefetched into the cache for
+    the next step), and feeds the trace, the scoring and the predictor.
+    batched_mm (generate's decode on a GPU) gathers rows by index, so it
+    runs this way; grouped_mm and eager need the routing on the host (group
+    sizes, loops) and take the synced path, as does a call with more rows
+    than `max_rows` (batched_mm reads an expert once per row routed to it,
+    over PCIe when missing)."""
+
+    def __init__(self, arena, host: HostExperts, slot_bytes: int, device: torch.device):
+        if host.stride != slot_bytes:
+            raise ValueError("host experts and cache slots differ in stride")
+        a, h = _address(arena), host.buffer.data_ptr()
+        size_a = arena.numel() if isinstance(arena, torch.Tensor) else arena.nbytes
+        if (h - a) % slot_bytes:
+            raise ValueError("the host experts are not on the arena's slot grid (packed for another handle)")
+        base = min(a, h)
+        end = max(a + size_a, h + host.buffer.numel())
+        cuda = device.type == "cuda"
+        raw = _RawBytes(base, end - base, cuda)
+        flat = torch.as_tensor(raw, device=device) if cuda else torch.from_numpy(np.asarray(raw))
+        self.slot_bytes = slot_bytes
+        self.rows = (end - base) // slot_bytes
+        self.arena_row0 = (a - base) // slot_bytes
+        itemsize = torch.empty(0, dtype=host.dtype).element_size()
+        typed = flat[: (end - base) // itemsize * itemsize].view(host.dtype)
+        stride = slot_bytes // itemsize
+        gu, dn = host.gate_up_shape, host.down_shape
+        self.gate_up_proj = typed.as_strided((self.rows, *gu), (stride, gu[1], 1), 0)
+        self.down_proj = typed.as_strided((self.rows, *dn), (stride, dn[1], 1), host.layout[1].offset // itemsize)
+        # expert -> its host row, per layer (-1: not packed here)
+        host_row0 = (h - base) // slot_bytes
+        self.host_rows = np.where(host._row >= 0, host._row + host_row0, -1)
+        # One read through the tensor, checked against the bytes: a platform
+        # where a kernel cannot read registered host memory by its address
+        # fails here, at offload, not with wrong tokens.
+        first = int(np.flatnonzero(host._row[0] >= 0)[0])
+        want = host.expert(0, first)[: min(64, host.expert_bytes)]
+        got = self.gate_up_proj[int(self.host_rows[0, first])].reshape(-1)[: want.numel() // itemsize]
+        if not torch.equal(got.view(torch.uint8).to(torch.int32).cpu(), want.to(torch.int32)):
+            raise RuntimeError("a kernel read of page-locked host memory by its address gave other bytes")
 
 
 class _Stand:
@@ -293,6 +376,12 @@ class ExpertsOffload:
         self._remap = np.zeros(self.num_experts, dtype=np.int64)  # expert -> slot, for this call's experts
         self._index_host = None  # page-locked staging for the slot index (CUDA)
         self._index_np = None
+        # Sync-free decode (Note [Sync-free decode]): set by offload_hf_model.
+        self.universe = None
+        self._uva_stand = None
+        self._rowmap_host = None
+        self._rowmap_dev = None
+        self._rowmap_event = None
         # Expert parallel (Note [Expert parallel] in prefetch/expert_parallel.py):
         # the experts this rank owns; None without a process group.
         self.ep = ep
@@ -301,6 +390,63 @@ class ExpertsOffload:
             self._local = ep.local[layer]
             self._remap[~self._local] = self.slots  # other ranks' experts: the sentinel slot
             self._foreign = torch.from_numpy(~self._local).to(device)  # expert -> not ours, on the device
+
+    def enable_sync_free(self, universe: Universe, max_rows: int) -> None:
+        stand = copy.copy(self.stand)
+        stand.gate_up_proj = universe.gate_up_proj
+        stand.down_proj = universe.down_proj
+        stand.num_experts = universe.rows
+        if hasattr(self.stand, "_apply_gate"):
+            stand._apply_gate = types.MethodType(self.stand._apply_gate.__func__, stand)
+        self.universe = universe
+        self._uva_stand = stand
+        self.max_rows = max_rows
+        self._host_rows = universe.host_rows[self.layer]
+        self._slot_row = np.empty(self.num_experts, dtype=np.int64)
+        self._rowmap_host = torch.empty(self.num_experts, dtype=torch.int64, pin_memory=self._cuda)
+        self._rowmap_np = self._rowmap_host.numpy()
+        self._rowmap_dev = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)
+        self._last_offsets = np.full(self.num_experts, -2, dtype=np.int64)  # no map sent yet
+
+    def _forward_sync_free(self, fn, hidden_states, top_k_index, top_k_weights):
+        """Note [Sync-free decode]: pin the layer's resident experts, map
+        every expert to its cache row or host row, compute, queue the routing
+        read-back."""
+        ctl = self.controller
+        t_start = time.perf_counter_ns()
+        layer = self.layer
+        ctl.begin_layer(layer)
+        stream = _raw_stream(self.device)
+        offsets = ctl.pin_layer(layer, hidden_states, stream)
+        pinned = offsets >= 0
+        # Row of each expert: its slot when pinned, else its host row. In a
+        # steady decode the pins are the same every step: the map on the
+        # device is still right and nothing is sent.
+        if not np.array_equal(offsets, self._last_offsets):
+            rows = self._rowmap_np
+            if self._rowmap_event is not None:
+                self._rowmap_event.synchronize()  # this buffer's last copy (a step ago: done)
+            np.floor_divide(offsets, self.slot_bytes, out=self._slot_row)
+            self._slot_row += self.universe.arena_row0
+            np.copyto(rows, self._host_rows)
+            np.copyto(rows, self._slot_row, where=pinned)
+            if self._cuda:
+                self._rowmap_dev.copy_(self._rowmap_host, non_blocking=True)
+                if self._rowmap_event is None:
+                    self._rowmap_event = torch.cuda.Event()
+                self._rowmap_event.record()
+            np.copyto(self._last_offsets, offsets)
+        index = (self._rowmap_dev if self._cuda else self._rowmap_host)[top_k_index]
+        t2 = time.perf_counter_ns()
+        out = fn(self._uva_stand, hidden_states, index, top_k_weights)
+        t3 = time.perf_counter_ns()
+        ctl.queue_routing(layer, top_k_index, pinned)
+        if self.last_layer:
+            ctl.release_held(stream)
+        t_end = time.perf_counter_ns()
+        ctl.layers_run += 1
+        ctl.host_ns += (t_end - t_start) - (t3 - t2)
+        return out
 
     def _slot_index(self, routed: np.ndarray, shape) -> torch.Tensor:
         """The routing with expert ids replaced by slots (self._remap), on the
@@ -342,6 +488,9 @@ class ExpertsOffload:
         return slots
 
     def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
+        if (self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows
+                and self.controller.sync_free_now()):
+            return self._forward_sync_free(fn, hidden_states, top_k_index, top_k_weights)
         ctl = self.controller
         t_start = time.perf_counter_ns()
         layer = self.layer
@@ -450,7 +599,8 @@ class ExpertsOffload:
 
 
 def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,
-                     host_experts: HostExperts | None = None, ep=None) -> OffloadController:
+                     host_experts: HostExperts | None = None, ep=None, sync_free: bool | None = None,
+                     sync_free_max_rows: int = 64) -> OffloadController:
     """Registers every expert of `hf_blocks` (from find_hf_moe_blocks) with
     the engine, zero-copy from a HostExperts (made here unless given), and
     attaches an ExpertsOffload to each experts module; its weights are
@@ -476,7 +626,8 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                          "model on cuda:0")
     mine = None if ep is None else [ep.local_experts(layer) for layer in range(len(hf_blocks))]
     if host_experts is None:
-        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine)
+        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine,
+                                   align_to=None if ep is not None else _address(handle.arena(0)))
     elif not host_experts.matches(hf_blocks, mine):
         raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
                          "for another rank's slice of the experts")
@@ -494,6 +645,26 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
                                        host_experts.down_shape, host_experts.dtype, experts.gate_up_proj.device,
                                        ep=ep))
+    # A predictor whose guesses are device tensors (the router of a later
+    # layer) needs them on the host before the later layer runs, which only
+    # the synced path gives: auto keeps such a model on it.
+    device_guesses = predictor is not None and not (getattr(predictor, "host_guesses", False)
+                                                    or getattr(predictor, "reads_routing", False))
+    if sync_free is None and device_guesses:
+        sync_free = False
+    if sync_free is not False and ep is None:
+        try:
+            universe = Universe(handle.arena(0), host_experts, offloads[0].slot_bytes, device)
+        except (ValueError, RuntimeError) as err:
+            if sync_free is True:
+                raise ValueError(f"sync_free=True, but the sync-free decode path cannot run here: {err}") from err
+            universe = None
+        if universe is not None:
+            for offload in offloads:
+                offload.enable_sync_free(universe, sync_free_max_rows)
+            controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes)
+    elif sync_free is True:
+        raise ValueError("sync_free=True is not supported with expert parallel (process_group)")
     for (_, experts, _), offload in zip(hf_blocks, offloads):
         empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)

@@ -138,6 +138,7 @@ def offload_moe_experts(
     process_group=None,
     expert_placement: str = "balanced",
     activation_counts=None,
+    sync_free: bool | None = None,
 ) -> OffloadController:
     """Moves every MoE expert of `model` into the engine (page-locked host
     memory on CUDA) and rewires the MoE blocks to acquire their routed
@@ -164,7 +165,18 @@ def offload_moe_experts(
     cache, and each layer's output is summed over the group with one
     all-reduce. Call it on every rank with the same model and arguments;
     the ranks check that with one all_gather (Note [Expert parallel] in
-    prefetch/expert_parallel.py)."""
+    prefetch/expert_parallel.py).
+
+    `sync_free` (transformers models): decode steps run without waiting for
+    the routing on the host; an expert not in the cache is read by the GPU
+    straight from page-locked host memory and prefetched for the next step
+    (Note [Sync-free decode] in prefetch/hf.py). None (default) turns it on
+    where it can run (batched_mm calls of at most 64 rows, no process
+    group) unless the predictor guesses on the device (NextLayerGatePredictor:
+    its guesses need the routing's sync to reach the engine in time); True
+    insists (ValueError where it cannot run; a device-side predictor then
+    guesses only on the layers that take the synced path, e.g. prefill);
+    False keeps every layer on the path that reads the routing first."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     if any(b.controller is not None for b in generic):
@@ -177,6 +189,10 @@ def offload_moe_experts(
         )
     if hf_blocks and generic:
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
+    if sync_free not in (None, True, False):
+        raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
+    if sync_free and generic:
+        raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
     if process_group is None and (expert_placement != "balanced" or activation_counts is not None):
         raise ValueError("expert_placement and activation_counts need a process_group")
     ep = None
@@ -197,7 +213,7 @@ def offload_moe_experts(
     try:
         if hf_blocks:
             return offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
-                                    progress=progress, host_experts=host_experts, ep=ep)
+                                    progress=progress, host_experts=host_experts, ep=ep, sync_free=sync_free)
         controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                        top_k=generic[0].top_k, predictor=predictor,
                                        routers=[b.router for b in generic], record_trace=record_trace)

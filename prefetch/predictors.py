@@ -133,6 +133,8 @@ class OraclePredictor:
     policies ignore hints, so they would cost host time for nothing); True or
     False forces it."""
 
+    host_guesses = True  # predict returns host lists (the sync-free decode path uses them)
+
     def __init__(self, trace, distance: int = 1, hints: bool | None = None):
         if distance < 1:
             raise ValueError("distance must be >= 1")

@@ -541,6 +541,7 @@ size_t ArcherPrefetchHandle::CancelLocked(const int64_t* ids, size_t n) {
     if (e->state == EntryState::kQueued && e->pins == 0) {
       devices_[e->device]->queue.Remove(e);
       e->state = EntryState::kHost;
+      e->use_on_arrival = false;
       ++removed;
     }
   }
@@ -706,6 +707,11 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
     ValidateIdsLocked(a.acquire_ids, a.n_acquire);
     CheckFitsLocked(a.acquire_ids, a.n_acquire);
     ValidateIdsLocked(a.prefetch_ids, a.n_prefetch);
+    ValidateIdsLocked(a.pin_ids, a.n_pin);
+    ValidateIdsLocked(a.use_ids, a.n_use);
+    if (a.n_pin > 0 && a.pin_offsets == nullptr) {
+      throw PrefetchError(ErrorKind::kInvalidArgument, "pin_ids without pin_offsets");
+    }
     if (a.n_release > 0) {
       ReleaseLocked(a.release_ids, a.n_release, a.release_streams);
     }
@@ -713,12 +719,71 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
     if (a.n_hint > 0 || a.set_now) {
       HintLocked(a.hint_ids, a.hint_when, a.n_hint, a.now, a.set_now);
     }
+    if (a.n_use > 0) UseLocked(a.use_ids, a.n_use);
+    if (a.n_pin > 0) PinResidentLocked(a.pin_ids, a.n_pin, a.streams, a.pin_offsets);
   }
   if (a.n_acquire > 0) {
     Acquire(a.acquire_ids, a.n_acquire, a.streams, a.timeout_s, a.slots);
   }
   if (a.n_prefetch > 0) {
     EnqueuePrefetchTensors(a.prefetch_ids, a.n_prefetch, a.prefetch_band);
+  }
+}
+
+// Note [Pins without waiting]
+// The sync-free decode path (prefetch/hf.py, Note [Sync-free decode]) does
+// not know a layer's routing on the host when it computes: the GPU reads
+// each routed expert from its cache slot when resident, else straight from
+// page-locked host memory. Before the layer runs it pins every expert of
+// the layer that is resident, so none of them can be evicted under the
+// kernels (the usual release records their completion token). A pin is not
+// a use (pinning a whole layer would make every one of its experts look
+// used); the routing, read back later, reports the uses (UseLocked). An
+// entry whose copy is issued but not complete is pinned too: the stream
+// waits for the copy on the GPU (no stream: left unpinned, -1). The pins
+// count as one Acquire call on the eviction policies' clock (one layer).
+void ArcherPrefetchHandle::PinResidentLocked(const int64_t* ids, size_t n,
+                                             const uintptr_t* streams,
+                                             int64_t* offsets) {
+  ++acquire_calls_;
+  for (auto& dev : devices_) dev->cache->policy().OnAcquireCall();
+  const bool async = backend_->IsAsync();
+  size_t i = 0;
+  try {
+    for (; i < n; ++i) {
+      Entry* e = LookupLocked(ids[i]);
+      offsets[i] = -1;
+      if (e->state != EntryState::kResident) continue;
+      if (async && !backend_->Query(e->ready)) {
+        const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
+        if (stream == kNoStream) continue;
+        backend_->StreamWait(stream, e->ready);
+      }
+      PinLocked(e);
+      offsets[i] = static_cast<int64_t>(e->slot_offset);
+    }
+  } catch (...) {
+    for (size_t j = 0; j < i; ++j) {
+      if (offsets[j] >= 0) UnpinOneLocked(LookupLocked(ids[j]));
+      offsets[j] = -1;
+    }
+    throw;
+  }
+}
+
+// Uses reported after the fact (Note [Pins without waiting]): a resident
+// entry counts as used now; one that is not is marked, so that it counts as
+// used when its copy lands (a prefetch of it, if any, is the caller's).
+void ArcherPrefetchHandle::UseLocked(const int64_t* ids, size_t n) {
+  for (size_t i = 0; i < n; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    if (e->state == EntryState::kResident) {
+      e->prefetched_unused = false;
+      e->want_at = 0;
+      devices_[e->device]->cache->policy().OnUse(e);
+    } else {
+      e->use_on_arrival = true;
+    }
   }
 }
 
@@ -1277,6 +1342,11 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     e->error.clear();
     e->prefetched_unused = e->pins == 0;
     dev->cache->AddResident(e);
+    if (e->use_on_arrival) {  // read from host memory while it was missing
+      e->use_on_arrival = false;
+      e->prefetched_unused = false;
+      dev->cache->policy().OnUse(e);
+    }
     if (token != kTokenDone) {
       dev->inflight.push_back(e);
       dev->inflight_bytes += e->bytes;

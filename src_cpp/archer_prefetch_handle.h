@@ -93,6 +93,14 @@ struct StepArgs {
   const int64_t* prefetch_ids = nullptr;
   size_t n_prefetch = 0;
   int prefetch_band = 1;
+  // Note [Pins without waiting]: `pin_ids` that are resident are pinned
+  // (their offset goes to pin_offsets[i]); the others get -1 and nothing
+  // is fetched. No use is recorded: `use_ids` say what was read, later.
+  const int64_t* pin_ids = nullptr;
+  size_t n_pin = 0;
+  int64_t* pin_offsets = nullptr;  // n_pin of them
+  const int64_t* use_ids = nullptr;
+  size_t n_use = 0;
   const uintptr_t* streams = nullptr;  // acquire: one per device, or nullptr
   const uintptr_t* release_streams = nullptr;  // release: likewise
   double timeout_s = 60.0;
@@ -248,6 +256,10 @@ class ArcherPrefetchHandle {
   // slot bytes together than its budget (they could never be held at once).
   void CheckFitsLocked(const int64_t* ids, size_t n) const;
   void ReleaseLocked(const int64_t* ids, size_t n, const uintptr_t* streams);
+  // Step's pin_ids and use_ids (Note [Pins without waiting]).
+  void PinResidentLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
+                         int64_t* offsets);
+  void UseLocked(const int64_t* ids, size_t n);
   // Cancel and HintNextUse once their arguments are checked (CancelLocked
   // counts what it removed and returns it).
   size_t CancelLocked(const int64_t* ids, size_t n);

@@ -52,6 +52,7 @@ struct alignas(64) Entry {
   bool policy_used = false;          // eviction policy's own (a list flag)
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
+  bool use_on_arrival = false;       // read while not resident: a use once copied
   std::string error;                 // last copy failure, raised on acquire
 };
 
