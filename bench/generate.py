@@ -86,6 +86,9 @@ Figures per row:
   x_resident        p50_ms / resident p50_ms (the faster of the resident row
                     and its rerun after the block, as the block's
                     resident_ref_p50_ms)
+  x_adjacent        p50_ms / resident_adjacent_p50_ms: the resident model's
+                    generate run again right after this row (the host's
+                    speed drifts over a block; this pair is seconds apart)
   io_floor_ms       Belady's fewest loads (prefetch.integration.belady_misses
                     over the recorded routing, decode steps, capacity = budget
                     slots) x expert bytes / raw H2D GB/s / decode tokens;
@@ -155,7 +158,7 @@ ENGINE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced
 MPL_ROWS = ("moe-policylang-lru", "moe-policylang-lookahead")
 BY_HAND_IMPL = "bench_torch_by_hand"
 FIGURES = ("p50_ms", "p90_ms", "prefill_ms", "ttft_ms", "tokens_equal", "hit_rate", "bytes_moved", "copies",
-           "precision", "recall", "host_us_per_layer", "x_resident", "over_floor", "ttft_over_floor")
+           "precision", "recall", "host_us_per_layer", "x_resident", "x_adjacent", "over_floor", "ttft_over_floor")
 
 
 class RowSkipped(Exception):
@@ -919,6 +922,10 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
                 res["oracle_replayed_exactly"] = steps == trace.steps
             ref = block.reference[:, :generated.shape[1]]
             res["tokens_equal"] = bool(torch.equal(generated, ref))
+            if row != "resident" and block.reference is not None:
+                res["resident_adjacent_p50_ms"] = resident_p50_now(block)
+                if res["resident_adjacent_p50_ms"] and res.get("p50_ms") is not None:
+                    res["x_adjacent"] = res["p50_ms"] / res["resident_adjacent_p50_ms"]
             if block.routing is not None and row in ENGINE_ROWS and steps is not None:
                 res["routing_equals_resident"] = steps == block.routing[:len(steps)]
             block_rows.append({**base, **res})
@@ -956,6 +963,19 @@ def oracle_trace(block: Block, share):
     if steps is None:
         return None
     return RoutingTrace(block.state.num_layers, block.state.num_experts, [list(map(list, s)) for s in steps])
+
+
+def resident_p50_now(block: Block):
+    """The resident model's decode p50 (ms) measured now, on the restored
+    model; None if the model is not in its resident state."""
+    try:
+        block.state.check()
+    except RuntimeError:
+        return None
+    timer = StepTimer(block.sync)
+    generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
+    decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
+    return statistics.median(decode) * 1e3 if decode else None
 
 
 def restore_check(block: Block, name) -> dict:
@@ -1071,7 +1091,8 @@ def explain_nulls(rows, cuda: bool):
 
 
 def format_table(rows) -> str:
-    head = (f"{'model':<16}{'b':>3}{'share':>6}  {'row':<26}{'p50 ms':>9}{'p90 ms':>9}{'x res':>7}{'equal':>6}"
+    head = (f"{'model':<16}{'b':>3}{'share':>6}  {'row':<26}{'p50 ms':>9}{'p90 ms':>9}{'x res':>7}{'x adj':>7}"
+            f"{'equal':>6}"
             f"{'hit':>6}{'GB moved':>9}{'host us':>8}{'ttft ms':>9}{'x ttft fl':>10}{'x floor':>8}  reason")
     lines = [head]
     for r in rows:
@@ -1080,7 +1101,8 @@ def format_table(rows) -> str:
         eq = "null" if r.get("tokens_equal") is None else str(r["tokens_equal"])
         lines.append(
             f"{r['model']:<16}{r['batch']:>3}{share:>6}  {r['row']:<26}{fmt(r.get('p50_ms')):>9}"
-            f"{fmt(r.get('p90_ms')):>9}{fmt(r.get('x_resident')):>7}{eq:>6}{fmt(r.get('hit_rate')):>6}"
+            f"{fmt(r.get('p90_ms')):>9}{fmt(r.get('x_resident')):>7}{fmt(r.get('x_adjacent')):>7}{eq:>6}"
+            f"{fmt(r.get('hit_rate')):>6}"
             f"{fmt(gb, 3):>9}{fmt(r.get('host_us_per_layer'), 0):>8}{fmt(r.get('ttft_ms')):>9}"
             f"{fmt(r.get('ttft_over_floor')):>10}{fmt(r.get('over_floor')):>8}  {r.get('reason') or ''}")
     return "\n".join(lines)

@@ -66,13 +66,12 @@ class OffloadController:
         # Sync-free decode (Note [Sync-free decode] in prefetch/hf.py): off
         # until the transformers adapter enables it.
         self.sync_free = False
-        self._lagged: list = []  # routings queued for a later read: [layer, step, mask, staging, n, event]
-        self._staging: dict = {}  # layer -> (page-locked int64 buffer, the record using it or None)
+        self._routings: list = []  # (layer, step, device routing, pinned mask), not read back yet
         self.zero_copy_reads = 0  # routed experts read from host memory (not resident at pin time)
         self.expert_bytes = 0  # bytes of one expert (set with sync_free)
         self.pinned_hits = 0  # routed experts read from the cache on the sync-free path
-        self._use: list = []  # tensor ids read, from drained routings, not yet sent to the engine
-        self._fetch: list = []  # tensor ids read from host memory: prefetched for the next step
+        self._use = None  # tensor ids read (from read_routings), for the next engine call
+        self._fetch = None  # of those, the ones read from host memory: prefetched
         self._late_hints: list = []
 
     @property
@@ -250,34 +249,30 @@ class OffloadController:
     def enable_sync_free(self, num_experts: int, expert_bytes: int) -> None:
         self.sync_free = True
         self.expert_bytes = expert_bytes
-        self._layer_ids = [np.ascontiguousarray(self.ids(layer, np.arange(num_experts)))
-                           for layer in range(self.num_layers)]
+        self._all_ids = np.stack([self.ids(layer, np.arange(num_experts)) for layer in range(self.num_layers)])
+        self._layer_ids = list(self._all_ids)
         self._pin_out = [np.empty(num_experts, dtype=np.int64) for _ in range(self.num_layers)]
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
 
-    def sync_free_now(self) -> bool:
-        return self.sync_free
-
     def pin_layer(self, layer: int, hidden, stream) -> np.ndarray:
         """The sync-free path's one engine call for `layer`: release what the
-        last layer held, report the uses of the routings read back since,
-        prefetch the experts they read from host memory (and the guesses of
-        a predictor that makes them on the host), pin every resident expert
-        of `layer`. Returns the slot offset of each expert of the layer
-        (-1: not pinned, read from host memory)."""
-        self.drain(wait=False)
-        prefetch = self._fetch
+        last layer held, report the uses read from the last step's routing
+        and prefetch what it read from host memory (at layer 0; see
+        `read_routings`), queue a host-side predictor's guesses, pin every
+        resident expert of `layer`. Returns the slot offset of each expert of
+        the layer (-1: not pinned, read from host memory)."""
+        if layer == 0 and self._routings:
+            self.read_routings()
+        use, fetch = self._use, self._fetch
         if self._host_guesses:
-            for target, guess in self.predictor.predict(self, self.step, layer, hidden).items():
-                guess = _distinct(guess, self.num_experts)
-                if guess.shape[0]:
-                    prefetch.append(self.ids(target, guess))
-        use = (self._use[0] if len(self._use) == 1 else np.concatenate(self._use)) if self._use else None
-        fetch = None
-        if prefetch:
-            fetch = prefetch[0] if len(prefetch) == 1 else np.unique(np.concatenate(prefetch))
-        hints = self._late_hints
+            extra = [self.ids(target, g) for target, g in
+                     ((t, _distinct(g, self.num_experts))
+                      for t, g in self.predictor.predict(self, self.step, layer, hidden).items()) if g.shape[0]]
+            if extra:
+                fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
+                    np.concatenate(extra))
         hint_ids = hint_when = None
+        hints = self._late_hints
         if hints:
             hint_ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
             hint_when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
@@ -296,72 +291,69 @@ class OffloadController:
             raise
         finally:
             self.engine_ns += time.perf_counter_ns() - t0
-        self._use, self._fetch, self._late_hints = [], [], []
-        pinned = self._layer_ids[layer][out >= 0]
-        if pinned.shape[0]:
-            self._held = pinned
-            self._held_stream = stream
-        return out
+        self._use = self._fetch = None
+        self._late_hints = []
+        pinned = out >= 0
+        self._held = self._layer_ids[layer][pinned]
+        self._held_stream = stream
+        return out, pinned
 
-    def queue_routing(self, layer: int, top_k_index, pinned: np.ndarray) -> None:
-        """Queues the device-to-host copy of `layer`'s routing; `pinned`
-        (bool per expert) says which experts the layer read from the cache.
-        Read by a later `drain`."""
+    def note_routing(self, layer: int, top_k_index, pinned: np.ndarray) -> None:
+        """Keeps `layer`'s routing (a device tensor: no copy yet) and which
+        experts were pinned; the whole step's routings come back in one copy
+        at the next step's first layer (`read_routings`)."""
+        self._routings.append((layer, self.step, top_k_index, pinned))
+
+    def read_routings(self) -> None:
+        """One device-to-host copy of every routing noted since the last
+        read (by then the GPU has run them: generate reads each new token
+        back), then per layer: trace, scores, predictor; and for the next
+        engine call the uses (every routed expert) and the prefetches (those
+        read from host memory)."""
         import torch
 
-        n = top_k_index.numel()
-        staging, user, event = self._staging.get(layer, (None, None, None))
-        if user is not None:
-            self.drain(wait=True, upto=user)  # one step ago: long done
-        cuda = top_k_index.device.type == "cuda"
-        if staging is None or staging.shape[0] < n:
-            staging = torch.empty(max(n, 64), dtype=torch.int64, pin_memory=cuda)
-        staging[:n].copy_(top_k_index.reshape(-1), non_blocking=cuda)
-        if cuda:
-            if event is None:
-                event = torch.cuda.Event()
-            event.record()
-        record = [layer, self.step, pinned, staging, n, event]
-        self._staging[layer] = (staging, record, event)
-        self._lagged.append(record)
-
-    def drain(self, *, wait: bool, upto=None) -> None:
-        """Reads the queued routings whose copies have landed (`wait`: all of
-        them, or up to and including `upto`): scores, trace, predictor, and
-        the uses and host reads the next engine call reports."""
-        while self._lagged:
-            record = self._lagged[0]
-            layer, step, pinned, staging, n, event = record
-            if event is not None and not event.query():
-                if not (wait and (upto is None or any(r is upto for r in self._lagged))):
-                    return
-                t0 = time.perf_counter_ns()
-                event.synchronize()
-                self.sync_ns += time.perf_counter_ns() - t0
-            self._lagged.pop(0)
-            if self._staging[layer][1] is record:
-                self._staging[layer] = (staging, None, event)
-            experts = _routed_experts(staging.numpy()[:n], self.num_experts)
-            guesses, hints = self.observe(layer, experts, {}, step=step)
-            hit = pinned[experts]
-            missed = experts[~hit]
-            self.pinned_hits += int(hit.sum())
-            self.zero_copy_reads += int(missed.shape[0])
-            self._use.append(self.ids(layer, experts))
-            if missed.shape[0]:
-                self._fetch.append(self.ids(layer, missed))
-            for target, guess in guesses.items():
-                if guess.shape[0] and self._late_predict:
-                    self._fetch.append(self.ids(target, guess))
-            if hints:
-                self._late_hints.extend(hints)
-            if record is upto:
-                return
+        routings, self._routings = self._routings, []
+        flat = [r[2].reshape(-1) for r in routings]
+        t0 = time.perf_counter_ns()
+        host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
+        self.sync_ns += time.perf_counter_ns() - t0
+        count = len(routings)
+        sizes = np.fromiter((f.shape[0] for f in flat), dtype=np.int64, count=count)
+        layers = np.fromiter((r[0] for r in routings), dtype=np.int64, count=count)
+        routed = np.zeros((count, self.num_experts), dtype=bool)
+        routed[np.repeat(np.arange(count), sizes), host] = True
+        pinned = np.stack([r[3] for r in routings])
+        missed = routed & ~pinned
+        self.pinned_hits += int(np.count_nonzero(routed & pinned))
+        self.zero_copy_reads += int(np.count_nonzero(missed))
+        ids = self._all_ids[layers]
+        use, fetch = ids[routed], ids[missed]
+        extra = []
+        if self._trace is not None or self.predictor is not None or self._pending:
+            for i, (layer, step, _, _) in enumerate(routings):
+                guesses, hints = self.observe(layer, np.flatnonzero(routed[i]), {}, step=step)
+                if self._late_predict:
+                    extra.extend(self.ids(t, g) for t, g in guesses.items() if g.shape[0])
+                if hints:
+                    self._late_hints.extend(hints)
+        if extra:
+            fetch = np.unique(np.concatenate([fetch, *extra]))
+        self._use = use if self._use is None else np.concatenate([self._use, use])
+        self._fetch = fetch if self._fetch is None else np.unique(np.concatenate([self._fetch, fetch]))
 
     def flush(self) -> None:
-        """Reads every routing still queued (waits for its copy)."""
-        if self._lagged:
-            self.drain(wait=True)
+        """Reads every routing noted on the sync-free path and not read yet,
+        and sends its uses and prefetches to the engine (they would
+        otherwise wait for the next forward)."""
+        if self._routings:
+            self.read_routings()
+        if (self._use is not None or self._fetch is not None) and not self.handle.closed:
+            use, fetch, self._use, self._fetch = self._use, self._fetch, None, None
+            t0 = time.perf_counter_ns()
+            try:
+                self.handle.step(use=use, prefetch=fetch, band=1)
+            finally:
+                self.engine_ns += time.perf_counter_ns() - t0
 
     def _only_local(self, guesses: dict, hints):
         local = self.local
@@ -441,8 +433,9 @@ class OffloadController:
         }
 
     def close(self) -> None:
-        if not self.handle.closed:
-            self.flush()
+        if self._routings:
+            self.read_routings()  # the trace stays complete; nothing more is prefetched
+        self._use = self._fetch = None
         self._held = None
         self.handle.close()
 

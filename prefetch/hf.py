@@ -417,8 +417,7 @@ class ExpertsOffload:
         layer = self.layer
         ctl.begin_layer(layer)
         stream = _raw_stream(self.device)
-        offsets = ctl.pin_layer(layer, hidden_states, stream)
-        pinned = offsets >= 0
+        offsets, pinned = ctl.pin_layer(layer, hidden_states, stream)
         # Row of each expert: its slot when pinned, else its host row. In a
         # steady decode the pins are the same every step: the map on the
         # device is still right and nothing is sent.
@@ -440,7 +439,7 @@ class ExpertsOffload:
         t2 = time.perf_counter_ns()
         out = fn(self._uva_stand, hidden_states, index, top_k_weights)
         t3 = time.perf_counter_ns()
-        ctl.queue_routing(layer, top_k_index, pinned)
+        ctl.note_routing(layer, top_k_index, pinned)
         if self.last_layer:
             ctl.release_held(stream)
         t_end = time.perf_counter_ns()
@@ -488,8 +487,7 @@ class ExpertsOffload:
         return slots
 
     def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
-        if (self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows
-                and self.controller.sync_free_now()):
+        if self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows:
             return self._forward_sync_free(fn, hidden_states, top_k_index, top_k_weights)
         ctl = self.controller
         t_start = time.perf_counter_ns()

@@ -773,3 +773,63 @@ def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
         assert after["acquires"] == before["acquires"] and h.queued() == [(1, 3)], kwargs
     h.resume()
     h.release([0])
+
+
+def test_step_pins_resident_ids_without_waiting_or_fetching(make_handle, rng):
+    # Note [Pins without waiting]: resident ids are pinned and their offsets
+    # written; the others get -1 and are neither fetched nor queued.
+    h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="lru")
+    data = register_random(h, rng, range(8))
+    h.acquire([0, 1, 2], timeout=10)
+    h.release([0, 1, 2])
+    acquires = h.stats()["acquires"]
+    out = np.full(5, 7, dtype=np.int64)
+    h.step(pin=[0, 3, 1, 6, 2], pin_into=out)
+    assert out[1] == -1 and out[3] == -1
+    arena = h.arena(0)
+    for tid, offset in zip([0, 1, 2], out[[0, 2, 4]]):
+        np.testing.assert_array_equal(arena[offset : offset + SLOT], data[tid])
+    s = h.stats()
+    assert s["pinned_count"] == 3 and s["queue_depth"] == 0 and s["acquires"] == acquires
+    assert 3 not in h.resident() and 6 not in h.resident()
+    # Pinned ids are not evicted: prefetching more than the free room keeps them.
+    h.prefetch_tensors([3, 4, 5, 6, 7], 1)
+    assert wait_until(lambda: h.stats()["queue_depth"] == 0 and h.stats()["bytes_in_flight"] == 0)
+    assert {0, 1, 2} <= set(h.resident())
+    h.step(release=[0, 1, 2])
+    assert h.stats()["pinned_count"] == 0
+
+
+def test_step_pin_and_use_refuse_bad_arguments_and_change_nothing(make_handle, rng):
+    h = make_handle(device_budget_bytes=4 * SLOT)
+    register_random(h, rng, range(4))
+    h.acquire([0, 1], timeout=10)
+    bad = [
+        (dict(release=[0], pin=[1, 99], pin_into=np.empty(2, np.int64)), KeyError),
+        (dict(release=[0], pin=[1], pin_into=np.empty(2, np.int64)), ValueError),  # wrong length
+        (dict(release=[0], pin=[1]), ValueError),  # nowhere to write offsets
+        (dict(release=[0], pin_into=np.empty(1, np.int64)), ValueError),
+        (dict(release=[0], pin=[1], pin_into=np.empty(1, np.int32)), ValueError),  # not int64
+        (dict(release=[0], use=[42]), KeyError),
+    ]
+    for kwargs, error in bad:
+        with pytest.raises(error):
+            h.step(**kwargs)
+        assert h.stats()["pinned_count"] == 2, kwargs  # the release did not happen either
+    h.release([0, 1])
+
+
+def test_use_reports_reads_to_the_eviction_policy(make_handle, rng):
+    # Cyclic: an entry a prefetch brought and nobody used is "fresh" (kept
+    # for the next layers); a use makes it "used" (the just-used go first).
+    # A use of an id not resident counts once its copy lands.
+    h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="cyclic")
+    register_random(h, rng, range(4))
+    h.step(use=[2])  # not resident: counts when it arrives
+    h.prefetch_tensors([0, 1, 2], 1)
+    assert wait_until(lambda: len(h.resident()) == 3 and h.stats()["bytes_in_flight"] == 0)
+    order = h.resident()
+    assert order[0] == 2  # used: next victim; 0 and 1 are fresh
+    h.step(use=[0])
+    assert h.resident()[0] == 0  # the most recently used goes first
+    assert set(h.resident()[1:]) == {1, 2}

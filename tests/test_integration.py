@@ -95,6 +95,111 @@ def test_offloaded_model_matches_original(family, predictor, impl):
         ctl.close()
 
 
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("slots", [3, "layer+3", "all"])
+def test_sync_free_decode_matches_original(family, slots):
+    # Note [Sync-free decode]: batched_mm calls run on the one strided tensor
+    # over the arena and the host experts; an expert not pinned is read from
+    # host memory. The same bits as the untouched model, whatever the budget,
+    # and the same routing as the synced path records.
+    cfg = family_configs()[family]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    count = {3: 3, "layer+3": num_experts + 3, "all": num_experts * cfg.num_hidden_layers}[slots]
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, logits_ref = greedy(ref, ids, steps=6)
+    traces = {}
+    for sync_free in (None, False):
+        model = copy.deepcopy(ref)
+        ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
+                                  record_trace=True, sync_free=sync_free)
+        try:
+            assert ctl.sync_free is (sync_free is None)
+            seq, logits = greedy(model, ids, steps=6)
+            assert torch.equal(seq, seq_ref)
+            for a, b in zip(logits, logits_ref):
+                assert torch.equal(a, b)
+            report = ctl.report()
+            assert 0 <= report["hit_rate"] <= 1
+            if sync_free is None:
+                assert report["zero_copy_reads"] > 0  # the first reads of every expert at least
+                assert report["zero_copy_bytes"] == report["zero_copy_reads"] * per
+                assert ctl.pinned_hits + report["zero_copy_reads"] > 0
+            else:
+                assert report["zero_copy_reads"] == 0
+            assert ctl.handle.stats()["pinned_count"] == 0
+            traces[sync_free] = ctl.trace.steps
+        finally:
+            ctl.close()
+    assert traces[None] == traces[False]
+
+
+def test_sync_free_warms_the_cache_and_then_hits():
+    # Every expert fits: after the first steps read them from host memory
+    # (and prefetched them), decode reads them from the cache.
+    cfg = family_configs()["olmoe"]
+    model = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=num_experts * cfg.num_hidden_layers * (per + 512),
+                              backend="host")
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        greedy(model, ids, steps=4)
+        ctl.flush()  # the last step's routing: read, its misses prefetched
+        wait_drained(ctl.handle)
+        before = ctl.report()["zero_copy_reads"]
+        hits_before = ctl.pinned_hits
+        greedy(model, ids, steps=4)  # the same prompt: the same experts, now resident
+        assert ctl.report()["zero_copy_reads"] == before
+        assert ctl.pinned_hits > hits_before
+    finally:
+        ctl.close()
+
+
+def test_sync_free_option():
+    cfg = family_configs()["qwen3_moe"]
+    model = build(cfg, experts_implementation="batched_mm")
+    with pytest.raises(TypeError, match="sync_free"):
+        offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free="yes")
+    # A device-side predictor needs the routing's sync: auto keeps the synced path.
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
+                              predictor=NextLayerGatePredictor())
+    assert ctl.sync_free is False
+    ctl.close()
+    model = build(cfg, experts_implementation="batched_mm")
+    ref = build(cfg, experts_implementation="batched_mm")
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
+                              predictor=NextLayerGatePredictor(), sync_free=True)
+    try:
+        assert ctl.sync_free is True
+        ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        assert torch.equal(greedy(model, ids)[0], greedy(ref, ids)[0])
+    finally:
+        ctl.close()
+
+
+def test_sync_free_one_engine_call_per_layer():
+    cfg = family_configs()["olmoe"]
+    model = build(cfg, experts_implementation="batched_mm")
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
+    real = ctl.handle
+    ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+    greedy(model, ids, steps=3)  # reads every expert it routes to once, and prefetches it
+    ctl.flush()
+    wait_drained(real)
+    assert ctl.report()["zero_copy_reads"] > 0  # the sync-free path ran
+    ctl.handle = CountingHandle(real)
+    calls = ctl.handle.calls
+    try:
+        greedy(model, ids, steps=3)  # the same routing: every layer holds pins, released once a forward
+        assert calls["step"] == 3 * cfg.num_hidden_layers
+        assert calls["release"] == 3 and calls["other"] == 0
+        assert real.stats()["pinned_count"] == 0
+    finally:
+        ctl.handle = real
+        ctl.close()
+
+
 def test_offloaded_experts_hold_no_weights():
     model = build(family_configs()["mixtral"])
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
@@ -330,17 +435,21 @@ def test_belady_floor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,dtype", [("eager", torch.float32), ("grouped_mm", torch.bfloat16),
-                                        ("batched_mm", torch.bfloat16)])
-def test_offloaded_model_on_gpu_matches_original(impl, dtype):
+@pytest.mark.parametrize("impl,dtype,predictor", [("eager", torch.float32, True), ("grouped_mm", torch.bfloat16, True),
+                                                  ("batched_mm", torch.bfloat16, True),
+                                                  ("grouped_mm", torch.bfloat16, False),
+                                                  ("batched_mm", torch.bfloat16, False)])
+def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
     # On the GPU generate's decode switches grouped_mm to batched_mm: both
-    # the resident and the offloaded model follow it, bit for bit.
+    # the resident and the offloaded model follow it, bit for bit. Without a
+    # predictor batched_mm decodes sync-free, reading missing experts from
+    # page-locked host memory over PCIe (Note [Sync-free decode]).
     cfg = family_configs()["qwen3_moe"]
     ref = build(cfg, device="cuda", dtype=dtype, experts_implementation=impl)
     model = copy.deepcopy(ref)
     per, num_experts = expert_bytes(model)
     ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
-                              predictor=NextLayerGatePredictor())
+                              predictor=NextLayerGatePredictor() if predictor else None)
     try:
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
         seq_ref, logits_ref = greedy(ref, ids)
@@ -349,6 +458,9 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype):
         for a, b in zip(logits, logits_ref):
             assert torch.equal(a, b)
         assert ctl.handle.backend == "cuda" and ctl.handle.stats()["evictions"] > 0
+        assert ctl.sync_free is (not predictor)
+        if not predictor:
+            assert ctl.report()["zero_copy_reads"] > 0 and ctl.pinned_hits > 0
     finally:
         ctl.close()
 
