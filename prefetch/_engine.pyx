@@ -415,7 +415,11 @@ cdef class PrefetchHandle:
                 )
         else:
             for b in budgets:
-                arenas.append(np.empty(b, dtype=np.uint8))
+                # 256-byte aligned like a CUDA allocation (the slot grid;
+                # prefetch.hf's sync-free path views it with host memory)
+                raw = np.empty(b + 256, dtype=np.uint8)
+                shift = -raw.ctypes.data % 256
+                arenas.append(raw[shift : shift + b])
 
         cdef CHandleOptions options
         for d, b in enumerate(budgets):

@@ -51,6 +51,9 @@ __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", 
            "offloaded_experts", "HostExperts"]
 
 _OFFLOAD_ATTR = "_prefetch_offload"
+# The slot alignment of the engine (kSlotAlignmentBytes) and of HostExperts:
+# the row grid of the sync-free path's one tensor (Note [Sync-free decode]).
+_ROW_BYTES = 256
 # torch's grouped_mm refuses more groups than this ("Can't process more than
 # 1024 groups"); a cache with more slots runs grouped_mm on a gathered copy
 # of the routed slots instead (Note [Experts on cache slots]).
@@ -150,7 +153,7 @@ class HostExperts:
     layer, the expert ids to pack) packs only a subset: an expert-parallel
     rank's own slice (prefetch/expert_parallel.py)."""
 
-    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None, align_to: int | None = None):
+    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None):
         first = hf_blocks[0][1]
         self.num_layers = len(hf_blocks)
         self.num_experts = first.gate_up_proj.shape[0]
@@ -182,11 +185,10 @@ class HostExperts:
             self._row[layer, ex] = rows_before + np.arange(ex.shape[0])
             rows_before += ex.shape[0]
         total = rows_before * self.stride
-        # align_to (an address, the engine's arena): the buffer starts a whole
-        # number of strides from it, so one strided tensor addresses both
-        # (Note [Sync-free decode]).
-        self._raw = torch.empty(total + (self.stride if align_to is not None else 0), dtype=torch.uint8)
-        shift = 0 if align_to is None else (align_to - self._raw.data_ptr()) % self.stride
+        # 256-byte aligned, as every cache slot is: one strided tensor can then
+        # address both (Note [Sync-free decode]).
+        self._raw = torch.empty(total + _ROW_BYTES, dtype=torch.uint8)
+        shift = -self._raw.data_ptr() % _ROW_BYTES
         self.buffer = self._raw[shift : shift + total]
         done = 0
         next_report = 1 << 30
@@ -262,9 +264,11 @@ class Universe:
     registered with CUDA through the same kind of pointer as device memory,
     over PCIe (measured on the H200, tools/uva_probe.py: a gather of 8
     OLMoE experts from host memory moves 51 GB/s, the copy engine 55). The
-    engine's arena and the packed host experts (HostExperts, placed a whole
-    number of slot strides from the arena) are then rows of ONE strided
-    tensor: row r is either a cache slot or a host expert. An experts
+    engine's arena and the packed host experts (both 256-byte aligned) are
+    then rows of ONE strided tensor whose rows start every 256 bytes from
+    the lower of the two: an expert's row is its address over 256, in a
+    cache slot or in host memory (rows overlap; each is read from its start
+    for one expert's bytes). An experts
     implementation run on that tensor with expert ids mapped to rows reads a
     cached expert from HBM and a missing one straight from host memory, so a
     layer needs no routing on the host before it computes: no sync. Per
@@ -288,25 +292,27 @@ class Universe:
             raise ValueError("host experts and cache slots differ in stride")
         a, h = _address(arena), host.buffer.data_ptr()
         size_a = arena.numel() if isinstance(arena, torch.Tensor) else arena.nbytes
-        if (h - a) % slot_bytes:
-            raise ValueError("the host experts are not on the arena's slot grid (packed for another handle)")
+        if a % _ROW_BYTES or h % _ROW_BYTES:
+            raise ValueError(f"the arena or the host experts are not {_ROW_BYTES}-byte aligned")
         base = min(a, h)
         end = max(a + size_a, h + host.buffer.numel())
         cuda = device.type == "cuda"
         raw = _RawBytes(base, end - base, cuda)
         flat = torch.as_tensor(raw, device=device) if cuda else torch.from_numpy(np.asarray(raw))
-        self.slot_bytes = slot_bytes
-        self.rows = (end - base) // slot_bytes
-        self.arena_row0 = (a - base) // slot_bytes
+        # Rows start every _ROW_BYTES bytes (they overlap: a row is read as one
+        # expert from its start), so any two aligned buffers share the grid.
+        last = end - base - host.expert_bytes
+        self.rows = last // _ROW_BYTES + 1
+        self.arena_row0 = (a - base) // _ROW_BYTES
         itemsize = torch.empty(0, dtype=host.dtype).element_size()
         typed = flat[: (end - base) // itemsize * itemsize].view(host.dtype)
-        stride = slot_bytes // itemsize
+        stride = _ROW_BYTES // itemsize
         gu, dn = host.gate_up_shape, host.down_shape
         self.gate_up_proj = typed.as_strided((self.rows, *gu), (stride, gu[1], 1), 0)
         self.down_proj = typed.as_strided((self.rows, *dn), (stride, dn[1], 1), host.layout[1].offset // itemsize)
         # expert -> its host row, per layer (-1: not packed here)
-        host_row0 = (h - base) // slot_bytes
-        self.host_rows = np.where(host._row >= 0, host._row + host_row0, -1)
+        host_row0 = (h - base) // _ROW_BYTES
+        self.host_rows = np.where(host._row >= 0, host._row * (host.stride // _ROW_BYTES) + host_row0, -1)
         # One read through the tensor, checked against the bytes: a platform
         # where a kernel cannot read registered host memory by its address
         # fails here, at offload, not with wrong tokens.
@@ -425,7 +431,7 @@ class ExpertsOffload:
             rows = self._rowmap_np
             if self._rowmap_event is not None:
                 self._rowmap_event.synchronize()  # this buffer's last copy (a step ago: done)
-            np.floor_divide(offsets, self.slot_bytes, out=self._slot_row)
+            np.floor_divide(offsets, _ROW_BYTES, out=self._slot_row)
             self._slot_row += self.universe.arena_row0
             np.copyto(rows, self._host_rows)
             np.copyto(rows, self._slot_row, where=pinned)
@@ -488,7 +494,11 @@ class ExpertsOffload:
 
     def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
         if self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows:
-            return self._forward_sync_free(fn, hidden_states, top_k_index, top_k_weights)
+            ctl = self.controller
+            if self.layer == 0:
+                ctl.choose_path()
+            if ctl.sync_free_active:
+                return self._forward_sync_free(fn, hidden_states, top_k_index, top_k_weights)
         ctl = self.controller
         t_start = time.perf_counter_ns()
         layer = self.layer
@@ -624,8 +634,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                          "model on cuda:0")
     mine = None if ep is None else [ep.local_experts(layer) for layer in range(len(hf_blocks))]
     if host_experts is None:
-        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine,
-                                   align_to=None if ep is not None else _address(handle.arena(0)))
+        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine)
     elif not host_experts.matches(hf_blocks, mine):
         raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
                          "for another rank's slice of the experts")
@@ -660,7 +669,8 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         if universe is not None:
             for offload in offloads:
                 offload.enable_sync_free(universe, sync_free_max_rows)
-            controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes)
+            controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes,
+                                        adaptive=sync_free is None)
     elif sync_free is True:
         raise ValueError("sync_free=True is not supported with expert parallel (process_group)")
     for (_, experts, _), offload in zip(hf_blocks, offloads):

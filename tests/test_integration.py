@@ -156,6 +156,36 @@ def test_sync_free_warms_the_cache_and_then_hits():
         ctl.close()
 
 
+def test_each_step_takes_the_path_its_misses_call_for():
+    # Note [Which path a step takes]: a cache far smaller than the working
+    # set misses often, and the steps go synced; one that holds everything
+    # misses only while it warms, and the steps go back to sync-free.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, _ = greedy(ref, ids, steps=8)
+    for count, sync_free_at_end in ((3, False), (num_experts * cfg.num_hidden_layers, True)):
+        model = copy.deepcopy(ref)
+        ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host")
+        try:
+            seq, _ = greedy(model, ids, steps=8)
+            assert torch.equal(seq, seq_ref)
+            assert ctl.path_switches >= 1
+            assert ctl.sync_free_active is sync_free_at_end
+        finally:
+            ctl.close()
+    # sync_free=True: every step sync-free, whatever it misses
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", sync_free=True)
+    try:
+        seq, _ = greedy(model, ids, steps=8)
+        assert torch.equal(seq, seq_ref)
+        assert ctl.path_switches == 0 and ctl.sync_free_active
+    finally:
+        ctl.close()
+
+
 def test_sync_free_option():
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="batched_mm")
@@ -529,8 +559,20 @@ def test_host_experts_are_reused_by_a_second_offload():
     ctl = offload_moe_experts(second, device_budget_bytes=5 * (per + 512), backend="host", host_experts=host)
     try:
         assert ctl.host_experts is host
+        assert ctl.sync_free  # the reused buffer and the new arena share the 256-byte row grid
         seq, _ = greedy(second, ids)
         assert torch.equal(seq, seq_ref)
+    finally:
+        ctl.close()
+    # batched_mm decodes sync-free on the reused buffer, bit for bit
+    ref_b = build(cfg, experts_implementation="batched_mm")
+    seq_b, _ = greedy(ref_b, ids)
+    third = copy.deepcopy(ref_b)
+    ctl = offload_moe_experts(third, device_budget_bytes=3 * (per + 512), backend="host", host_experts=host)
+    try:
+        seq, _ = greedy(third, ids)
+        assert torch.equal(seq, seq_b)
+        assert ctl.report()["zero_copy_reads"] > 0
     finally:
         ctl.close()
     other = build(family_configs()["mixtral"])  # 6 experts of another size
