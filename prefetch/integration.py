@@ -191,6 +191,9 @@ def offload_moe_experts(
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
     if sync_free not in (None, True, False):
         raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
+    if sync_free and process_group is not None:
+        raise ValueError("sync_free=True is not supported with expert parallel (process_group): each layer's "
+                         "output is summed over the ranks, which the synced path does")
     if sync_free and generic:
         raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
     if process_group is None and (expert_placement != "balanced" or activation_counts is not None):

@@ -191,6 +191,10 @@ def test_sync_free_option():
     model = build(cfg, experts_implementation="batched_mm")
     with pytest.raises(TypeError, match="sync_free"):
         offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free="yes")
+    with pytest.raises(ValueError, match="expert parallel"):
+        offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True,
+                            process_group=object())
+    assert not offloaded_experts(model)
     # A device-side predictor needs the routing's sync: auto keeps the synced path.
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
                               predictor=NextLayerGatePredictor())
