@@ -72,25 +72,29 @@ def main():
     out["bf16_view_ok"] = bool(t.view(torch.uint8)[0, 0, 0].item() == 1)
     # timing: zero-copy gather of 8 host rows vs copy engine of 8 rows
     def timeit(fn, reps=10):
-        fn(); torch.cuda.synchronize()
+        fn()
+        torch.cuda.synchronize()
         ts = []
         for _ in range(reps):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record(); fn(); e.record(); e.synchronize()
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
             ts.append(s.elapsed_time(e))
         ts.sort()
         return ts[len(ts) // 2]
     for k in (1, 8, 32):
         hidx = torch.arange(hrow, hrow + k, device="cuda")
         didx = torch.arange(arow, arow + min(k, n_arena), device="cuda")
-        ms = timeit(lambda: U[hidx])
+        ms = timeit(lambda hidx=hidx: U[hidx])
         out[f"zero_copy_gather_{k}_GBps"] = k * S / ms / 1e6
-        ms = timeit(lambda: torch.index_select(U, 0, hidx))
+        ms = timeit(lambda hidx=hidx: torch.index_select(U, 0, hidx))
         out[f"zero_copy_index_select_{k}_GBps"] = k * S / ms / 1e6
         dst = torch.empty(k * S, dtype=torch.uint8, device="cuda")
-        ms = timeit(lambda: dst.copy_(host[: k * S], non_blocking=True))
+        ms = timeit(lambda dst=dst, k=k: dst.copy_(host[: k * S], non_blocking=True))
         out[f"copy_engine_{k}_GBps"] = k * S / ms / 1e6
-        ms = timeit(lambda: U[didx])
+        ms = timeit(lambda didx=didx: U[didx])
         out[f"device_gather_{min(k, n_arena)}_GBps"] = min(k, n_arena) * S / ms / 1e6
     # bf16 bmm reading host rows directly (batched_mm's pattern) vs from device
     x = torch.randn(8, 1, 2048, dtype=torch.bfloat16, device="cuda")
@@ -106,7 +110,7 @@ def main():
     t0 = time.perf_counter()
     for _ in range(1000):
         rowmap.copy_(rowmap_host, non_blocking=True)
-        ix = rowmap[topk]
+        rowmap[topk]
     torch.cuda.synchronize()
     out["remap_host_us"] = (time.perf_counter() - t0) * 1e3
     for k, v in out.items():
