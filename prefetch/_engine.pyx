@@ -909,7 +909,8 @@ cdef class PrefetchHandle:
                 raise ValueError("pin needs pin_into (an int64 array as long as pin)")
             pin_out = pin_into
             if pin_out.shape[0] != pin_ids.shape[0]:
-                raise ValueError(f"pin_into has {pin_out.shape[0]} places for {pin_ids.shape[0]} pin ids")
+                raise ValueError(f"pin_into has {pin_out.shape[0]} places for "
+                                 f"{pin_ids.shape[0]} pin ids")
             if pin_ids.shape[0] > 0:
                 args.pin_ids = &pin_ids[0]
                 args.n_pin = pin_ids.shape[0]
