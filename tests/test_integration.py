@@ -482,8 +482,11 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
     ref = build(cfg, device="cuda", dtype=dtype, experts_implementation=impl)
     model = copy.deepcopy(ref)
     per, num_experts = expert_bytes(model)
+    # Without a predictor every batched_mm step is sync-free (sync_free=True:
+    # the per-step choice would go synced after the first, missing, steps).
     ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
-                              predictor=NextLayerGatePredictor() if predictor else None)
+                              predictor=NextLayerGatePredictor() if predictor else None,
+                              sync_free=None if predictor else True)
     try:
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
         seq_ref, logits_ref = greedy(ref, ids)
@@ -493,7 +496,7 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
             assert torch.equal(a, b)
         assert ctl.handle.backend == "cuda" and ctl.handle.stats()["evictions"] > 0
         assert ctl.sync_free is (not predictor)
-        if not predictor:
+        if not predictor and impl == "batched_mm":  # read over PCIe by the kernel, and from the cache
             assert ctl.report()["zero_copy_reads"] > 0 and ctl.pinned_hits > 0
     finally:
         ctl.close()
