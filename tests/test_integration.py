@@ -469,10 +469,14 @@ def test_belady_floor():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("impl,dtype,predictor", [("eager", torch.float32, True), ("grouped_mm", torch.bfloat16, True),
-                                                  ("batched_mm", torch.bfloat16, True),
-                                                  ("grouped_mm", torch.bfloat16, False),
-                                                  ("batched_mm", torch.bfloat16, False)])
+@pytest.mark.parametrize("impl,dtype,predictor", [
+    pytest.param("eager", torch.float32, True, id="eager-fp32-gate"),
+    pytest.param("grouped_mm", torch.bfloat16, True, id="grouped_mm-bf16-gate"),
+    pytest.param("batched_mm", torch.bfloat16, True, id="batched_mm-bf16-gate"),
+    pytest.param("grouped_mm", torch.bfloat16, False, id="grouped_mm-bf16-sync-free"),
+    pytest.param("batched_mm", torch.bfloat16, False, id="batched_mm-bf16-sync-free"),
+    pytest.param("batched_mm", torch.float32, False, id="batched_mm-fp32-sync-free"),
+])
 def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
     # On the GPU generate's decode switches grouped_mm to batched_mm: both
     # the resident and the offloaded model follow it, bit for bit. Without a
