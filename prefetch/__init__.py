@@ -12,6 +12,18 @@ from prefetch._engine import (
     PrefetchHandle,
     as_id_array,
 )
+from prefetch.errors import (
+    AcquireTimeoutError,
+    AlreadyRegisteredError,
+    BackendUnavailableError,
+    CopyFailedError,
+    HandleClosedError,
+    InvalidArgumentError,
+    OutOfMemoryError,
+    PrefetchError,
+    StateError,
+    UnknownIdError,
+)
 from prefetch.expert_prefetcher import ExpertPrefetcher, pack_expert
 
 
@@ -25,6 +37,16 @@ def __getattr__(name):
     raise AttributeError(f"module 'prefetch' has no attribute {name!r}")
 
 __all__ = [
+    "AcquireTimeoutError",
+    "AlreadyRegisteredError",
+    "BackendUnavailableError",
+    "CopyFailedError",
+    "HandleClosedError",
+    "InvalidArgumentError",
+    "OutOfMemoryError",
+    "PrefetchError",
+    "StateError",
+    "UnknownIdError",
     "DEFAULT_ACQUIRE_TIMEOUT_S",
     "DEFAULT_PRIORITY",
     "MAX_TENSOR_ID",

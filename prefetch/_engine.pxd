@@ -1,6 +1,7 @@
 # Declarations only: the C++ engine in src_cpp/, seen from Cython.
 # Every call that can throw is `except +prefetch_raise_py_error`, which turns
-# engine errors into ValueError/KeyError/TimeoutError/MemoryError/RuntimeError.
+# engine errors into the classes of prefetch.errors (each also a builtin:
+# ValueError, KeyError, TimeoutError, MemoryError or RuntimeError).
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libcpp cimport bool
 from libcpp.memory cimport shared_ptr, unique_ptr
@@ -11,6 +12,7 @@ from libcpp.vector cimport vector
 
 cdef extern from "_errors.h":
     void prefetch_raise_py_error()
+    void prefetch_set_error_type(int kind, object type)
 
 
 cdef extern from "copy_backend.h" namespace "prefetch" nogil:

@@ -11,6 +11,9 @@ import operator
 
 import numpy as np
 
+from prefetch import errors as _errors
+from prefetch.errors import HandleClosedError, InvalidArgumentError
+
 from cython.operator cimport dereference as deref
 from libc.stdint cimport int64_t, uintptr_t
 from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
@@ -79,7 +82,7 @@ cdef object _ids_from_sequence(object seq):
 
 cdef object _ids_from_ndarray(object arr):
     if arr.ndim != 1:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"tensor ids must be a 1-D array, got {arr.ndim}-D shape "
             f"{tuple(arr.shape)}"
         )
@@ -118,7 +121,7 @@ cpdef object as_id_array(object tensor_ids):
         return _ids_from_ndarray(tensor_ids)
     if _is_torch_tensor(tensor_ids):
         if tensor_ids.device.type != "cpu":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"tensor ids must be on the CPU, got a tensor on "
                 f"{tensor_ids.device}; call .cpu() first"
             )
@@ -145,7 +148,7 @@ cdef inline int _as_priority(object priority) except -1:
             f"priority must be an integer, got {type(priority).__name__}"
         ) from None
     if p < 0 or p >= kNumBands:
-        raise ValueError(
+        raise InvalidArgumentError(
             f"priority must be in 0..{kNumBands - 1} (0 = most urgent), "
             f"got {p}"
         )
@@ -170,7 +173,7 @@ cdef object _as_byte_array(object data):
     """A contiguous 1-D uint8 numpy view of `data` (zero-copy when it can)."""
     if _is_torch_tensor(data):
         if data.device.type != "cpu":
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"register needs host bytes, got a tensor on {data.device}"
             )
         flat = data.detach().contiguous().reshape(-1)
@@ -215,7 +218,7 @@ cdef object _int_option(str name, object value, object low, object high):
             f"{name} must be an int, got {type(value).__name__} {value!r}{hint}"
         ) from None
     if number < low or number > high:
-        raise ValueError(f"{name} must be in {low}..{high}, got {number}")
+        raise InvalidArgumentError(f"{name} must be in {low}..{high}, got {number}")
     return number
 
 
@@ -223,6 +226,11 @@ cdef bint _flag_option(str name, object value) except -1:
     if type(value) is _PY_BOOL or isinstance(value, np.bool_):
         return True if value else False
     raise TypeError(f"{name} must be True or False, got {type(value).__name__} {value!r}")
+
+
+# Engine errors raise prefetch.errors' classes (Note in prefetch/_errors.h).
+for _kind, _cls in enumerate(_errors.BY_KIND):
+    prefetch_set_error_type(_kind, _cls)
 
 
 cdef class PrefetchHandle:
@@ -362,9 +370,9 @@ cdef class PrefetchHandle:
                 for i, b in enumerate(device_budget_bytes)
             ]
             if not budgets:
-                raise ValueError("device_budget_bytes needs at least one device")
+                raise InvalidArgumentError("device_budget_bytes needs at least one device")
             if num_devices is not None and num_devices != len(budgets):
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"num_devices={num_devices} disagrees with the "
                     f"{len(budgets)} budgets in device_budget_bytes"
                 )
@@ -386,7 +394,7 @@ cdef class PrefetchHandle:
                 or not isinstance(debug_issue_delay_us, (int, float))):
             raise TypeError("debug_issue_delay_us must be a number of microseconds")
         if not debug_issue_delay_us >= 0:
-            raise ValueError("debug_issue_delay_us must be >= 0")
+            raise InvalidArgumentError("debug_issue_delay_us must be >= 0")
         if faults is not None and not isinstance(faults, dict):
             raise TypeError("faults must be a dict of setting -> int")
 
@@ -398,11 +406,11 @@ cdef class PrefetchHandle:
             cbackend = MakeFaultBackend(len(budgets), self._faults)
         else:
             if faults is not None:
-                raise ValueError("faults= needs backend='fault'")
+                raise InvalidArgumentError("faults= needs backend='fault'")
             cbackend = MakeBackend(backend.encode(), len(budgets))
         name = deref(cbackend).Name().decode()
         if len(budgets) > deref(cbackend).DeviceCount():
-            raise ValueError(
+            raise InvalidArgumentError(
                 f"{len(budgets)} devices requested but the {name} backend "
                 f"has {deref(cbackend).DeviceCount()}"
             )
@@ -463,7 +471,7 @@ cdef class PrefetchHandle:
         The host backend has no streams: it refuses one rather than ignore
         it (a raw int there is a caller's mistake, not a request to wait)."""
         if self.backend == "host" and stream is not None and stream != {}:
-            raise ValueError(
+            raise InvalidArgumentError(
                 "the host backend has no streams: pass stream=None (got "
                 f"{type(stream).__name__} {stream!r}); streams are for "
                 "backend='cuda'"
@@ -474,13 +482,13 @@ cdef class PrefetchHandle:
             for device, s in stream.items():
                 d = operator.index(device)
                 if d < 0 or d >= self.num_devices:
-                    raise ValueError(f"no device {d} for a stream")
+                    raise InvalidArgumentError(f"no device {d} for a stream")
                 out[d] = _stream_handle(s)
         elif stream is not None:
             device = getattr(getattr(stream, "device", None), "index", None)
             d = 0 if device is None else device
             if d < 0 or d >= self.num_devices:
-                raise ValueError(f"stream is on device {d}, not one of ours")
+                raise InvalidArgumentError(f"stream is on device {d}, not one of ours")
             out[d] = _stream_handle(stream)
         if for_release and self.backend == "cuda":
             import torch
@@ -491,7 +499,7 @@ cdef class PrefetchHandle:
 
     cdef inline int _check_open(self) except -1:
         if self._closed:
-            raise RuntimeError("PrefetchHandle is closed")
+            raise HandleClosedError("PrefetchHandle is closed")
         return 0
 
     # ------------------------------------------------------------ registry
@@ -516,14 +524,14 @@ cdef class PrefetchHandle:
             data, offset = item
             offset = operator.index(offset)
             if offset < 0:
-                raise ValueError("part offsets must be >= 0")
+                raise InvalidArgumentError("part offsets must be >= 0")
             arr = _as_byte_array(data)
             arrays.append(arr)
             offsets.append(offset)
             end = max(end, offset + arr.shape[0])
         total = end if total_bytes is None else operator.index(total_bytes)
         if total < 0:
-            raise ValueError("total_bytes must be >= 0")
+            raise InvalidArgumentError("total_bytes must be >= 0")
         cdef int dev = operator.index(device)
         cdef vector[CHostPart] cparts
         cdef CHostPart part
@@ -554,12 +562,12 @@ cdef class PrefetchHandle:
         cdef size_t nbytes
         if _is_torch_tensor(data):
             if data.device.type != "cpu" or not data.is_contiguous():
-                raise ValueError("register_external needs a contiguous CPU tensor")
+                raise InvalidArgumentError("register_external needs a contiguous CPU tensor")
             address = data.data_ptr()
             nbytes = data.numel() * data.element_size()
         elif isinstance(data, np.ndarray):
             if not data.flags.c_contiguous:
-                raise ValueError("register_external needs a C-contiguous array")
+                raise InvalidArgumentError("register_external needs a C-contiguous array")
             address = data.ctypes.data
             nbytes = data.nbytes
         else:
@@ -675,7 +683,7 @@ cdef class PrefetchHandle:
         else:
             times = as_id_array(when)
             if <size_t>times.shape[0] != n:
-                raise ValueError(
+                raise InvalidArgumentError(
                     f"when has {times.shape[0]} times for {n} tensor ids"
                 )
         cdef const int64_t[::1] ctimes = times
@@ -871,7 +879,7 @@ cdef class PrefetchHandle:
             else:
                 times = as_id_array(hint_when)
                 if <size_t>times.shape[0] != n_hint:
-                    raise ValueError(
+                    raise InvalidArgumentError(
                         f"hint_when has {times.shape[0]} times for {n_hint} ids"
                     )
             hwhen = times
@@ -880,7 +888,7 @@ cdef class PrefetchHandle:
                 args.hint_when = &hwhen[0]
                 args.n_hint = n_hint
         elif hint_when is not None:
-            raise ValueError("hint_when needs hint_ids")
+            raise InvalidArgumentError("hint_when needs hint_ids")
         if now is not None:
             if type(now) is _PY_BOOL:
                 raise TypeError("now must be an integer, got a bool")
@@ -906,17 +914,17 @@ cdef class PrefetchHandle:
         if pin is not None:
             pin_ids = as_id_array(pin)
             if pin_into is None:
-                raise ValueError("pin needs pin_into (an int64 array as long as pin)")
+                raise InvalidArgumentError("pin needs pin_into (an int64 array as long as pin)")
             pin_out = pin_into
             if pin_out.shape[0] != pin_ids.shape[0]:
-                raise ValueError(f"pin_into has {pin_out.shape[0]} places for "
+                raise InvalidArgumentError(f"pin_into has {pin_out.shape[0]} places for "
                                  f"{pin_ids.shape[0]} pin ids")
             if pin_ids.shape[0] > 0:
                 args.pin_ids = &pin_ids[0]
                 args.n_pin = pin_ids.shape[0]
                 args.pin_offsets = &pin_out[0]
         elif pin_into is not None:
-            raise ValueError("pin_into needs pin")
+            raise InvalidArgumentError("pin_into needs pin")
         cdef const int64_t[::1] use_ids
         if use is not None:
             use_ids = as_id_array(use)
@@ -947,7 +955,7 @@ cdef class PrefetchHandle:
         self._check_open()
         d = operator.index(device)
         if d < 0 or d >= self.num_devices:
-            raise ValueError(f"no device {d} (this handle has {self.num_devices})")
+            raise InvalidArgumentError(f"no device {d} (this handle has {self.num_devices})")
         return self._arenas[d]
 
     def release(self, tensor_ids, *, stream=None):

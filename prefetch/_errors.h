@@ -10,10 +10,27 @@
 
 #include "errors.h"
 
+// The exception class of each ErrorKind (prefetch.errors.BY_KIND, in the
+// enum's order), set once when the module is imported; until then (and for
+// a kind without one) the builtin below.
+inline PyObject* g_prefetch_error_types[16] = {nullptr};
+
+inline void prefetch_set_error_type(int kind, PyObject* type) {
+  if (kind < 0 || kind >= 16) return;
+  Py_XINCREF(type);
+  Py_XDECREF(g_prefetch_error_types[kind]);
+  g_prefetch_error_types[kind] = type;
+}
+
 inline void prefetch_raise_py_error() {
   try {
     throw;
   } catch (const prefetch::PrefetchError& e) {
+    const int kind = static_cast<int>(e.kind());
+    if (kind >= 0 && kind < 16 && g_prefetch_error_types[kind] != nullptr) {
+      PyErr_SetString(g_prefetch_error_types[kind], e.what());
+      return;
+    }
     PyObject* type = PyExc_RuntimeError;
     switch (e.kind()) {
       case prefetch::ErrorKind::kInvalidArgument: type = PyExc_ValueError; break;
@@ -28,7 +45,8 @@ inline void prefetch_raise_py_error() {
     }
     PyErr_SetString(type, e.what());
   } catch (const std::bad_alloc& e) {
-    PyErr_SetString(PyExc_MemoryError, e.what());
+    PyObject* oom = g_prefetch_error_types[static_cast<int>(prefetch::ErrorKind::kOutOfMemory)];
+    PyErr_SetString(oom != nullptr ? oom : PyExc_MemoryError, e.what());
   } catch (const std::exception& e) {
     PyErr_SetString(PyExc_RuntimeError, e.what());
   } catch (...) {

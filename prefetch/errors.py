@@ -1,0 +1,80 @@
+"""The exceptions prefetch raises.
+
+Every error of the engine is a ``PrefetchError``; each subclass also derives
+from the builtin exception prefetch raised before the family existed
+(ValueError, KeyError, TimeoutError, MemoryError, RuntimeError), so existing
+``except`` clauses keep working, while a caller can now tell, say, a failed
+copy from a closed handle without reading the message (pyarrow's
+``ArrowInvalid(ValueError, ArrowException)`` is the model). docs/errors.md
+lists which call raises which.
+"""
+
+__all__ = [
+    "PrefetchError",
+    "InvalidArgumentError",
+    "UnknownIdError",
+    "AlreadyRegisteredError",
+    "AcquireTimeoutError",
+    "HandleClosedError",
+    "CopyFailedError",
+    "OutOfMemoryError",
+    "StateError",
+    "BackendUnavailableError",
+]
+
+
+class PrefetchError(Exception):
+    """Base of every exception the engine raises."""
+
+
+class InvalidArgumentError(PrefetchError, ValueError):
+    """A malformed argument: a bad band, size, option, stream or hint, or an
+    acquire that can never fit in the cache."""
+
+
+class UnknownIdError(PrefetchError, KeyError):
+    """A tensor id that is not registered."""
+
+
+class AlreadyRegisteredError(PrefetchError, ValueError):
+    """A tensor id registered twice."""
+
+
+class AcquireTimeoutError(PrefetchError, TimeoutError):
+    """A wait (an acquire, a close) ran past its deadline."""
+
+
+class HandleClosedError(PrefetchError, RuntimeError):
+    """The handle was closed (or is used in a forked child)."""
+
+
+class CopyFailedError(PrefetchError, RuntimeError):
+    """The copy of this id failed in the backend; other ids are unaffected."""
+
+
+class OutOfMemoryError(PrefetchError, MemoryError):
+    """An allocation of host or device memory failed."""
+
+
+class StateError(PrefetchError, RuntimeError):
+    """A call not valid in the entry's state (a release without an acquire,
+    unregistering an id in use)."""
+
+
+class BackendUnavailableError(PrefetchError, RuntimeError):
+    """The copy backend cannot run on this machine (no CUDA driver, ...)."""
+
+
+# In the order of prefetch::ErrorKind (src_cpp/errors.h): the binding maps a
+# kind to the class at its index.
+BY_KIND = (
+    InvalidArgumentError,
+    UnknownIdError,
+    AlreadyRegisteredError,
+    AcquireTimeoutError,
+    HandleClosedError,
+    CopyFailedError,
+    OutOfMemoryError,
+    StateError,
+    BackendUnavailableError,
+)
