@@ -918,7 +918,7 @@ cdef class PrefetchHandle:
             pin_out = pin_into
             if pin_out.shape[0] != pin_ids.shape[0]:
                 raise InvalidArgumentError(f"pin_into has {pin_out.shape[0]} places for "
-                                 f"{pin_ids.shape[0]} pin ids")
+                                           f"{pin_ids.shape[0]} pin ids")
             if pin_ids.shape[0] > 0:
                 args.pin_ids = &pin_ids[0]
                 args.n_pin = pin_ids.shape[0]
