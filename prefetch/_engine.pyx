@@ -15,8 +15,9 @@ from prefetch import errors as _errors
 from prefetch.errors import HandleClosedError, InvalidArgumentError
 
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int64_t, uintptr_t
+from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
+from libcpp.pair cimport pair
 from libcpp.utility cimport move
 from libcpp.vector cimport vector
 
@@ -576,7 +577,8 @@ cdef class PrefetchHandle:
                 f"got {type(data).__name__}"
             )
         cdef int dev = operator.index(device)
-        self._c.RegisterExternal(tid, <const void*>address, nbytes, dev)
+        with nogil:
+            self._c.RegisterExternal(tid, <const void*>address, nbytes, dev)
         self._external[tid] = data
 
     def unregister(self, tensor_id):
@@ -598,7 +600,11 @@ cdef class PrefetchHandle:
             return False
         if tid < 0 or tid > kMaxTensorId:
             return False
-        return self._c.IsRegistered(tid)
+        cdef int64_t ctid = tid
+        cdef bint found
+        with nogil:
+            found = self._c.IsRegistered(ctid)
+        return found
 
     # ------------------------------------------------------------ prefetch
 
@@ -620,7 +626,8 @@ cdef class PrefetchHandle:
         self._check_open()
         cdef int band = _as_priority(priority)
         cdef int64_t tid = _as_single_id(tensor_id)
-        self._c.EnqueuePrefetch(tid, band)
+        with nogil:
+            self._c.EnqueuePrefetch(tid, band)
 
     def cancel(self, tensor_ids):
         """Removes queued ids (not copying or resident ones, and not ids an
@@ -703,7 +710,9 @@ cdef class PrefetchHandle:
     def hint_clock(self):
         """The clock ``hint_next_use(now=...)`` last set; None before any."""
         self._check_open()
-        cdef int64_t now = self._c.HintClock()
+        cdef int64_t now
+        with nogil:
+            now = self._c.HintClock()
         return None if now == -_INT64_MAX - 1 else now
 
     def set_faults(self, **settings):
@@ -979,24 +988,34 @@ cdef class PrefetchHandle:
     def pause(self):
         """Stops workers from starting new copies (benchmarks, tests)."""
         self._check_open()
-        self._c.Pause()
+        with nogil:
+            self._c.Pause()
 
     def resume(self):
         """Lets paused workers copy again (undoes ``pause()`` and
         ``start_paused=True``); queued ids are copied most urgent first."""
         self._check_open()
-        self._c.Resume()
+        with nogil:
+            self._c.Resume()
 
     def queued(self, device=0):
         """Queued ids of `device` as (band, id) pairs, most urgent first and
         in issue order within a band (inspection and tests)."""
         self._check_open()
-        return [(p.first, p.second) for p in self._c.QueueSnapshot(operator.index(device))]
+        cdef int d = operator.index(device)
+        cdef vector[pair[int, int64_t]] snapshot
+        with nogil:
+            snapshot = self._c.QueueSnapshot(d)
+        return [(p.first, p.second) for p in snapshot]
 
     def resident(self, device=0):
         """Resident ids of `device` in eviction order, next victim first."""
         self._check_open()
-        return list(self._c.ResidentSnapshot(operator.index(device)))
+        cdef int d = operator.index(device)
+        cdef vector[int64_t] snapshot
+        with nogil:
+            snapshot = self._c.ResidentSnapshot(d)
+        return list(snapshot)
 
     def budget_bytes(self, device=0):
         """The cache budget of `device` in bytes, as given to the
@@ -1059,7 +1078,9 @@ cdef class PrefetchHandle:
         With no unregister: enqueued + on_demand == copies + copy_errors +
         cancelled + queue_depth."""
         self._check_open()
-        cdef CStats s = self._c.GetStats()
+        cdef CStats s
+        with nogil:
+            s = self._c.GetStats()
         return {
             "requests": s.requests,
             "enqueued": s.enqueued,
@@ -1096,7 +1117,10 @@ cdef class PrefetchHandle:
         """Nanoseconds the engine spent in the last batched prefetch call
         (its own steady-clock timer)."""
         self._check_open()
-        return self._c.LastBatchNs()
+        cdef uint64_t ns
+        with nogil:
+            ns = self._c.LastBatchNs()
+        return ns
 
     @property
     def closed(self):
