@@ -61,7 +61,7 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         raise RuntimeError("raw copy mismatch")
     del dst
 
-    slot = (entry_bytes + 255) // 256 * 256
+    slot = -(-entry_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
     handle = prefetch.PrefetchHandle(
         device_budget_bytes=slot * count, backend="cuda", copy_chunk_bytes=chunk_bytes, copy_lanes=lanes
     )
@@ -168,7 +168,7 @@ def measure_devices(torch, prefetch, entry_bytes: int, count: int, reps: int, ch
         if rep > 0:
             together.append(gbps(ndev * count * entry_bytes, time.perf_counter() - t0))
     del raw_src, raw_dst
-    slot = (entry_bytes + 255) // 256 * 256
+    slot = -(-entry_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
     handle = prefetch.PrefetchHandle(device_budget_bytes=[slot * count] * ndev, backend="cuda",
                                      copy_chunk_bytes=chunk_bytes, copy_lanes=lanes)
     sources = []

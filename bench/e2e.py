@@ -115,7 +115,7 @@ class Decoder:
             self.pool_host.append(prefetch.pack_expert({"gate_up": gate_up.cpu(), "down": down.cpu()},
                                                        pin_memory=self.cuda))
         self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
-        self.slot_bytes = (self.expert_bytes + 255) // 256 * 256
+        self.slot_bytes = -(-self.expert_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
         # Host seconds per phase of step() (routing sync, acquire, compute
         # launch, release) when set to a dict; None costs nothing.
         self.timers = None

@@ -9,6 +9,7 @@ from prefetch._engine import (
     MAX_TENSOR_ID,
     NO_NEXT_USE,
     NUM_BANDS,
+    SLOT_ALIGNMENT,
     PrefetchHandle,
     as_id_array,
 )
@@ -52,6 +53,7 @@ __all__ = [
     "MAX_TENSOR_ID",
     "NO_NEXT_USE",
     "NUM_BANDS",
+    "SLOT_ALIGNMENT",
     "ExpertPrefetcher",
     "PrefetchHandle",
     "as_id_array",

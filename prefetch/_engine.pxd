@@ -40,6 +40,14 @@ cdef extern from "task_queue.h" namespace "prefetch" nogil:
     const int kDefaultPrefetchBand
 
 
+cdef extern from "device_cache.h" namespace "prefetch" nogil:
+    const size_t kSlotAlignmentBytes
+
+
+cdef extern from "entry.h" namespace "prefetch" nogil:
+    const int64_t kNoNextUse
+
+
 cdef extern from "stats.h" namespace "prefetch" nogil:
     cdef struct CStats "prefetch::Stats":
         uint64_t requests

@@ -36,14 +36,19 @@ from prefetch._engine cimport (
     kDefaultPrefetchBand,
     kMaxCopyLanes,
     kMaxTensorId,
+    kNoNextUse,
     kNumBands,
+    kSlotAlignmentBytes,
 )
 
 NUM_BANDS = kNumBands
 DEFAULT_PRIORITY = kDefaultPrefetchBand
 MAX_TENSOR_ID = kMaxTensorId
 DEFAULT_ACQUIRE_TIMEOUT_S = 60.0
-NO_NEXT_USE = 2**63 - 1  # hint_next_use: no known next read
+NO_NEXT_USE = kNoNextUse  # hint_next_use: no known next read
+# Cache slots start and end on this boundary (so do packed weights, arenas
+# and prefetch.hf's row grid).
+SLOT_ALIGNMENT = kSlotAlignmentBytes
 
 # The .pxd cimports libcpp.bool, which shadows the builtin name here.
 cdef object _PY_BOOL = builtins.bool
@@ -426,8 +431,8 @@ cdef class PrefetchHandle:
             for b in budgets:
                 # 256-byte aligned like a CUDA allocation (the slot grid;
                 # prefetch.hf's sync-free path views it with host memory)
-                raw = np.empty(b + 256, dtype=np.uint8)
-                shift = -raw.ctypes.data % 256
+                raw = np.empty(b + SLOT_ALIGNMENT, dtype=np.uint8)
+                shift = -raw.ctypes.data % SLOT_ALIGNMENT
                 arenas.append(raw[shift : shift + b])
 
         cdef CHandleOptions options

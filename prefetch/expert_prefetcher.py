@@ -14,9 +14,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, DEFAULT_PRIORITY, as_id_array
+from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, DEFAULT_PRIORITY, SLOT_ALIGNMENT, as_id_array
 
-PART_ALIGNMENT_BYTES = 256  # each packed weight starts on this boundary
+PART_ALIGNMENT_BYTES = SLOT_ALIGNMENT  # each packed weight starts on the engine's slot boundary
 
 
 @dataclass(frozen=True)

@@ -44,6 +44,7 @@ import weakref
 import numpy as np
 import torch
 
+from prefetch._engine import SLOT_ALIGNMENT
 from prefetch.controller import OffloadController, _routed_experts
 from prefetch.expert_prefetcher import _align, expert_layout
 
@@ -53,7 +54,7 @@ __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", 
 _OFFLOAD_ATTR = "_prefetch_offload"
 # The slot alignment of the engine (kSlotAlignmentBytes) and of HostExperts:
 # the row grid of the sync-free path's one tensor (Note [Sync-free decode]).
-_ROW_BYTES = 256
+_ROW_BYTES = SLOT_ALIGNMENT
 # torch's grouped_mm refuses more groups than this ("Can't process more than
 # 1024 groups"); a cache with more slots runs grouped_mm on a gathered copy
 # of the routed slots instead (Note [Experts on cache slots]).
