@@ -7,6 +7,7 @@ sanitizer flags (see tox.ini).
 """
 import os
 import sys
+from pathlib import Path
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -27,12 +28,8 @@ COMPILER_DIRECTIVES = {
     "embedsignature.format": "python",
 }
 
-ENGINE_SOURCES = [
-    "src_cpp/archer_prefetch_handle.cpp",
-    "src_cpp/device_cache.cpp",
-    "src_cpp/host_backend.cpp",
-    "src_cpp/cuda_backend.cpp",
-]
+# The engine's C++ sources, one per line: also read by tests/test_cpp_stress.py.
+ENGINE_SOURCES = Path(__file__).with_name("src_cpp").joinpath("SOURCES").read_text().split()
 
 compile_args = ["-std=c++17", "-Wall", "-Wno-unused-function"]
 link_args = ["-pthread"]

@@ -2,7 +2,7 @@
 predictor, routing clock and accounting.
 
 A MoE layer talks to the engine once (Note [One call per layer] in
-src_cpp/archer_prefetch_handle.cpp): `exchange` releases the layer computed
+src_cpp/acquire_release.cpp): `exchange` releases the layer computed
 before, cancels this layer's wrong guesses, sends hints, acquires this
 layer's experts and queues the guesses for later layers, in one GIL-free
 `PrefetchHandle.step`. The previous layer's release rides on that call: its

@@ -8,12 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = [
-    "src_cpp/archer_prefetch_handle.cpp",
-    "src_cpp/device_cache.cpp",
-    "src_cpp/host_backend.cpp",
-    "src_cpp/cuda_backend.cpp",
-]
+SOURCES = (ROOT / "src_cpp" / "SOURCES").read_text().split()  # the engine sources setup.py builds
 
 
 @pytest.fixture(scope="module")

@@ -1,0 +1,325 @@
+// ArcherPrefetchHandle: the copy worker of each device (its loop, slot
+// reservation and eviction, the chunked copy) and in-flight bookkeeping.
+#include "archer_prefetch_handle.h"
+#include "handle_internal.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+
+namespace prefetch {
+
+using detail::IdText;
+using detail::StateName;
+using detail::SteadyNs;
+
+// ------------------------------------------------------------------ worker
+
+void ArcherPrefetchHandle::FreeSlotLocked(DeviceState* dev, Entry* e) {
+  if (poison_freed_slots_) {
+    try {
+      backend_->Fill(dev->index, dev->cache->arena() + e->slot_offset,
+                     e->slot_bytes, kPoisonByte);
+    } catch (...) {
+      // Poisoning is a debugging aid; a failure to poison frees the slot as is.
+    }
+  }
+  dev->cache->Free(e->slot_offset, e->slot_bytes);
+}
+
+void ArcherPrefetchHandle::DropSlotLocked(DeviceState* dev, Entry* e) {
+  DropInflightLocked(dev, e);
+  dev->cache->RemoveResident(e);
+  FreeSlotLocked(dev, e);
+  backend_->ReleaseToken(e->ready);
+  backend_->ReleaseToken(e->last_use);
+  e->ready = e->last_use = kTokenDone;
+}
+
+void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
+  DropSlotLocked(dev, e);
+  e->state = EntryState::kHost;
+  ++stats_.evictions;
+  if (e->prefetched_unused) ++stats_.wasted;
+  e->prefetched_unused = false;
+}
+
+// Note [Speculation never hurts]
+// A prefetch is a guess; a miss is a kernel waiting. Three rules keep the
+// guesses out of the misses' way:
+// - Admission: a speculative copy (band > 0) may not evict an entry needed
+//   no later than itself: a prefetched entry not yet acquired whose wanted-by
+//   acquire call (Entry::want_at: the acquire-call clock at its request plus
+//   its band) has not passed and is not after the newcomer's, or, with
+//   hints, an entry whose valid next use is no later than the newcomer's.
+//   If only such entries could make room, the guess is declined (dropped
+//   back to the host state, Stats::declined), not queued behind them.
+// - While an on-demand copy is being issued or in flight on a device, its
+//   worker starts no speculative copy: the link belongs to the misses.
+// - Speculative bytes in flight are capped (max_speculative_bytes_in_flight,
+//   default two chunks), so a miss issued now queues behind at most that
+//   much speculation on the copy engines.
+// On-demand copies (band 0) are never refused or held back by these rules.
+bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
+                                             bool* wait_for_events,
+                                             bool* refused) {
+  struct Ctx {
+    CopyBackend* backend;
+    const Entry* incoming;   // null: an on-demand copy, no admission control
+    uint64_t acquire_calls;  // the clock of want_at
+    int64_t hint_clock;      // the clock of next_use
+    bool pending_seen;  // an unpinned victim waits only on GPU work
+    bool refused_seen;  // a victim is needed sooner than the newcomer
+  } ctx{backend_.get(),
+        e->band == kOnDemandBand || e->pins > 0 ? nullptr : e,
+        acquire_calls_, hint_clock_, false, false};
+  auto evictable = [](Entry* v, void* raw) {
+    auto* c = static_cast<Ctx*>(raw);
+    if (v->pins > 0) return false;
+    if (!c->backend->Query(v->ready) || !c->backend->Query(v->last_use)) {
+      c->pending_seen = true;
+      return false;
+    }
+    const Entry* in = c->incoming;
+    if (in != nullptr) {
+      const bool wanted_sooner = v->want_at != 0 &&
+                                 v->want_at >= c->acquire_calls &&
+                                 v->want_at <= in->want_at;
+      const bool hinted_sooner = in->next_use != kNoNextUse &&
+                                 v->next_use != kNoNextUse &&
+                                 v->next_use >= c->hint_clock &&
+                                 v->next_use <= in->next_use;
+      if (wanted_sooner || hinted_sooner) {
+        c->refused_seen = true;
+        return false;
+      }
+    }
+    return true;
+  };
+  for (;;) {
+    if (dev->cache->Allocate(e->bytes, &e->slot_offset, &e->slot_bytes)) {
+      return true;
+    }
+    Entry* victim = dev->cache->policy().PickVictim(evictable, &ctx);
+    if (victim == nullptr) {
+      *wait_for_events = ctx.pending_seen;
+      if (refused != nullptr) *refused = ctx.refused_seen;
+      return false;
+    }
+    EvictLocked(dev, victim);
+  }
+}
+
+void ArcherPrefetchHandle::DropInflightLocked(DeviceState* dev, Entry* e) {
+  auto it = std::find(dev->inflight.begin(), dev->inflight.end(), e);
+  if (it != dev->inflight.end()) {
+    dev->inflight_bytes -= e->bytes;
+    if (e->band == kOnDemandBand) dev->inflight_urgent_bytes -= e->bytes;
+    dev->inflight.erase(it);
+  }
+}
+
+// Copies on different streams finish out of issue order (an on-demand copy
+// overtakes the lanes), so every finished entry leaves, not just a prefix.
+void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
+  auto& q = dev->inflight;
+  auto keep = q.begin();
+  for (auto it = q.begin(); it != q.end(); ++it) {
+    Entry* e = *it;
+    if (backend_->Query(e->ready)) {
+      dev->inflight_bytes -= e->bytes;
+      if (e->band == kOnDemandBand) dev->inflight_urgent_bytes -= e->bytes;
+    } else {
+      *keep++ = e;
+    }
+  }
+  q.erase(keep, q.end());
+}
+
+bool ArcherPrefetchHandle::SpeculationAllowedLocked(
+    const DeviceState* dev) const {
+  // The worker loop retired finished copies just before asking.
+  // copying_bytes > 0 here (outside the worker's own copy) is an acquirer
+  // issuing its misses.
+  return dev->copying_bytes == 0 && dev->inflight_urgent_bytes == 0 &&
+         dev->inflight_bytes < max_speculative_bytes_;
+}
+
+void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
+  std::string bind_error;
+  try {
+    backend_->BindWorkerThread(dev->index);
+  } catch (const std::exception& ex) {
+    bind_error = ex.what();
+  }
+  std::unique_lock<std::mutex> lk(mu_);
+  while (!stop_) {
+    if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
+    if (paused_ || dev->queue.empty()) {
+      dev->worker_waiting = true;
+      dev->work_cv.wait(lk);
+      dev->worker_waiting = false;
+      continue;
+    }
+    Entry* e = dev->queue.PeekMostUrgent();
+    if (!bind_error.empty()) {
+      dev->queue.Remove(e);
+      e->state = EntryState::kHost;
+      e->error = "copy worker could not start: " + bind_error;
+      ++e->error_seq;
+      ++stats_.copy_errors;
+      ready_cv_.notify_all();
+      continue;
+    }
+    // Speculation waits for the misses and for its own cap (Note
+    // [Speculation never hurts]); every copy waits for max_bytes_in_flight.
+    const bool held_back =
+        e->band != kOnDemandBand && !SpeculationAllowedLocked(dev);
+    if (held_back && dev->inflight.empty()) {
+      // An acquirer is issuing misses right now: let it finish.
+      dev->worker_waiting = true;
+      dev->work_cv.wait_for(lk, std::chrono::microseconds(50));
+      dev->worker_waiting = false;
+      continue;
+    }
+    if (held_back || (!dev->inflight.empty() &&
+                      dev->inflight_bytes + e->bytes > max_bytes_in_flight_)) {
+      Entry* first = dev->inflight.front();
+      if (dev->inflight_urgent_bytes > 0) {
+        for (Entry* f : dev->inflight) {
+          if (f->band == kOnDemandBand) {
+            first = f;
+            break;
+          }
+        }
+      }
+      const CopyToken oldest = first->ready;
+      lk.unlock();
+      try {
+        backend_->Wait(oldest);
+      } catch (...) {
+        // A failed wait surfaces to the acquirer of that entry.
+      }
+      lk.lock();
+      RetireInflightLocked(dev);
+      continue;
+    }
+    bool wait_for_events = false;
+    bool refused = false;
+    if (!ReserveSlotLocked(dev, e, &wait_for_events, &refused)) {
+      if (refused && !wait_for_events && e->band != kOnDemandBand &&
+          e->pins == 0) {
+        // Only entries needed sooner could make room: drop the guess.
+        dev->queue.Remove(e);
+        e->state = EntryState::kHost;
+        e->want_at = 0;
+        ++stats_.declined;
+        continue;
+      }
+      // Every slot is pinned (or still read on a stream): wait for a
+      // release, an unregister or close. GPU-side uses complete without a
+      // notification, so then poll.
+      dev->worker_waiting = true;
+      dev->worker_needs_room = true;
+      if (wait_for_events) {
+        dev->work_cv.wait_for(lk, std::chrono::microseconds(100));
+      } else {
+        dev->work_cv.wait(lk);
+      }
+      dev->worker_waiting = false;
+      dev->worker_needs_room = false;
+      continue;
+    }
+    dev->queue.Remove(e);
+    CopyEntryLocked(dev, e, lk);
+  }
+  dev->worker_waiting = false;
+}
+
+void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
+                                           std::unique_lock<std::mutex>& lk) {
+  e->state = EntryState::kCopying;
+  dev->copying_bytes += e->bytes;
+  const bool urgent = e->band == kOnDemandBand;
+  // Every chunk of an entry goes down one lane, so the last chunk's token
+  // covers the whole entry; entries alternate between lanes.
+  const int lane = urgent ? 0 : static_cast<int>(dev->next_lane++ % copy_lanes_);
+  char* dst = dev->cache->arena() + e->slot_offset;
+  const char* src = static_cast<const char*>(e->host_ptr);
+  CopyToken token = kTokenDone;
+  std::string error;
+  size_t done = 0;
+  while (done < e->bytes) {
+    const size_t chunk = std::min(copy_chunk_bytes_, e->bytes - done);
+    lk.unlock();
+    const Clock::time_point start = Clock::now();
+    try {
+      const CopyToken t =
+          backend_->Copy(dev->index, dst + done, src + done, chunk, urgent,
+                         lane, /*want_token=*/true);
+      backend_->ReleaseToken(token);
+      token = t;
+    } catch (const std::exception& ex) {
+      error = ex.what();
+    } catch (...) {
+      error = "unknown error in the copy backend";
+    }
+    const double seconds =
+        std::chrono::duration<double>(Clock::now() - start).count();
+    lk.lock();
+    stats_.copy_seconds += seconds;
+    if (!error.empty()) break;
+    done += chunk;
+    if (stop_ && done < e->bytes) {
+      error = "PrefetchHandle closed during the copy";
+      break;
+    }
+    // Between chunks an on-demand request overtakes a long prefetch.
+    if (!urgent && done < e->bytes && dev->queue.HasBand(kOnDemandBand)) {
+      Entry* u = dev->queue.PeekMostUrgent();
+      bool wait_for_events = false;
+      if (ReserveSlotLocked(dev, u, &wait_for_events)) {
+        dev->queue.Remove(u);
+        CopyEntryLocked(dev, u, lk);  // urgent: never recurses further
+      }
+    }
+  }
+  dev->copying_bytes -= e->bytes;
+  if (!error.empty()) {
+    if (token != kTokenDone) {
+      lk.unlock();
+      try {
+        backend_->Wait(token);  // chunks already issued still target the slot
+      } catch (...) {
+      }
+      lk.lock();
+      backend_->ReleaseToken(token);
+    }
+    FreeSlotLocked(dev, e);
+    e->state = EntryState::kHost;
+    e->error = error;
+    ++e->error_seq;
+    ++stats_.copy_errors;
+  } else {
+    e->state = EntryState::kResident;
+    e->ready = token;
+    e->error.clear();
+    e->prefetched_unused = e->pins == 0;
+    dev->cache->AddResident(e);
+    if (e->use_on_arrival) {  // read from host memory while it was missing
+      e->use_on_arrival = false;
+      e->prefetched_unused = false;
+      dev->cache->policy().OnUse(e);
+    }
+    if (token != kTokenDone) {
+      dev->inflight.push_back(e);
+      dev->inflight_bytes += e->bytes;
+      if (e->band == kOnDemandBand) dev->inflight_urgent_bytes += e->bytes;
+    }
+    ++stats_.copies;
+    stats_.bytes_copied += e->bytes;
+  }
+  ready_cv_.notify_all();
+}
+
+}  // namespace prefetch
