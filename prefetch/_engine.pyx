@@ -273,7 +273,7 @@ cdef class PrefetchHandle:
         "cyclic" (for decode loops that acquire once per layer in a fixed
         order: the most recently used entry goes first, prefetched entries
         not yet acquired last, unless 8 acquire calls passed them by; Note
-        [Cyclic eviction] in src_cpp/device_cache.h) or "next-use" (Belady's
+        [Cyclic eviction] in src_cpp/eviction_policy.h) or "next-use" (Belady's
         rule fed by ``hint_next_use``: entries never hinted first, least
         recently used first, then hints whose time has passed, then the
         farthest next use first; Note [Next-use eviction]).

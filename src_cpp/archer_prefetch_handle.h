@@ -155,7 +155,7 @@ class ArcherPrefetchHandle {
   // any stream (others are left alone); returns how many were evicted.
   size_t Evict(const int64_t* ids, size_t n);
 
-  // Next-use hints (Note [Next-use eviction] in device_cache.h): id i is next
+  // Next-use hints (Note [Next-use eviction] in eviction_policy.h): id i is next
   // read at `when[i]` on the caller's clock (kNoNextUse: unknown), and, with
   // `set_now`, the clock is now `now`. Only the "next-use" policy reads
   // hints; others keep them. All-or-nothing: an unknown id, a negative time

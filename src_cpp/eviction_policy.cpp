@@ -1,0 +1,141 @@
+#include "eviction_policy.h"
+
+#include <new>
+
+#include "errors.h"
+
+namespace prefetch {
+
+void EntryList::PushNewest(Entry* e) {
+  e->lru_next = nullptr;
+  e->lru_prev = newest;
+  if (newest != nullptr) {
+    newest->lru_next = e;
+  } else {
+    oldest = e;
+  }
+  newest = e;
+}
+
+void EntryList::Unlink(Entry* e) {
+  if (e->lru_prev != nullptr) {
+    e->lru_prev->lru_next = e->lru_next;
+  } else {
+    oldest = e->lru_next;
+  }
+  if (e->lru_next != nullptr) {
+    e->lru_next->lru_prev = e->lru_prev;
+  } else {
+    newest = e->lru_prev;
+  }
+  e->lru_prev = e->lru_next = nullptr;
+}
+
+void LruPolicy::Touch(Entry* e) {
+  if (list_.newest == e) return;
+  list_.Unlink(e);
+  list_.PushNewest(e);
+}
+
+Entry* LruPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+  for (Entry* e = list_.oldest; e != nullptr; e = e->lru_next) {
+    if (evictable(e, ctx)) return e;
+  }
+  return nullptr;
+}
+
+void LruPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  for (Entry* e = list_.oldest; e != nullptr; e = e->lru_next) fn(e, ctx);
+}
+
+void CyclicPolicy::OnInsert(Entry* e) {
+  e->policy_used = false;
+  e->policy_stamp = clock_;
+  fresh_.PushNewest(e);
+}
+
+void CyclicPolicy::OnRemove(Entry* e) {
+  (e->policy_used ? used_ : fresh_).Unlink(e);
+}
+
+void CyclicPolicy::OnRequest(Entry* e) {
+  // Asked for again: the next layers will read it.
+  OnRemove(e);
+  OnInsert(e);
+}
+
+void CyclicPolicy::OnUse(Entry* e) {
+  OnRemove(e);
+  e->policy_used = true;
+  e->policy_stamp = clock_;
+  used_.PushNewest(e);
+}
+
+// Note [Cyclic eviction]: stale fresh oldest first, then used newest first,
+// then fresh oldest first (CyclicPolicy::Walk).
+Entry* CyclicPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+  return Walk([&](Entry* e) { return evictable(e, ctx); });
+}
+
+void CyclicPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  Walk([&](Entry* e) {
+    fn(e, ctx);
+    return false;
+  });
+}
+
+void NextUsePolicy::Link(Entry* e) {
+  e->policy_stamp = ++seq_;
+  Place(e);
+}
+
+void NextUsePolicy::Place(Entry* e) {
+  e->policy_used = false;  // in order_, not overflow_
+  try {
+    order_.insert(Key{e->next_use, e->policy_stamp, e});
+  } catch (const std::bad_alloc&) {
+    e->policy_used = true;
+    overflow_.PushNewest(e);
+  }
+}
+
+void NextUsePolicy::OnRemove(Entry* e) {
+  if (e->policy_used) {
+    overflow_.Unlink(e);
+    e->policy_used = false;
+  } else {
+    order_.erase(Key{e->next_use, e->policy_stamp, e});
+  }
+}
+
+void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
+  OnRemove(e);
+  e->next_use = next_use;
+  Place(e);  // a hint is not a use: the touch sequence stays
+}
+
+// Note [Next-use eviction]: no valid hint first, then farthest next use.
+Entry* NextUsePolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+  return Walk([&](Entry* e) { return evictable(e, ctx); });
+}
+
+void NextUsePolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  Walk([&](Entry* e) {
+    fn(e, ctx);
+    return false;
+  });
+}
+
+std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
+                                                   uint64_t cycle) {
+  if (name == "lru") return std::make_unique<LruPolicy>();
+  if (name == "cyclic") {
+    return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires, cycle);
+  }
+  if (name == "next-use") return std::make_unique<NextUsePolicy>();
+  throw PrefetchError(ErrorKind::kInvalidArgument,
+                      "unknown eviction policy '" + name +
+                          "' (known: lru, cyclic, next-use)");
+}
+
+}  // namespace prefetch

@@ -1,0 +1,218 @@
+// Eviction policies: the order in which a device cache gives up resident
+// entries (EvictionPolicy), and the three the engine offers: "lru", "cyclic"
+// and "next-use". The device cache (device_cache.h) owns one and calls it.
+// Not thread-safe: REQUIRES the handle's mutex.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+#include <memory>
+#include <set>
+#include <string>
+
+#include "entry.h"
+
+namespace prefetch {
+
+// Orders resident entries for eviction. Implementations link entries through
+// Entry::lru_prev/lru_next (and may keep Entry::policy_stamp/policy_used).
+// No hook throws: one that allocates must cope with running out of memory.
+class EvictionPolicy {
+ public:
+  virtual ~EvictionPolicy() = default;
+  virtual const char* Name() const = 0;
+  virtual void OnInsert(Entry* e) = 0;   // became resident (copy issued)
+  virtual void OnRequest(Entry* e) = 0;  // prefetch asked for it while resident
+  virtual void OnUse(Entry* e) = 0;      // acquired while resident
+  virtual void OnRemove(Entry* e) = 0;   // evicted or unregistered
+  // Once per Acquire call, on every device's policy: a clock of "layers".
+  virtual void OnAcquireCall() {}
+  // Next-use hints (Note [Next-use eviction]). OnHint sets e->next_use; the
+  // handle calls it for resident entries only (others just take the field).
+  virtual void OnHint(Entry* e, int64_t next_use) { e->next_use = next_use; }
+  // The caller's clock moved to `now` (never backwards).
+  virtual void OnClock(int64_t now) { (void)now; }
+  // Calls fn(e, ctx) for every entry in eviction order (next victim first).
+  virtual void ForEach(void (*fn)(Entry*, void*), void* ctx) const = 0;
+  // First entry in eviction order for which evictable(e, ctx) is true.
+  virtual Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) = 0;
+};
+
+// A doubly linked list through Entry::lru_prev/lru_next.
+struct EntryList {
+  Entry* oldest = nullptr;
+  Entry* newest = nullptr;
+  void PushNewest(Entry* e);
+  void Unlink(Entry* e);
+};
+
+// Least recently used first; a prefetch request or an acquire both count as
+// a use.
+class LruPolicy final : public EvictionPolicy {
+ public:
+  const char* Name() const override { return "lru"; }
+  void OnInsert(Entry* e) override { list_.PushNewest(e); }
+  void OnRequest(Entry* e) override { Touch(e); }
+  void OnUse(Entry* e) override { Touch(e); }
+  void OnRemove(Entry* e) override { list_.Unlink(e); }
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
+
+ private:
+  void Touch(Entry* e);
+  EntryList list_;  // oldest = next to evict
+};
+
+// Note [Cyclic eviction]
+// A decode step visits the MoE layers in the same order every token, so the
+// expert used longest ago is the one needed soonest (the next layers), and
+// LRU, evicting exactly that one, misses on every access of a cyclic scan
+// larger than the cache. Here, among entries that have been acquired since
+// they arrived ("used"), the MOST recently used is evicted first: it belongs
+// to the layer just computed, whose next use is a whole step away (MRU is
+// optimal for a pure loop). Entries that arrived by prefetch or were asked for
+// again by a prefetch and have not been acquired since ("fresh") are what the
+// next layers will read, so they go last, oldest first. A fresh entry that
+// `stale_after` Acquire calls (about that many layers) have passed without
+// acquiring it was a wrong prediction: it goes first, oldest first, so
+// mispredictions do not crowd out the entries that give hits.
+// Victim order: stale fresh (oldest first), used (newest first), fresh
+// (oldest first). One Acquire call per layer is what the clock assumes.
+//
+// With `cycle` (the Acquire calls of one decode step, the MoE layer count) an
+// entry not used within the last `cycle` calls is out of the loop's working
+// set (a prompt's leftovers, a layer that stopped routing to it): such
+// entries go first, least recently used first, before any MRU choice. When
+// the working set fits in the cache the loop then keeps all of it (MRU alone
+// would keep the leftovers and evict the working set); when it does not, the
+// order is the MRU one above. Measured on the H200 (BM6, OLMoE, batch 1, 25 %
+// of the experts, a working set of half the cache): 0.28 hits without the
+// cycle.
+// Victim order with a cycle: stale fresh, out-of-cycle used (oldest first),
+// in-cycle used (newest first), fresh.
+class CyclicPolicy final : public EvictionPolicy {
+ public:
+  CyclicPolicy(uint64_t stale_after, uint64_t cycle)
+      : stale_after_(stale_after), cycle_(cycle) {}
+  const char* Name() const override { return "cyclic"; }
+  void OnInsert(Entry* e) override;
+  void OnRequest(Entry* e) override;
+  void OnUse(Entry* e) override;
+  void OnRemove(Entry* e) override;
+  void OnAcquireCall() override { ++clock_; }
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
+
+ private:
+  bool Stale(const Entry* e) const { return clock_ - e->policy_stamp > stale_after_; }
+  bool OutOfCycle(const Entry* e) const {
+    return cycle_ != 0 && clock_ - e->policy_stamp > cycle_;
+  }
+  // Visits entries in victim order until visit(e) returns true; returns that
+  // entry or nullptr. The one place the order is written down.
+  template <typename Visit>
+  Entry* Walk(Visit visit) const {
+    for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
+      if (visit(e)) return e;
+    }
+    // used_ is in order of use: the out-of-cycle entries are its oldest.
+    Entry* in_cycle = used_.oldest;
+    for (; in_cycle != nullptr && OutOfCycle(in_cycle); in_cycle = in_cycle->lru_next) {
+      if (visit(in_cycle)) return in_cycle;
+    }
+    for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) {
+      if (in_cycle == nullptr) break;
+      if (visit(e)) return e;
+      if (e == in_cycle) break;
+    }
+    for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
+      if (!Stale(e) && visit(e)) return e;
+    }
+    return nullptr;
+  }
+  const uint64_t stale_after_;
+  const uint64_t cycle_;  // 0: no cycle known
+  uint64_t clock_ = 0;  // Acquire calls so far
+  EntryList fresh_;     // not acquired since it arrived; oldest first
+  EntryList used_;      // acquired; newest = next to evict
+};
+
+// Note [Next-use eviction]
+// Belady's rule needs the future: evict the entry whose next read is
+// farthest away. A caller that knows it (a replayed routing trace, or a
+// predictor it trusts) says so with hints: HintNextUse(ids, when, now) gives
+// each id the time of its next read on the caller's own clock (any
+// increasing count, e.g. MoE layers routed so far), and moves the clock to
+// `now`. A hint whose time has passed without a new one has expired: the
+// read it announced happened (or never came), and the caller did not say
+// when the next one is, so it goes before any valid hint. Victim order: entries never hinted (or cleared),
+// least recently acquired or requested first (needed by nobody we know of);
+// then expired hints, earliest first; then valid hints, farthest next use
+// first. Hints belong to the id, resident or not, so an id can be hinted
+// before its prefetch. Entries sit in a std::set ordered by (next_use, a
+// touch sequence); if that set cannot grow (no memory) an entry goes to an
+// unordered overflow list that is evicted first, never an exception.
+class NextUsePolicy final : public EvictionPolicy {
+ public:
+  const char* Name() const override { return "next-use"; }
+  void OnInsert(Entry* e) override { Link(e); }
+  void OnRequest(Entry* e) override { Relink(e); }
+  void OnUse(Entry* e) override { Relink(e); }
+  void OnRemove(Entry* e) override;
+  void OnHint(Entry* e, int64_t next_use) override;
+  void OnClock(int64_t now) override { now_ = now; }
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
+
+ private:
+  struct Key {
+    int64_t next_use;
+    uint64_t seq;  // touch order; unique
+    Entry* e;
+    bool operator<(const Key& o) const {
+      return next_use != o.next_use ? next_use < o.next_use : seq < o.seq;
+    }
+  };
+  void Link(Entry* e);   // with a new touch sequence
+  void Place(Entry* e);  // with its current one
+  void Relink(Entry* e) {
+    OnRemove(e);
+    Link(e);
+  }
+  // Victim order; the one place it is written down.
+  template <typename Visit>
+  Entry* Walk(Visit visit) const {
+    for (Entry* e = overflow_.oldest; e != nullptr; e = e->lru_next) {
+      if (visit(e)) return e;
+    }
+    const auto no_hint = order_.lower_bound(Key{kNoNextUse, 0, nullptr});
+    for (auto it = no_hint; it != order_.end(); ++it) {
+      if (visit(it->e)) return it->e;
+    }
+    auto valid = order_.begin();  // expired hints: oldest hint first
+    for (; valid != no_hint && valid->next_use < now_; ++valid) {
+      if (visit(valid->e)) return valid->e;
+    }
+    for (auto it = no_hint; it != valid;) {  // valid hints: farthest first
+      --it;
+      if (visit(it->e)) return it->e;
+    }
+    return nullptr;
+  }
+  std::set<Key> order_;
+  EntryList overflow_;  // could not enter order_ (std::bad_alloc)
+  uint64_t seq_ = 0;
+  int64_t now_ = std::numeric_limits<int64_t>::min();
+};
+
+// Acquire calls after which an unacquired prefetched entry counts as a wrong
+// prediction under "cyclic" (Note [Cyclic eviction]).
+constexpr uint64_t kCyclicStaleAfterAcquires = 8;
+
+// "lru", "cyclic" or "next-use"; anything else is kInvalidArgument.
+// `cycle`: Acquire calls per decode step for "cyclic" (0: unknown).
+std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
+                                                   uint64_t cycle = 0);
+
+}  // namespace prefetch
