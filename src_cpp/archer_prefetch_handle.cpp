@@ -267,21 +267,11 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
   // the queue once (TaskQueue::AppendChain). A band upgrade of an entry
   // already queued first flushes the chains, so FIFO order within the band
   // follows the order of `ids`.
-  Entry* chain_first[kMaxDevices];
-  Entry* chain_last[kMaxDevices];
-  size_t chain_count[kMaxDevices];
+  TaskQueue::Chain chains[kMaxDevices];
   const int device_count = DeviceCount();
-  for (int d = 0; d < device_count; ++d) {
-    chain_first[d] = chain_last[d] = nullptr;
-    chain_count[d] = 0;
-  }
   auto flush = [&] {
     for (int d = 0; d < device_count; ++d) {
-      if (chain_count[d] == 0) continue;
-      devices_[d]->queue.AppendChain(chain_first[d], chain_last[d],
-                                     chain_count[d], band);
-      chain_first[d] = chain_last[d] = nullptr;
-      chain_count[d] = 0;
+      devices_[d]->queue.AppendChain(&chains[d], band);
     }
   };
   for (size_t i = 0; i < n; ++i) {
@@ -292,15 +282,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
         e->state = EntryState::kQueued;
         e->band = band;
         e->want_at = acquire_calls_ + band;
-        e->q_next = nullptr;
-        e->q_prev = chain_last[d];
-        if (chain_last[d] != nullptr) {
-          chain_last[d]->q_next = e;
-        } else {
-          chain_first[d] = e;
-        }
-        chain_last[d] = e;
-        ++chain_count[d];
+        chains[d].Append(e);
         ++enqueued;
         wake_mask |= uint64_t{1} << d;
         break;
@@ -515,11 +497,6 @@ Stats ArcherPrefetchHandle::GetStats() const {
   s.registered_bytes = registered_bytes_;
   s.pinned_count = pinned_entries_;
   return s;
-}
-
-bool ArcherPrefetchHandle::IsClosed() const {
-  std::lock_guard<std::mutex> lk(mu_);
-  return closed_;
 }
 
 void ArcherPrefetchHandle::Close() {

@@ -204,7 +204,6 @@ class ArcherPrefetchHandle {
   // Cancels the queue, wakes waiters with kClosed, joins workers, frees
   // memory. Bounded by one copy chunk per worker; idempotent.
   void Close();
-  bool IsClosed() const;
 
  private:
   struct DeviceState {

@@ -3,7 +3,7 @@
 // Owns nothing: entries are linked intrusively (Entry::q_prev/q_next), so a
 // push, a band upgrade and a targeted cancel are O(1) and allocate nothing.
 // Bands 0..kNumBands-1, 0 the most urgent (on-demand); FIFO inside a band. A
-// bitmask of non-empty bands makes PopMostUrgent O(1).
+// bitmask of non-empty bands makes PeekMostUrgent O(1).
 // Not thread-safe: REQUIRES the handle's mutex.
 #pragma once
 
@@ -26,18 +26,30 @@ class TaskQueue {
 
   // Appends `e` (not queued) at the back of `band`.
   void PushBack(Entry* e, int band);
-  // Appends a chain of `count` entries already linked through q_prev/q_next
-  // (first->q_prev == nullptr, last->q_next == nullptr), all with e->band ==
-  // band, at the back of `band`. The batched enqueue links its new entries
-  // locally and splices once, so consecutive appends do not serialise on
-  // the store to tail_.
-  void AppendChain(Entry* first, Entry* last, size_t count, int band);
-  // Puts `e` (not queued) at the front of `band` (a popped task put back).
-  void PushFront(Entry* e, int band);
+  // Entries linked into a chain outside any queue, in order, to be spliced
+  // into one band at once (AppendChain): the batched enqueue builds one per
+  // device, so consecutive appends do not serialise on the store to tail_.
+  struct Chain {
+    Entry* first = nullptr;
+    Entry* last = nullptr;
+    size_t count = 0;
+    void Append(Entry* e) {
+      e->q_next = nullptr;
+      e->q_prev = last;
+      if (last != nullptr) {
+        last->q_next = e;
+      } else {
+        first = e;
+      }
+      last = e;
+      ++count;
+    }
+  };
+  // Splices `chain` (every entry with e->band == band) at the back of
+  // `band` and empties it.
+  void AppendChain(Chain* chain, int band);
   // Unlinks a queued `e`.
   void Remove(Entry* e);
-  // Unlinks and returns the oldest entry of the most urgent band, or nullptr.
-  Entry* PopMostUrgent();
   // Oldest entry of the most urgent band without unlinking it, or nullptr.
   Entry* PeekMostUrgent() const;
   // Calls fn(e) for every queued entry, most urgent first, without unlinking.
@@ -72,31 +84,18 @@ inline void TaskQueue::PushBack(Entry* e, int band) {
   ++size_;
 }
 
-inline void TaskQueue::AppendChain(Entry* first, Entry* last, size_t count,
-                                   int band) {
-  first->q_prev = tail_[band];
+inline void TaskQueue::AppendChain(Chain* chain, int band) {
+  if (chain->count == 0) return;
+  chain->first->q_prev = tail_[band];
   if (tail_[band] != nullptr) {
-    tail_[band]->q_next = first;
+    tail_[band]->q_next = chain->first;
   } else {
-    head_[band] = first;
+    head_[band] = chain->first;
   }
-  tail_[band] = last;
+  tail_[band] = chain->last;
   nonempty_mask_ |= 1u << band;
-  size_ += count;
-}
-
-inline void TaskQueue::PushFront(Entry* e, int band) {
-  e->band = static_cast<uint8_t>(band);
-  e->q_prev = nullptr;
-  e->q_next = head_[band];
-  if (head_[band] != nullptr) {
-    head_[band]->q_prev = e;
-  } else {
-    tail_[band] = e;
-  }
-  head_[band] = e;
-  nonempty_mask_ |= 1u << band;
-  ++size_;
+  size_ += chain->count;
+  *chain = Chain{};
 }
 
 inline void TaskQueue::Remove(Entry* e) {
@@ -119,12 +118,6 @@ inline void TaskQueue::Remove(Entry* e) {
 inline Entry* TaskQueue::PeekMostUrgent() const {
   if (nonempty_mask_ == 0) return nullptr;
   return head_[__builtin_ctz(nonempty_mask_)];
-}
-
-inline Entry* TaskQueue::PopMostUrgent() {
-  Entry* e = PeekMostUrgent();
-  if (e != nullptr) Remove(e);
-  return e;
 }
 
 template <typename Fn>
