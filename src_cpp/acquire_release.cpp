@@ -133,7 +133,7 @@ void ArcherPrefetchHandle::PinResidentLocked(const int64_t* ids, size_t n,
                                              const uintptr_t* streams,
                                              int64_t* offsets) {
   ++acquire_calls_;
-  for (auto& dev : devices_) dev->cache->policy().OnAcquireCall();
+  for (auto& dev : devices_) dev->cache->AcquireCall();
   const bool async = backend_->IsAsync();
   size_t i = 0;
   try {
@@ -167,7 +167,7 @@ void ArcherPrefetchHandle::UseLocked(const int64_t* ids, size_t n) {
     if (e->state == EntryState::kResident) {
       e->prefetched_unused = false;
       e->want_at = 0;
-      devices_[e->device]->cache->policy().OnUse(e);
+      devices_[e->device]->cache->Used(e);
     } else {
       e->use_on_arrival = true;
     }
@@ -188,7 +188,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   ValidateIdsLocked(ids, n);
   CheckFitsLocked(ids, n);
   ++acquire_calls_;
-  for (auto& dev : devices_) dev->cache->policy().OnAcquireCall();
+  for (auto& dev : devices_) dev->cache->AcquireCall();
   const bool async = backend_->IsAsync();
   std::vector<uint64_t> error_seq(n);
   uint64_t wake_mask = 0;
@@ -304,7 +304,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     Entry* e = LookupLocked(ids[i]);
     e->prefetched_unused = false;
     e->want_at = 0;
-    devices_[e->device]->cache->policy().OnUse(e);
+    devices_[e->device]->cache->Used(e);
     slots[i].offset = e->slot_offset;
     slots[i].bytes = e->bytes;
     slots[i].device = e->device;

@@ -64,8 +64,7 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
                               std::to_string(kSlotAlignmentBytes) + " bytes");
     }
   }
-  auto policy_check = MakeEvictionPolicy(options.eviction_policy);
-  (void)policy_check;
+  CheckEvictionPolicyName(options.eviction_policy);
 
   // Build every device before starting any thread, so a failure here leaves
   // nothing running; then start workers.
@@ -300,7 +299,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
       case EntryState::kCopying:
         break;
       case EntryState::kResident:
-        devices_[e->device]->cache->policy().OnRequest(e);
+        devices_[e->device]->cache->Requested(e);
         e->want_at = acquire_calls_ + band;
         ++touched;
         break;
@@ -404,12 +403,12 @@ void ArcherPrefetchHandle::HintLocked(const int64_t* ids, const int64_t* when,
   ResolveIdsLocked(ids, n);
   if (set_now) {
     hint_clock_ = now;
-    for (auto& dev : devices_) dev->cache->policy().OnClock(now);
+    for (auto& dev : devices_) dev->cache->Clock(now);
   }
   for (size_t i = 0; i < n; ++i) {
     Entry* e = batch_scratch_[i];
     if (e->state == EntryState::kResident) {
-      devices_[e->device]->cache->policy().OnHint(e, when[i]);
+      devices_[e->device]->cache->Hint(e, when[i]);
     } else {
       e->next_use = when[i];
     }
@@ -447,7 +446,7 @@ std::vector<int64_t> ArcherPrefetchHandle::ResidentSnapshot(int device) const {
                         "no device " + std::to_string(device));
   }
   std::vector<int64_t> out;
-  devices_[device]->cache->policy().ForEach(
+  devices_[device]->cache->ForEachInEvictionOrder(
       [](Entry* e, void* ctx) {
         static_cast<std::vector<int64_t>*>(ctx)->push_back(e->id);
       },

@@ -100,7 +100,7 @@ bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
     if (dev->cache->Allocate(e->bytes, &e->slot_offset, &e->slot_bytes)) {
       return true;
     }
-    Entry* victim = dev->cache->policy().PickVictim(evictable, &ctx);
+    Entry* victim = dev->cache->PickVictim(evictable, &ctx);
     if (victim == nullptr) {
       *wait_for_events = ctx.pending_seen;
       if (refused != nullptr) *refused = ctx.refused_seen;
@@ -309,7 +309,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     if (e->use_on_arrival) {  // read from host memory while it was missing
       e->use_on_arrival = false;
       e->prefetched_unused = false;
-      dev->cache->policy().OnUse(e);
+      dev->cache->Used(e);
     }
     if (token != kTokenDone) {
       dev->inflight.push_back(e);

@@ -44,7 +44,21 @@ class DeviceCache {
   size_t budget_bytes() const { return budget_bytes_; }
   size_t used_bytes() const { return used_bytes_; }
   size_t resident_count() const { return resident_count_; }
-  EvictionPolicy& policy() { return *policy_; }
+
+  // The policy's view of the entries (every call of the handle goes
+  // through here; EvictionPolicy says what each means).
+  void Requested(Entry* e) { policy_->OnRequest(e); }  // resident, asked for again
+  void Used(Entry* e) { policy_->OnUse(e); }            // resident, read
+  void AcquireCall() { policy_->OnAcquireCall(); }      // one layer's clock tick
+  void Hint(Entry* e, int64_t next_use) { policy_->OnHint(e, next_use); }
+  void Clock(int64_t now) { policy_->OnClock(now); }
+  const char* PolicyName() const { return policy_->Name(); }
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+    return policy_->PickVictim(evictable, ctx);
+  }
+  void ForEachInEvictionOrder(void (*fn)(Entry*, void*), void* ctx) const {
+    policy_->ForEach(fn, ctx);
+  }
 
   // Takes a slot of AlignSlot(bytes) bytes; false when no free range fits.
   bool Allocate(size_t bytes, size_t* offset, size_t* slot_bytes);

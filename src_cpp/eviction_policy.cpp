@@ -126,16 +126,22 @@ void NextUsePolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
   });
 }
 
+void CheckEvictionPolicyName(const std::string& name) {
+  if (name != "lru" && name != "cyclic" && name != "next-use") {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "unknown eviction policy '" + name +
+                            "' (known: lru, cyclic, next-use)");
+  }
+}
+
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
                                                    uint64_t cycle) {
+  CheckEvictionPolicyName(name);
   if (name == "lru") return std::make_unique<LruPolicy>();
   if (name == "cyclic") {
     return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires, cycle);
   }
-  if (name == "next-use") return std::make_unique<NextUsePolicy>();
-  throw PrefetchError(ErrorKind::kInvalidArgument,
-                      "unknown eviction policy '" + name +
-                          "' (known: lru, cyclic, next-use)");
+  return std::make_unique<NextUsePolicy>();
 }
 
 }  // namespace prefetch

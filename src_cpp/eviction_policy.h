@@ -210,6 +210,8 @@ class NextUsePolicy final : public EvictionPolicy {
 // prediction under "cyclic" (Note [Cyclic eviction]).
 constexpr uint64_t kCyclicStaleAfterAcquires = 8;
 
+// Throws kInvalidArgument unless `name` is "lru", "cyclic" or "next-use".
+void CheckEvictionPolicyName(const std::string& name);
 // "lru", "cyclic" or "next-use"; anything else is kInvalidArgument.
 // `cycle`: Acquire calls per decode step for "cyclic" (0: unknown).
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
