@@ -86,7 +86,7 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
   }
   CheckNotForked();
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    std::unique_lock<std::mutex> lk(mu_);
     CheckUsableLocked();
     ValidateIdsLocked(a.release_ids, a.n_release);
     ValidateIdsLocked(a.cancel_ids, a.n_cancel);
@@ -108,9 +108,10 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
     }
     if (a.n_use > 0) UseLocked(a.use_ids, a.n_use);
     if (a.n_pin > 0) PinResidentLocked(a.pin_ids, a.n_pin, a.streams, a.pin_offsets);
-  }
-  if (a.n_acquire > 0) {
-    Acquire(a.acquire_ids, a.n_acquire, a.streams, a.timeout_s, a.slots);
+    // Checked above: the acquire goes on under the same lock.
+    if (a.n_acquire > 0) {
+      AcquireLocked(a.acquire_ids, a.n_acquire, a.streams, a.timeout_s, a.slots, lk);
+    }
   }
   if (a.n_prefetch > 0) {
     EnqueuePrefetchTensors(a.prefetch_ids, a.n_prefetch, a.prefetch_band);
@@ -187,10 +188,37 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
   CheckFitsLocked(ids, n);
+  AcquireLocked(ids, n, streams, timeout_s, slots, lk);
+}
+
+// An acquire, in four steps: pin every id and queue the misses at band 0;
+// issue the copies this thread can issue itself; wait until every id is
+// resident; then hand out the slots (the stream waits for copies still in
+// flight, or the CPU does). Any failure leaves nothing pinned.
+void ArcherPrefetchHandle::AcquireLocked(const int64_t* ids, size_t n,
+                                         const uintptr_t* streams,
+                                         double timeout_s, SlotInfo* slots,
+                                         std::unique_lock<std::mutex>& lk) {
   ++acquire_calls_;
   for (auto& dev : devices_) dev->cache->AcquireCall();
-  const bool async = backend_->IsAsync();
   std::vector<uint64_t> error_seq(n);
+  const uint64_t wake_mask = PinAndQueueMissesLocked(ids, n, error_seq.data());
+  ++active_calls_;
+  IssueOwnCopiesLocked(ids, n, lk);
+  WakeWorkersLocked(wake_mask);
+  WaitUntilResidentLocked(ids, n, error_seq.data(), timeout_s, lk);
+  HandOutSlotsLocked(ids, n, streams, slots, lk);
+}
+
+// Pins every id and counts it; a miss not yet queued goes to band 0 (one
+// queued at a lower band moves up). A prefetch of an id that failed hands
+// its error to this acquire: then nothing stays pinned and kCopyFailed is
+// thrown. Returns the devices whose workers have new work. Records each
+// id's error sequence, so WaitUntilResidentLocked sees copies that fail.
+uint64_t ArcherPrefetchHandle::PinAndQueueMissesLocked(const int64_t* ids,
+                                                       size_t n,
+                                                       uint64_t* error_seq) {
+  const bool async = backend_->IsAsync();
   uint64_t wake_mask = 0;
   size_t kept_error_at = n;
   for (size_t i = 0; i < n; ++i) {
@@ -233,27 +261,37 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     WakeWorkersLocked(wake_mask);
     throw PrefetchError(ErrorKind::kCopyFailed, message);
   }
-  ++active_calls_;
-  // Note [Caller-runs on-demand copies]: on an async backend issuing a copy
-  // costs microseconds, so the acquirer issues the copies of ids it is
-  // waiting for itself, at band 0, instead of handing them to the worker
-  // and waiting for two thread wake-ups. On the host backend the copy is the
-  // memcpy itself and stays on the worker, so `timeout` bounds the wait.
-  if (async && !paused_) {
-    for (size_t i = 0; i < n && !stop_; ++i) {
-      Entry* e = LookupLocked(ids[i]);
-      if (e->state != EntryState::kQueued) continue;  // issued, or ours already
-      DeviceState* dev = devices_[e->device].get();
-      bool wait_for_events = false;
-      if (!ReserveSlotLocked(dev, e, &wait_for_events)) continue;  // worker's job
-      dev->queue.Remove(e);
-      e->band = kOnDemandBand;
-      CopyEntryLocked(dev, e, lk);
-      if (e->state == EntryState::kResident) ++stats_.caller_copies;
-    }
-  }
-  WakeWorkersLocked(wake_mask);
+  return wake_mask;
+}
 
+// Note [Caller-runs on-demand copies]: on an async backend issuing a copy
+// costs microseconds, so the acquirer issues the copies of ids it is
+// waiting for itself, at band 0, instead of handing them to the worker and
+// waiting for two thread wake-ups. On the host backend the copy is the
+// memcpy itself and stays on the worker, so `timeout` bounds the wait.
+// Drops and retakes `lk` while issuing (CopyEntryLocked).
+void ArcherPrefetchHandle::IssueOwnCopiesLocked(const int64_t* ids, size_t n,
+                                                std::unique_lock<std::mutex>& lk) {
+  if (!backend_->IsAsync() || paused_) return;
+  for (size_t i = 0; i < n && !stop_; ++i) {
+    Entry* e = LookupLocked(ids[i]);
+    if (e->state != EntryState::kQueued) continue;  // issued, or ours already
+    DeviceState* dev = devices_[e->device].get();
+    bool wait_for_events = false;
+    if (!ReserveSlotLocked(dev, e, &wait_for_events)) continue;  // worker's job
+    dev->queue.Remove(e);
+    e->band = kOnDemandBand;
+    CopyEntryLocked(dev, e, lk);
+    if (e->state == EntryState::kResident) ++stats_.caller_copies;
+  }
+}
+
+// Waits on ready_cv_ until every id is resident (its copy issued), a copy
+// of one fails, the handle closes or `timeout_s` passes; on failure unpins
+// every id, ends this active call and throws.
+void ArcherPrefetchHandle::WaitUntilResidentLocked(
+    const int64_t* ids, size_t n, const uint64_t* error_seq, double timeout_s,
+    std::unique_lock<std::mutex>& lk) {
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(timeout_s));
@@ -276,7 +314,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
       failure = "PrefetchHandle was closed while acquire waited";
       failure_kind = ErrorKind::kClosed;
     }
-    if (failure.empty() && pending == nullptr) break;
+    if (failure.empty() && pending == nullptr) return;
     if (failure.empty() && timed_out) {
       failure = "acquire timed out after " + std::to_string(timeout_s) +
                 " s waiting for " + IdText(pending->id) + " (" +
@@ -289,15 +327,24 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     }
     if (!failure.empty()) {
       UnpinLocked(ids, n);
-      --active_calls_;
-      if (active_calls_ == 0) idle_cv_.notify_all();
+      EndActiveCallLocked();
       throw PrefetchError(failure_kind, failure);
     }
     // One more pass after the deadline, so a copy that finished just then
     // still counts.
     timed_out = ready_cv_.wait_until(lk, deadline) == std::cv_status::timeout;
   }
+}
 
+// Every id is resident: records the use, fills `slots`, and makes each
+// copy still in flight a wait of the id's stream (without a stream, of
+// the CPU, outside the lock). Ends this active call; a failed wait unpins
+// every id and throws kCopyFailed.
+void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
+                                              const uintptr_t* streams,
+                                              SlotInfo* slots,
+                                              std::unique_lock<std::mutex>& lk) {
+  const bool async = backend_->IsAsync();
   std::vector<CopyToken> cpu_waits;
   std::string stream_error;
   for (size_t i = 0; i < n; ++i) {
@@ -323,8 +370,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   }
   if (!stream_error.empty()) {  // nothing stays pinned, Close is not held up
     UnpinLocked(ids, n);
-    --active_calls_;
-    if (active_calls_ == 0) idle_cv_.notify_all();
+    EndActiveCallLocked();
     throw PrefetchError(ErrorKind::kCopyFailed, stream_error);
   }
   lk.unlock();
@@ -338,12 +384,16 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
     }
   }
   lk.lock();
-  --active_calls_;
-  if (active_calls_ == 0) idle_cv_.notify_all();
+  EndActiveCallLocked();
   if (!wait_error.empty()) {
     UnpinLocked(ids, n);
     throw PrefetchError(ErrorKind::kCopyFailed, wait_error);
   }
+}
+
+void ArcherPrefetchHandle::EndActiveCallLocked() {
+  --active_calls_;
+  if (active_calls_ == 0) idle_cv_.notify_all();
 }
 
 void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,

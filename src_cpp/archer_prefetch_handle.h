@@ -255,6 +255,23 @@ class ArcherPrefetchHandle {
   // slot bytes together than its budget (they could never be held at once).
   void CheckFitsLocked(const int64_t* ids, size_t n) const;
   void ReleaseLocked(const int64_t* ids, size_t n, const uintptr_t* streams);
+  // Acquire once its ids are checked (valid, fitting), under `lk`; Step
+  // calls it directly. Drops and retakes `lk` (own copies, CPU waits).
+  void AcquireLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
+                     double timeout_s, SlotInfo* slots,
+                     std::unique_lock<std::mutex>& lk);
+  // Its steps (acquire_release.cpp says what each does).
+  uint64_t PinAndQueueMissesLocked(const int64_t* ids, size_t n,
+                                   uint64_t* error_seq);
+  void IssueOwnCopiesLocked(const int64_t* ids, size_t n,
+                            std::unique_lock<std::mutex>& lk);
+  void WaitUntilResidentLocked(const int64_t* ids, size_t n,
+                               const uint64_t* error_seq, double timeout_s,
+                               std::unique_lock<std::mutex>& lk);
+  void HandOutSlotsLocked(const int64_t* ids, size_t n,
+                          const uintptr_t* streams, SlotInfo* slots,
+                          std::unique_lock<std::mutex>& lk);
+  void EndActiveCallLocked();  // --active_calls_, wakes Close at zero
   // Step's pin_ids and use_ids (Note [Pins without waiting]).
   void PinResidentLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
                          int64_t* offsets);
