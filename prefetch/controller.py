@@ -296,6 +296,8 @@ class OffloadController:
                     s = self.handle.stats()
                     self._engine_counts = (s["hits"], s["misses"])
         self._step_missed = None
+        if not self.sync_free_active and (self._use is not None or self._fetch is not None):
+            self.flush()  # the last sync-free step's uses and misses reach the engine now
         return self.sync_free_active
 
     def pin_layer(self, layer: int, hidden, stream) -> np.ndarray:
