@@ -647,15 +647,20 @@ cdef class PrefetchHandle:
             removed = self._c.Cancel(&ids[0], n)
         return removed
 
-    def cancel_below(self, band):
+    def cancel_at_or_below(self, band):
         """Removes every queued id at `band` or less urgent (band >= `band`).
-        Returns how many were removed."""
+        Returns how many were removed. (``cancel_below`` is the same call,
+        under its first name.)"""
         self._check_open()
         cdef int b = _as_priority(band)
         cdef size_t removed = 0
         with nogil:
             removed = self._c.CancelAtOrBelow(b)
         return removed
+
+    def cancel_below(self, band):
+        """The same as ``cancel_at_or_below`` (this band included)."""
+        return self.cancel_at_or_below(band)
 
     def cancel_all(self):
         """Empties the queue (ids acquirers wait for stay)."""
@@ -1086,37 +1091,7 @@ cdef class PrefetchHandle:
         cdef CStats s
         with nogil:
             s = self._c.GetStats()
-        return {
-            "requests": s.requests,
-            "enqueued": s.enqueued,
-            "deduplicated": s.deduplicated,
-            "upgraded": s.upgraded,
-            "touched": s.touched,
-            "cancelled": s.cancelled,
-            "declined": s.declined,
-            "acquires": s.acquires,
-            "hits": s.hits,
-            "misses": s.misses,
-            "late": s.late,
-            "on_demand": s.on_demand,
-            "evictions": s.evictions,
-            "wasted": s.wasted,
-            "copies": s.copies,
-            "caller_copies": s.caller_copies,
-            "copy_errors": s.copy_errors,
-            "bytes_copied": s.bytes_copied,
-            "copy_seconds": s.copy_seconds,
-            "queue_depth": s.queue_depth,
-            "bytes_in_flight": s.bytes_in_flight,
-            "resident_count": s.resident_count,
-            "resident_bytes": s.resident_bytes,
-            "pinned_count": s.pinned_count,
-            "registered": s.registered,
-            "registered_bytes": s.registered_bytes,
-            "last_batch_ns": s.last_batch_ns,
-            "last_batch_start_ns": s.last_batch_start_ns,
-            "last_batch_end_ns": s.last_batch_end_ns,
-        }
+        return s  # Cython's struct-to-dict: one key per field of CStats
 
     def last_batch_ns(self):
         """Nanoseconds the engine spent in the last batched prefetch call

@@ -208,10 +208,11 @@ class ExpertPrefetcher:
 
     # ------------------------------------------------------------ prefetch
 
-    def prefetch_experts_list(self, layer_id: int, expert_list, priority: int = DEFAULT_PRIORITY) -> None:
+    def prefetch_experts(self, layer_id: int, expert_list, priority: int = DEFAULT_PRIORITY) -> None:
         """Queues the experts of `layer_id` at `priority`: one batched engine
         call, or one call per expert on the fallback path (same ids, same
-        order). Empty input is a no-op."""
+        order). Empty input is a no-op. ``prefetch_experts_list`` is the
+        same method under the seed system's name."""
         ids = self.tensor_ids(layer_id, expert_list)
         if ids.shape[0] == 0:
             return
@@ -221,6 +222,8 @@ class ExpertPrefetcher:
             enqueue = self.engine.enqueue_prefetch
             for tid in ids.tolist():
                 enqueue(tid, priority)
+
+    prefetch_experts_list = prefetch_experts  # MoE-Infinity's name, kept
 
     # ----------------------------------------------------- acquire/release
 
