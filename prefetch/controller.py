@@ -63,7 +63,7 @@ class OffloadController:
         self.sync_ns = 0
         self.host_ns = 0
         self.comm_ns = 0  # expert parallel: the per-layer all-reduces (they wait for the slowest rank)
-        # Sync-free decode (Note [Sync-free decode] in prefetch/hf.py): off
+        # Sync-free decode (Note [Sync-free decode] in prefetch/host_experts.py): off
         # until the transformers adapter enables it.
         self.sync_free = False
         self._routings: list = []  # (layer, step, device routing, pinned mask), not read back yet
@@ -244,7 +244,7 @@ class OffloadController:
             self._held_stream = stream
         return where
 
-    # -- sync-free decode (Note [Sync-free decode] in prefetch/hf.py)
+    # -- sync-free decode (Note [Sync-free decode] in prefetch/host_experts.py)
 
     def enable_sync_free(self, num_experts: int, expert_bytes: int, adaptive: bool = True) -> None:
         self.sync_free = True

@@ -170,7 +170,7 @@ def offload_moe_experts(
     `sync_free` (transformers models): decode steps run without waiting for
     the routing on the host; an expert not in the cache is read by the GPU
     straight from page-locked host memory and prefetched for the next step
-    (Note [Sync-free decode] in prefetch/hf.py). None (default) turns it on
+    (Note [Sync-free decode] in prefetch/host_experts.py). None (default) turns it on
     where it can run (batched_mm calls of at most 64 rows, no process
     group) unless the predictor guesses on the device (NextLayerGatePredictor:
     its guesses need the routing's sync to reach the engine in time); True
