@@ -687,7 +687,7 @@ cdef class PrefetchHandle:
         of a sequence). ``now``, if given, moves the clock; a hint whose
         time is before the clock has expired (evicted before valid ones).
         Only the "next-use" eviction policy reads hints (Note [Next-use
-        eviction] in src_cpp/device_cache.h); the others keep them. Unknown
+        eviction] in src_cpp/eviction_policy.h); the others keep them. Unknown
         ids, negative times or a clock that goes back raise and change
         nothing."""
         self._check_open()

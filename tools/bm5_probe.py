@@ -22,7 +22,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench import e2e  # noqa: E402
+from bench.e2e_decoder import MODELS, Decoder  # noqa: E402
+from bench.e2e_providers import ByHandProvider, EngineProvider, ResidentProvider  # noqa: E402
 
 
 def sync_probe(torch, reps: int = 30) -> dict:
@@ -61,13 +62,13 @@ def run_cell(torch, dec, trace, inputs, warmup, budget, label, policy, options, 
 
     spec = dec.spec
     if policy == "torch-by-hand":
-        provider = e2e.ByHandProvider(dec, budget)
+        provider = ByHandProvider(dec, budget)
     else:
         predictor = None
         if policy == "oracle":
             predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=distance,
                                         hints=hints)
-        provider = e2e.EngineProvider(dec, budget, predictor, eviction, options)
+        provider = EngineProvider(dec, budget, predictor, eviction, options)
     try:
         lat = []
         timers = {}
@@ -125,13 +126,13 @@ def main(argv=None) -> int:
     ]
     report["cells"] = []
     for name, batch, share in cells:
-        spec = dict(e2e.MODELS[name], name=name)
-        dec = e2e.Decoder(torch, spec, 48)
+        spec = dict(MODELS[name], name=name)
+        dec = Decoder(torch, spec, 48)
         n = args.warmup + args.steps
         inputs = dec.inputs(n, batch, seed=batch)
         total = spec["layers"] * spec["experts"] * dec.slot_bytes
         budget = int(share * total) // dec.slot_bytes * dec.slot_bytes
-        res = e2e.ResidentProvider(dec)
+        res = ResidentProvider(dec)
         for x in inputs:
             dec.step(x, res)
         dec.sync()
@@ -144,7 +145,7 @@ def main(argv=None) -> int:
                     dec.sync()
                     dec.timers = timers if i >= args.warmup else None
                     t0 = time.perf_counter()
-                    dec.step(x, e2e.ResidentProvider(dec))
+                    dec.step(x, ResidentProvider(dec))
                     dec.sync()
                     if i >= args.warmup:
                         lat.append(time.perf_counter() - t0)

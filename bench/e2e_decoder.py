@@ -1,0 +1,168 @@
+"""BM5's synthetic MoE decoder (bench/e2e.py): its dense weights, expert
+pool and step."""
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+
+MODELS = {
+    "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
+    "qwen3-30b-a3b": dict(layers=48, experts=128, top_k=8, hidden=2048, inter=768),
+    # Shapes for replaying the real traces of ../shared/traces (layers and
+    # experts as recorded, top-k as run there); hidden and expert widths
+    # from the models' published configs, quoted, not checked here.
+    "gemma4-26b-a4b": dict(layers=30, experts=128, top_k=6, hidden=2816, inter=704),
+    "gpt-oss-120b": dict(layers=36, experts=128, top_k=2, hidden=2880, inter=2880),
+}
+POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic", "torch-by-hand")
+ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic")
+
+
+class Decoder:
+    """The synthetic MoE decoder's dense weights (GPU) and expert pool.
+
+    With `devices` > 1 the layers are split into contiguous runs, one per
+    device (layer l on device l * devices // layers): each layer's dense
+    weights and experts live on its device, the hidden state moves to the
+    next device at a boundary, and each device has its own expert cache.
+    The weights do not depend on `devices`, so routing is the same."""
+
+    def __init__(self, torch, spec: dict, pool: int, seed: int = 0, device: str = "cuda", devices: int = 1,
+                 grouped: bool = True):
+        self.torch = torch
+        self.grouped = grouped
+        self.spec = spec
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        L, E, H, inter = spec["layers"], spec["experts"], spec["hidden"], spec["inter"]
+        if not 1 <= devices <= L:
+            raise ValueError(f"devices must be in 1..{L}")
+        self.ndev = devices
+        self.layer_dev = [layer * devices // L for layer in range(L)]
+        self.devs = [torch.device("cuda", d) if self.cuda else self.device for d in range(devices)]
+        g = torch.Generator(device=self.device).manual_seed(seed)
+        bf16 = torch.bfloat16
+        dev = self.device
+        router = (torch.randn(L, E, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        attn = (torch.randn(L, H, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+        self.router = [router[layer].to(self.devs[self.layer_dev[layer]]) for layer in range(L)]
+        self.attn = [attn[layer].to(self.devs[self.layer_dev[layer]]) for layer in range(L)]
+        # Residual updates stay small against the stream, as in trained
+        # models: consecutive layers see similar hidden states.
+        self.attn_scale = 0.1
+        self.pool_gpu = [[] for _ in range(devices)]  # per device: (gate_up, down)
+        self.pool_host = []  # (pinned packed buffer, layout)
+        import prefetch
+
+        for _ in range(pool):
+            gate_up = (torch.randn(2 * inter, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
+            down = (torch.randn(H, inter, device=dev, generator=g) / math.sqrt(inter) * 0.1).to(bf16)
+            for d in range(devices):
+                self.pool_gpu[d].append((gate_up.to(self.devs[d]), down.to(self.devs[d])))
+            self.pool_host.append(prefetch.pack_expert({"gate_up": gate_up.cpu(), "down": down.cpu()},
+                                                       pin_memory=self.cuda))
+        self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
+        self.slot_bytes = -(-self.expert_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
+        # Host seconds per phase of step() (routing sync, acquire, compute
+        # launch, release) when set to a dict; None costs nothing.
+        self.timers = None
+
+    def layers_of(self, d: int) -> list:
+        return [layer for layer, ld in enumerate(self.layer_dev) if ld == d]
+
+    def device_budgets(self, budget: int) -> list:
+        """A cache of `budget` bytes in all, split over the devices by their
+        share of the layers, in whole slots."""
+        slots = budget // self.slot_bytes
+        L = self.spec["layers"]
+        return [slots * len(self.layers_of(d)) // L * self.slot_bytes for d in range(self.ndev)]
+
+    def pool_index(self, layer: int, expert: int) -> int:
+        return (layer * self.spec["experts"] + expert * 7 + layer) % len(self.pool_host)
+
+    def inputs(self, steps: int, batch: int, seed: int):
+        g = self.torch.Generator(device=self.device).manual_seed(1000 + seed)
+        x = self.torch.randn(steps, batch, self.spec["hidden"], device=self.device, generator=g)
+        return x.to(self.torch.bfloat16)
+
+    def sync(self):
+        if self.cuda:
+            for d in range(self.ndev):
+                self.torch.cuda.synchronize(d)
+
+    def stream(self, layer: int = 0):
+        return self.torch.cuda.current_stream(self.devs[self.layer_dev[layer]]) if self.cuda else None
+
+    def rms(self, x):
+        xf = x.float()
+        return (xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
+
+    def step(self, x0, provider, forced=None):
+        """One decode step of every layer; returns the final hidden state.
+        `forced`: per layer, expert lists to use instead of the router's."""
+        torch = self.torch
+        h = x0
+        k = self.spec["top_k"]
+        for layer in range(self.spec["layers"]):
+            if h.device != self.devs[self.layer_dev[layer]]:
+                h = h.to(self.devs[self.layer_dev[layer]])
+            x = self.rms(h)
+            h = h + (x @ self.attn[layer].T) * self.attn_scale
+            x = self.rms(h)
+            probs = torch.softmax((x @ self.router[layer].T).float(), dim=-1)
+            top_w, top_i = torch.topk(probs, k, dim=-1)
+            if forced is not None:
+                allowed = torch.tensor(forced[layer], device=x.device)
+                masked = torch.full_like(probs, -1.0)
+                masked[:, allowed] = probs[:, allowed]
+                top_w, top_i = torch.topk(masked, min(k, len(forced[layer])), dim=-1)
+            top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
+            # Routing weights as a dense [batch, experts] matrix: each routed
+            # expert runs on the whole batch, weighted by its (possibly zero)
+            # weight, so the only host sync per layer is reading the expert
+            # list the CPU needs to acquire.
+            dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
+            dense.scatter_(1, top_i, top_w)
+            routed = torch.unique(top_i)  # sorted; stays on the GPU for indexing
+            timers = self.timers
+            if timers is not None:
+                t0 = time.perf_counter()
+            experts = routed.tolist()
+            if timers is not None:
+                t1 = time.perf_counter()
+            weights = provider.acquire(layer, x, experts)
+            if timers is not None:
+                t2 = time.perf_counter()
+            if self.grouped:
+                # All routed experts in two batched matmuls: far fewer kernel
+                # launches than a loop, so the step is GPU time rather than
+                # Python time. Stacking copies the weights device-to-device.
+                gate_up = torch.stack([w[0] for w in weights])  # [n, 2I, H]
+                down = torch.stack([w[1] for w in weights])  # [n, H, I]
+                xs = x.unsqueeze(0).expand(len(experts), -1, -1)
+                gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
+                y = torch.bmm(torch.nn.functional.silu(gate) * up, down.transpose(1, 2))  # [n, B, H]
+                out = (y * dense.index_select(1, routed).T.unsqueeze(-1)).sum(0)
+            else:
+                out = torch.zeros_like(x)
+                for e, (gate_up, down) in zip(experts, weights):
+                    gate, up = (x @ gate_up.T).chunk(2, dim=-1)
+                    y = (torch.nn.functional.silu(gate) * up) @ down.T
+                    out += y * dense[:, e : e + 1]
+            if timers is not None:
+                t3 = time.perf_counter()
+            provider.release(layer, experts)
+            h = h + out
+            if timers is not None:
+                t4 = time.perf_counter()
+                for name, dt in (("sync", t1 - t0), ("acquire", t2 - t1), ("compute", t3 - t2),
+                                 ("release", t4 - t3)):
+                    timers[name] = timers.get(name, 0.0) + dt
+        return h
