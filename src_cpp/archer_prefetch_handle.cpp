@@ -114,19 +114,20 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
 
 ArcherPrefetchHandle::~ArcherPrefetchHandle() { Close(); }
 
-uintptr_t ArcherPrefetchHandle::ArenaAddress(int device) const {
+void ArcherPrefetchHandle::CheckDevice(int device) const {
   if (device < 0 || device >= DeviceCount()) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "no device " + std::to_string(device));
   }
+}
+
+uintptr_t ArcherPrefetchHandle::ArenaAddress(int device) const {
+  CheckDevice(device);
   return reinterpret_cast<uintptr_t>(devices_[device]->cache->arena());
 }
 
 size_t ArcherPrefetchHandle::BudgetBytes(int device) const {
-  if (device < 0 || device >= DeviceCount()) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        "no device " + std::to_string(device));
-  }
+  CheckDevice(device);
   return devices_[device]->cache->budget_bytes();
 }
 
@@ -427,10 +428,7 @@ std::vector<std::pair<int, int64_t>> ArcherPrefetchHandle::QueueSnapshot(
   CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
-  if (device < 0 || device >= DeviceCount()) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        "no device " + std::to_string(device));
-  }
+  CheckDevice(device);
   std::vector<std::pair<int, int64_t>> out;
   devices_[device]->queue.ForEach(
       [&out](Entry* e) { out.emplace_back(e->band, e->id); });
@@ -441,10 +439,7 @@ std::vector<int64_t> ArcherPrefetchHandle::ResidentSnapshot(int device) const {
   CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
-  if (device < 0 || device >= DeviceCount()) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        "no device " + std::to_string(device));
-  }
+  CheckDevice(device);
   std::vector<int64_t> out;
   devices_[device]->cache->ForEachInEvictionOrder(
       [](Entry* e, void* ctx) {
@@ -458,10 +453,7 @@ void ArcherPrefetchHandle::DebugHoldCopies(int device, uintptr_t stream) {
   CheckNotForked();
   std::lock_guard<std::mutex> lk(mu_);
   CheckUsableLocked();
-  if (device < 0 || device >= DeviceCount()) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        "no device " + std::to_string(device));
-  }
+  CheckDevice(device);
   backend_->HoldCopiesUntil(device, stream);
 }
 

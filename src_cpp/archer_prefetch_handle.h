@@ -239,6 +239,7 @@ class ArcherPrefetchHandle {
 
   void CheckNotForked() const;
   void CheckUsableLocked() const;
+  void CheckDevice(int device) const;  // kInvalidArgument: no such device
   static void CheckPriority(int priority);
   Entry* LookupLocked(int64_t id) const;
   void ValidateIdsLocked(const int64_t* ids, size_t n) const;

@@ -92,9 +92,20 @@ class CopyBackend {
   }
 };
 
+// A backend whose copies are complete when Copy returns: every token is
+// kTokenDone, so there is nothing to query, wait for or release.
+class CompletedCopiesBackend : public CopyBackend {
+ public:
+  bool Query(CopyToken) override { return true; }
+  void Wait(CopyToken) override {}
+  void ReleaseToken(CopyToken) noexcept override {}
+  void StreamWait(uintptr_t, CopyToken) override {}
+  CopyToken RecordOnStream(int, uintptr_t) override { return kTokenDone; }
+};
+
 // The embedded default: the device cache is a host-memory arena and a copy is
 // a memcpy on the worker thread. Every token is kTokenDone.
-class HostBackend final : public CopyBackend {
+class HostBackend final : public CompletedCopiesBackend {
  public:
   explicit HostBackend(int device_count = 1) : device_count_(device_count) {}
   const char* Name() const override { return "host"; }
@@ -106,11 +117,6 @@ class HostBackend final : public CopyBackend {
   void FreeDevice(int device, void* ptr, size_t bytes) noexcept override;
   CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
                  bool urgent, int lane, bool want_token) override;
-  bool Query(CopyToken) override { return true; }
-  void Wait(CopyToken) override {}
-  void ReleaseToken(CopyToken) noexcept override {}
-  void StreamWait(uintptr_t, CopyToken) override {}
-  CopyToken RecordOnStream(int, uintptr_t) override { return kTokenDone; }
   void Fill(int device, void* dst, size_t bytes, uint8_t value) override;
 
  private:
@@ -138,7 +144,7 @@ struct FaultConfig {
 };
 
 // The host backend with injectable faults (tests; runs without a GPU).
-class FaultBackend final : public CopyBackend {
+class FaultBackend final : public CompletedCopiesBackend {
  public:
   FaultBackend(int device_count, std::shared_ptr<FaultConfig> config)
       : host_(device_count), config_(std::move(config)) {}
@@ -159,10 +165,6 @@ class FaultBackend final : public CopyBackend {
   }
   CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
                  bool urgent, int lane, bool want_token) override;
-  bool Query(CopyToken) override { return true; }
-  void Wait(CopyToken) override {}
-  void ReleaseToken(CopyToken) noexcept override {}
-  void StreamWait(uintptr_t, CopyToken) override {}
   CopyToken RecordOnStream(int, uintptr_t) override {
     ++config_->stream_records;
     return kTokenDone;
