@@ -1069,7 +1069,8 @@ cdef class PrefetchHandle:
                         copies] in docs/design.md)
         copy_errors     failed copies (the acquirer of that id gets the error)
         bytes_copied    bytes of the completed copies
-        copy_seconds    time spent issuing (CUDA) or doing (host) copies
+        copy_seconds    time spent issuing (CUDA) or doing (host) copies,
+                        by the workers and by acquirers issuing their own
 
         Gauges, now:
 

@@ -3,14 +3,18 @@
 // Note [Entry states]
 //   kHost      bytes only in host memory; not queued.
 //   kQueued    linked into its device's TaskQueue at `band`.
-//   kCopying   a worker owns it and is issuing its copy into `slot_offset`.
+//   kCopying   a copier owns it and is issuing its copy into `slot_offset`:
+//              the device's worker, or an acquirer issuing its own miss
+//              (Note [Caller-runs on-demand copies] in acquire_release.cpp).
 //   kResident  its slot holds (or, while `ready` is pending, will hold) the
 //              bytes; linked into the device cache's eviction policy.
 // Transitions: Host->Queued (prefetch/acquire), Queued->Host (cancel),
-// Queued->Copying (worker pops), Copying->Resident (copy issued),
+// Queued->Copying (a worker or an acquirer takes it), Copying->Resident
+// (copy issued),
 // Copying->Host (copy failed: `error` set), Resident->Host (evicted).
-// Every field is guarded by the handle's mutex; workers read `host_ptr` and
-// `bytes` outside it while the entry is kCopying, which nobody else changes.
+// Every field is guarded by the handle's mutex; the copier reads `host_ptr`
+// and `bytes` outside it while the entry is kCopying, which nobody else
+// changes.
 #pragma once
 
 #include <cstddef>
@@ -36,8 +40,8 @@ struct alignas(64) Entry {
   int32_t device = 0;                // home device
   Entry* q_prev = nullptr;           // TaskQueue links
   Entry* q_next = nullptr;
-  Entry* lru_prev = nullptr;         // EvictionPolicy links
-  Entry* lru_next = nullptr;
+  Entry* policy_prev = nullptr;      // EvictionPolicy links (every policy)
+  Entry* policy_next = nullptr;
   // Cold.
   void* host_ptr = nullptr;          // host bytes (engine-owned unless external)
   bool owns_host = true;             // false: registered with RegisterExternal
@@ -49,7 +53,9 @@ struct alignas(64) Entry {
   CopyToken ready = kTokenDone;      // completion of the copy into the slot
   CopyToken last_use = kTokenDone;   // completion of consumers' stream work
   uint64_t policy_stamp = 0;         // eviction policy's own (a clock/sequence)
-  bool policy_used = false;          // eviction policy's own (a list flag)
+  // Which of its policy's two lists the entry is on: cyclic, `used_` (true)
+  // or `fresh_`; next-use, the `overflow_` list (true) or the ordered set.
+  bool policy_second_list = false;
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
   bool use_on_arrival = false;       // read while not resident: a use once copied

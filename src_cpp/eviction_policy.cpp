@@ -7,10 +7,10 @@
 namespace prefetch {
 
 void EntryList::PushNewest(Entry* e) {
-  e->lru_next = nullptr;
-  e->lru_prev = newest;
+  e->policy_next = nullptr;
+  e->policy_prev = newest;
   if (newest != nullptr) {
-    newest->lru_next = e;
+    newest->policy_next = e;
   } else {
     oldest = e;
   }
@@ -18,17 +18,17 @@ void EntryList::PushNewest(Entry* e) {
 }
 
 void EntryList::Unlink(Entry* e) {
-  if (e->lru_prev != nullptr) {
-    e->lru_prev->lru_next = e->lru_next;
+  if (e->policy_prev != nullptr) {
+    e->policy_prev->policy_next = e->policy_next;
   } else {
-    oldest = e->lru_next;
+    oldest = e->policy_next;
   }
-  if (e->lru_next != nullptr) {
-    e->lru_next->lru_prev = e->lru_prev;
+  if (e->policy_next != nullptr) {
+    e->policy_next->policy_prev = e->policy_prev;
   } else {
-    newest = e->lru_prev;
+    newest = e->policy_prev;
   }
-  e->lru_prev = e->lru_next = nullptr;
+  e->policy_prev = e->policy_next = nullptr;
 }
 
 void LruPolicy::Touch(Entry* e) {
@@ -38,24 +38,24 @@ void LruPolicy::Touch(Entry* e) {
 }
 
 Entry* LruPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
-  for (Entry* e = list_.oldest; e != nullptr; e = e->lru_next) {
+  for (Entry* e = list_.oldest; e != nullptr; e = e->policy_next) {
     if (evictable(e, ctx)) return e;
   }
   return nullptr;
 }
 
 void LruPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
-  for (Entry* e = list_.oldest; e != nullptr; e = e->lru_next) fn(e, ctx);
+  for (Entry* e = list_.oldest; e != nullptr; e = e->policy_next) fn(e, ctx);
 }
 
 void CyclicPolicy::OnInsert(Entry* e) {
-  e->policy_used = false;
+  e->policy_second_list = false;
   e->policy_stamp = clock_;
   fresh_.PushNewest(e);
 }
 
 void CyclicPolicy::OnRemove(Entry* e) {
-  (e->policy_used ? used_ : fresh_).Unlink(e);
+  (e->policy_second_list ? used_ : fresh_).Unlink(e);
 }
 
 void CyclicPolicy::OnRequest(Entry* e) {
@@ -66,7 +66,7 @@ void CyclicPolicy::OnRequest(Entry* e) {
 
 void CyclicPolicy::OnUse(Entry* e) {
   OnRemove(e);
-  e->policy_used = true;
+  e->policy_second_list = true;
   e->policy_stamp = clock_;
   used_.PushNewest(e);
 }
@@ -90,19 +90,19 @@ void NextUsePolicy::Link(Entry* e) {
 }
 
 void NextUsePolicy::Place(Entry* e) {
-  e->policy_used = false;  // in order_, not overflow_
+  e->policy_second_list = false;  // in order_
   try {
     order_.insert(Key{e->next_use, e->policy_stamp, e});
   } catch (const std::bad_alloc&) {
-    e->policy_used = true;
+    e->policy_second_list = true;
     overflow_.PushNewest(e);
   }
 }
 
 void NextUsePolicy::OnRemove(Entry* e) {
-  if (e->policy_used) {
+  if (e->policy_second_list) {
     overflow_.Unlink(e);
-    e->policy_used = false;
+    e->policy_second_list = false;
   } else {
     order_.erase(Key{e->next_use, e->policy_stamp, e});
   }

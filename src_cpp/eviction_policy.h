@@ -16,7 +16,8 @@
 namespace prefetch {
 
 // Orders resident entries for eviction. Implementations link entries through
-// Entry::lru_prev/lru_next (and may keep Entry::policy_stamp/policy_used).
+// Entry::policy_prev/policy_next (and may keep Entry::policy_stamp and
+// Entry::policy_second_list).
 // No hook throws: one that allocates must cope with running out of memory.
 class EvictionPolicy {
  public:
@@ -39,7 +40,7 @@ class EvictionPolicy {
   virtual Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) = 0;
 };
 
-// A doubly linked list through Entry::lru_prev/lru_next.
+// A doubly linked list through Entry::policy_prev/policy_next.
 struct EntryList {
   Entry* oldest = nullptr;
   Entry* newest = nullptr;
@@ -113,20 +114,20 @@ class CyclicPolicy final : public EvictionPolicy {
   // entry or nullptr. The one place the order is written down.
   template <typename Visit>
   Entry* Walk(Visit visit) const {
-    for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->lru_next) {
+    for (Entry* e = fresh_.oldest; e != nullptr && Stale(e); e = e->policy_next) {
       if (visit(e)) return e;
     }
     // used_ is in order of use: the out-of-cycle entries are its oldest.
     Entry* in_cycle = used_.oldest;
-    for (; in_cycle != nullptr && OutOfCycle(in_cycle); in_cycle = in_cycle->lru_next) {
+    for (; in_cycle != nullptr && OutOfCycle(in_cycle); in_cycle = in_cycle->policy_next) {
       if (visit(in_cycle)) return in_cycle;
     }
-    for (Entry* e = used_.newest; e != nullptr; e = e->lru_prev) {
+    for (Entry* e = used_.newest; e != nullptr; e = e->policy_prev) {
       if (in_cycle == nullptr) break;
       if (visit(e)) return e;
       if (e == in_cycle) break;
     }
-    for (Entry* e = fresh_.oldest; e != nullptr; e = e->lru_next) {
+    for (Entry* e = fresh_.oldest; e != nullptr; e = e->policy_next) {
       if (!Stale(e) && visit(e)) return e;
     }
     return nullptr;
@@ -183,7 +184,7 @@ class NextUsePolicy final : public EvictionPolicy {
   // Victim order; the one place it is written down.
   template <typename Visit>
   Entry* Walk(Visit visit) const {
-    for (Entry* e = overflow_.oldest; e != nullptr; e = e->lru_next) {
+    for (Entry* e = overflow_.oldest; e != nullptr; e = e->policy_next) {
       if (visit(e)) return e;
     }
     const auto no_hint = order_.lower_bound(Key{kNoNextUse, 0, nullptr});

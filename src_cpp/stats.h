@@ -30,7 +30,7 @@ struct Stats {
   uint64_t caller_copies = 0;     // of those, issued by an acquirer itself
   uint64_t copy_errors = 0;       // failed copies
   uint64_t bytes_copied = 0;      // bytes of completed copies
-  double copy_seconds = 0;        // worker time spent issuing/doing copies
+  double copy_seconds = 0;        // time issuing/doing copies (workers and acquirers)
   uint64_t queue_depth = 0;       // gauge: queued ids, all devices
   uint64_t bytes_in_flight = 0;   // gauge: bytes being copied
   uint64_t resident_count = 0;    // gauge: resident entries

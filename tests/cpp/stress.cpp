@@ -1,7 +1,7 @@
 // C++-level stress of the queue and cache: T threads hammer one handle with
 // batched prefetches, acquire/verify/release, cancels and evictions, then the
 // counters must reconcile. Usage: stress THREADS OPS_PER_THREAD [host|async]
-// [lru|cyclic]
+// [lru|cyclic|next-use] (next-use: the threads send hints too)
 // ("async": the fault backend claiming to be asynchronous, so acquirers
 // issue their own on-demand copies, as on CUDA).
 // Exit 0 on success; prints the first violation and exits 1 otherwise.
