@@ -225,6 +225,12 @@ class ArcherPrefetchHandle {
   using Clock = std::chrono::steady_clock;
 
   void WorkerLoop(DeviceState* dev);
+  // Its steps (copy_worker.cpp).
+  void FailUnstartedLocked(DeviceState* dev, Entry* e, const std::string& error);
+  bool WaitForRoomInFlightLocked(DeviceState* dev, Entry* e,
+                                 std::unique_lock<std::mutex>& lk);
+  void WaitForFreeSlotLocked(DeviceState* dev, bool wait_for_events,
+                             std::unique_lock<std::mutex>& lk);
   void CopyEntryLocked(DeviceState* dev, Entry* e,
                        std::unique_lock<std::mutex>& lk);
   bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events,

@@ -163,47 +163,10 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
     }
     Entry* e = dev->queue.PeekMostUrgent();
     if (!bind_error.empty()) {
-      dev->queue.Remove(e);
-      e->state = EntryState::kHost;
-      e->error = "copy worker could not start: " + bind_error;
-      ++e->error_seq;
-      ++stats_.copy_errors;
-      ready_cv_.notify_all();
+      FailUnstartedLocked(dev, e, "copy worker could not start: " + bind_error);
       continue;
     }
-    // Speculation waits for the misses and for its own cap (Note
-    // [Speculation never hurts]); every copy waits for max_bytes_in_flight.
-    const bool held_back =
-        e->band != kOnDemandBand && !SpeculationAllowedLocked(dev);
-    if (held_back && dev->inflight.empty()) {
-      // An acquirer is issuing misses right now: let it finish.
-      dev->worker_waiting = true;
-      dev->work_cv.wait_for(lk, std::chrono::microseconds(50));
-      dev->worker_waiting = false;
-      continue;
-    }
-    if (held_back || (!dev->inflight.empty() &&
-                      dev->inflight_bytes + e->bytes > max_bytes_in_flight_)) {
-      Entry* first = dev->inflight.front();
-      if (dev->inflight_urgent_bytes > 0) {
-        for (Entry* f : dev->inflight) {
-          if (f->band == kOnDemandBand) {
-            first = f;
-            break;
-          }
-        }
-      }
-      const CopyToken oldest = first->ready;
-      lk.unlock();
-      try {
-        backend_->Wait(oldest);
-      } catch (...) {
-        // A failed wait surfaces to the acquirer of that entry.
-      }
-      lk.lock();
-      RetireInflightLocked(dev);
-      continue;
-    }
+    if (WaitForRoomInFlightLocked(dev, e, lk)) continue;
     bool wait_for_events = false;
     bool refused = false;
     if (!ReserveSlotLocked(dev, e, &wait_for_events, &refused)) {
@@ -216,24 +179,82 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
         ++stats_.declined;
         continue;
       }
-      // Every slot is pinned (or still read on a stream): wait for a
-      // release, an unregister or close. GPU-side uses complete without a
-      // notification, so then poll.
-      dev->worker_waiting = true;
-      dev->worker_needs_room = true;
-      if (wait_for_events) {
-        dev->work_cv.wait_for(lk, std::chrono::microseconds(100));
-      } else {
-        dev->work_cv.wait(lk);
-      }
-      dev->worker_waiting = false;
-      dev->worker_needs_room = false;
+      WaitForFreeSlotLocked(dev, wait_for_events, lk);
       continue;
     }
     dev->queue.Remove(e);
     CopyEntryLocked(dev, e, lk);
   }
   dev->worker_waiting = false;
+}
+
+// The worker could not start (its backend refused the thread): the queued
+// entry `e` fails, and its acquirer gets `error`.
+void ArcherPrefetchHandle::FailUnstartedLocked(DeviceState* dev, Entry* e,
+                                               const std::string& error) {
+  dev->queue.Remove(e);
+  e->state = EntryState::kHost;
+  e->error = error;
+  ++e->error_seq;
+  ++stats_.copy_errors;
+  ready_cv_.notify_all();
+}
+
+// Speculation waits for the misses and for its own cap (Note [Speculation
+// never hurts]); every copy waits for max_bytes_in_flight. Returns true if
+// the worker waited (for an acquirer issuing misses, or for the oldest copy
+// in flight, an urgent one first), false if `e` may go now. Drops and
+// retakes `lk` while it waits.
+bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
+    DeviceState* dev, Entry* e, std::unique_lock<std::mutex>& lk) {
+  const bool held_back =
+      e->band != kOnDemandBand && !SpeculationAllowedLocked(dev);
+  if (held_back && dev->inflight.empty()) {
+    // An acquirer is issuing misses right now: let it finish.
+    dev->worker_waiting = true;
+    dev->work_cv.wait_for(lk, std::chrono::microseconds(50));
+    dev->worker_waiting = false;
+    return true;
+  }
+  if (!held_back && (dev->inflight.empty() ||
+                     dev->inflight_bytes + e->bytes <= max_bytes_in_flight_)) {
+    return false;
+  }
+  Entry* first = dev->inflight.front();
+  if (dev->inflight_urgent_bytes > 0) {
+    for (Entry* f : dev->inflight) {
+      if (f->band == kOnDemandBand) {
+        first = f;
+        break;
+      }
+    }
+  }
+  const CopyToken oldest = first->ready;
+  lk.unlock();
+  try {
+    backend_->Wait(oldest);
+  } catch (...) {
+    // A failed wait surfaces to the acquirer of that entry.
+  }
+  lk.lock();
+  RetireInflightLocked(dev);
+  return true;
+}
+
+// Every slot is pinned (or still read on a stream): wait for a release, an
+// unregister or close. GPU-side uses complete without a notification, so
+// with `wait_for_events` poll every 100 us.
+void ArcherPrefetchHandle::WaitForFreeSlotLocked(
+    DeviceState* dev, bool wait_for_events, std::unique_lock<std::mutex>& lk) {
+  dev->worker_waiting = true;
+  dev->worker_needs_room = true;
+  if (wait_for_events) {
+    dev->work_cv.wait_for(lk, std::chrono::microseconds(100));
+  } else {
+    dev->work_cv.wait(lk);
+  }
+  dev->worker_waiting = false;
+  dev->worker_needs_room = false;
 }
 
 void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
