@@ -196,9 +196,9 @@ def measure(backend: str, experts: int, layers: int, warmup: int, iterations: in
         payload = np.arange(256, dtype=np.uint8)
         for layer in range(layers):
             for expert in range(experts):
-                handle.register(per_expert._next_id, payload)
-                per_expert._ids.setdefault(layer, np.full(experts, -1, dtype=np.int64))[expert] = per_expert._next_id
-                per_expert._next_id += 1
+                tensor_id = layer * experts + expert
+                handle.register(tensor_id, payload)
+                per_expert.adopt(layer, expert, tensor_id)
         expert_list = list(range(experts))
         ids = np.concatenate([per_expert.tensor_ids(layer, expert_list) for layer in range(layers)])
         assert ids.shape[0] == n_ids and ids.dtype == np.int64

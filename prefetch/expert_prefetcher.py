@@ -143,6 +143,24 @@ class ExpertPrefetcher:
         self.engine.register_external(tensor_id, buffer, device=device)
         return self._remember(layer_id, expert_id, tensor_id, layout)
 
+    def adopt(self, layer_id: int, expert_id: int, tensor_id: int) -> int:
+        """Maps (layer_id, expert_id) to `tensor_id`, an id registered on the
+        handle directly (``PrefetchHandle.register`` or ``register_external``):
+        ``prefetch_experts`` and ``tensor_ids`` then take it by (layer,
+        expert). Having no layout of weights, it cannot come back as weights:
+        ``acquire_experts`` raises ValueError for it (acquire its id on the
+        handle)."""
+        layer_id, expert_id = self._check_new(layer_id, expert_id)
+        tensor_id = int(tensor_id)
+        if tensor_id not in self.engine:
+            raise KeyError(f"tensor id {tensor_id} is not registered on the handle")
+        if any(tensor_id in table for table in self._ids.values()):
+            raise ValueError(f"tensor id {tensor_id} already stands for an expert")
+        next_id = self._next_id
+        self._remember(layer_id, expert_id, tensor_id, ())
+        self._next_id = max(next_id, tensor_id + 1)
+        return tensor_id
+
     def _check_new(self, layer_id, expert_id) -> tuple[int, int]:
         layer_id = int(layer_id)
         expert_id = int(expert_id)
@@ -234,6 +252,10 @@ class ExpertPrefetcher:
         return self._acquire_ids(ids, stream=stream, timeout=timeout)
 
     def _acquire_ids(self, ids: np.ndarray, *, stream, timeout: float):
+        for tid in ids.tolist():  # before anything is pinned
+            if not self._layouts[tid]:
+                raise ValueError(f"tensor id {tid} was adopted without a layout of weights: acquire it on the "
+                                 "handle (PrefetchHandle.acquire) instead")
         if self._slot_views:
             return self._acquire_cached(ids, stream=stream, timeout=timeout)
         import torch

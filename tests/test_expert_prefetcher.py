@@ -266,3 +266,28 @@ def test_explicit_first_tensor_id_is_dense_and_refuses_taken_ids(make_handle):
     with pytest.raises(KeyError):
         pf.tensor_id(0, 1)  # the failed expert is not half-registered
     assert list(pf.registered_experts()) == [(0, 0)]
+
+
+def test_adopt_maps_an_id_registered_by_hand():
+    import prefetch
+
+    h = prefetch.PrefetchHandle(device_budget_bytes=1 << 16, backend="host", start_paused=True)
+    try:
+        h.register(7, np.arange(256, dtype=np.uint8))
+        pf = prefetch.ExpertPrefetcher(h, use_batched=True)
+        assert pf.adopt(2, 5, 7) == 7
+        assert pf.tensor_ids(2, [5]).tolist() == [7]
+        pf.prefetch_experts(2, [5], priority=3)
+        assert h.queued() == [(3, 7)]
+        with pytest.raises(ValueError, match="already registered"):
+            pf.adopt(2, 5, 7)
+        with pytest.raises(ValueError, match="already stands"):
+            pf.adopt(3, 0, 7)
+        with pytest.raises(KeyError, match="not registered"):
+            pf.adopt(3, 0, 99)
+        h.resume()
+        with pytest.raises(ValueError, match="adopted without a layout"):
+            pf.acquire_experts(2, [5], timeout=10)
+        assert h.stats()["pinned_count"] == 0
+    finally:
+        h.close()
