@@ -54,7 +54,7 @@ if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import fmt, machine_info, write_json  # noqa: E402
-from bench.e2e_decoder import MODELS, POLICIES, Decoder  # noqa: E402
+from bench.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps  # noqa: E402
 from bench.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E402
 from bench.e2e_providers import (  # noqa: E402
     make_provider,
@@ -81,20 +81,11 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
                 for i, x in enumerate(request):
                     dec.step(x, provider, route(i))
                 provider.ctl.new_sequence()
-        lat = []
-        before = {}
-        for i, x in enumerate(inputs):
-            dec.sync()
-            if i == warmup:
-                before = provider.stats()
-                if hasattr(provider, "ctl"):  # score predictions on measured steps only
-                    provider.ctl.prediction_hits = provider.ctl.predicted_total = provider.ctl.actual_total = 0
-            t0 = time.perf_counter()
-            dec.step(x, provider, route(i))
-            dec.sync()
-            if i >= warmup:
-                lat.append(time.perf_counter() - t0)
-        after = provider.stats()
+        def score_from_here():  # predictions are scored on measured steps only
+            if hasattr(provider, "ctl"):
+                provider.ctl.prediction_hits = provider.ctl.predicted_total = provider.ctl.actual_total = 0
+
+        lat, before, after = measure_steps(dec, provider, inputs, warmup, route, at_warmup_end=score_from_here)
         delta = {key: after[key] - before.get(key, 0) for key in ("hits", "misses", "bytes") if key in after}
         delta["precision"] = after.get("precision")
         delta["recall"] = after.get("recall")

@@ -166,3 +166,30 @@ class Decoder:
                                  ("release", t4 - t3)):
                     timers[name] = timers.get(name, 0.0) + dt
         return h
+
+
+def measure_steps(dec, provider, inputs, warmup, route=None, timers=None, at_warmup_end=None):
+    """The decode loop of a measured run: steps through `inputs` (one tensor
+    per step; `route(i)` a forced routing or None), synchronising around
+    each step, and times the steps after the first `warmup`. At the first
+    measured step calls `at_warmup_end()` (if given) and starts filling
+    `timers` (the decoder's per-phase host timers). Returns (latencies in s,
+    provider.stats() at the first measured step, and at the end)."""
+    lat = []
+    before = {}
+    try:
+        for i, x in enumerate(inputs):
+            dec.sync()
+            if i == warmup:
+                before = provider.stats()
+                if at_warmup_end is not None:
+                    at_warmup_end()
+                dec.timers = timers
+            t0 = time.perf_counter()
+            dec.step(x, provider, route(i) if route is not None else None)
+            dec.sync()
+            if i >= warmup:
+                lat.append(time.perf_counter() - t0)
+    finally:
+        dec.timers = None
+    return lat, before, provider.stats()

@@ -22,7 +22,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.e2e_decoder import MODELS, Decoder  # noqa: E402
+from bench.e2e_decoder import MODELS, Decoder, measure_steps  # noqa: E402
 from bench.e2e_providers import ByHandProvider, EngineProvider, ResidentProvider  # noqa: E402
 
 
@@ -69,24 +69,10 @@ def run_cell(torch, dec, trace, inputs, warmup, budget, label, policy, options, 
             predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=distance,
                                         hints=hints)
         provider = EngineProvider(dec, budget, predictor, eviction, options)
+    timers = {}
     try:
-        lat = []
-        timers = {}
-        before = {}
-        for i, x in enumerate(inputs):
-            dec.sync()
-            if i == warmup:
-                before = provider.stats()
-                dec.timers = timers
-            t0 = time.perf_counter()
-            dec.step(x, provider)
-            dec.sync()
-            if i >= warmup:
-                lat.append(time.perf_counter() - t0)
-        dec.timers = None
-        after = provider.stats()
+        lat, before, after = measure_steps(dec, provider, inputs, warmup, timers=timers)
     finally:
-        dec.timers = None
         provider.close()
     steps = len(lat)
     counters = {k: (after[k] - before.get(k, 0)) / steps for k in after
