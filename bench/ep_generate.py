@@ -69,7 +69,15 @@ if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import fmt, machine_info, write_json  # noqa: E402
-from bench.generate import MODELS, SMOKE_MODELS, ModelState, StepTimer, build_model, generate, percentile  # noqa: E402
+from bench.generate_model import (  # noqa: E402
+    MODELS,
+    SMOKE_MODELS,
+    ModelState,
+    StepTimer,
+    build_model,
+    generate,
+    percentile,
+)
 
 SMOKE = ("smoke-qwen3-moe", "smoke-olmoe")
 

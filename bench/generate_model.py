@@ -1,0 +1,210 @@
+"""BM6's models and the generate loop (bench/generate.py): shapes, building a
+random-weight model, saving and restoring its experts, timing decode steps,
+recording routing."""
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import sys
+import time
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+
+MODELS = {
+    # OLMoE-1B-7B-0924's config.json: intermediate_size is the expert width.
+    "olmoe-1b-7b": ("olmoe", dict(hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                                  num_attention_heads=16, num_key_value_heads=16, num_experts=64,
+                                  num_experts_per_tok=8, norm_topk_prob=False, rms_norm_eps=1e-5,
+                                  max_position_embeddings=4096, rope_parameters={"rope_type": "default",
+                                                                                 "rope_theta": 10000.0})),
+    "qwen3-30b-a3b": ("qwen3_moe", dict(hidden_size=2048, intermediate_size=6144, moe_intermediate_size=768,
+                                        num_hidden_layers=48, num_attention_heads=32, num_key_value_heads=4,
+                                        head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+                                        rms_norm_eps=1e-6, max_position_embeddings=40960,
+                                        rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+}
+SMOKE_MODELS = {
+    "smoke-qwen3-moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                                          num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                                          head_dim=16, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)),
+    "smoke-olmoe": ("olmoe", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                  num_key_value_heads=4, num_experts=8, num_experts_per_tok=2)),
+    "smoke-mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
+                                      num_experts_per_tok=2)),
+}
+class RowSkipped(Exception):
+    """A row that cannot run here; the message is the reason."""
+
+
+# ---------------------------------------------------------------- the model
+
+
+def build_model(torch, family: str, shape: dict, vocab: int, device, dtype, seed: int = 0):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(family, vocab_size=vocab, eos_token_id=None, bos_token_id=None, pad_token_id=0,
+                               tie_word_embeddings=False, **shape)
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(cfg, dtype=dtype)
+    model.eval()
+    model.generation_config.eos_token_id = None
+    model.generation_config.pad_token_id = 0
+    return model
+
+
+def moe_blocks(model):
+    """(block, experts, gate) per MoE layer in module order: a module whose
+    `.experts` holds 3-D gate_up_proj / down_proj and that has a `.gate`."""
+    found = []
+    for module in model.modules():
+        experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
+        gu = getattr(experts, "gate_up_proj", None)
+        if gate is not None and gu is not None and getattr(gu, "dim", lambda: 0)() == 3:
+            found.append((module, experts, gate))
+    return found
+
+
+class ModelState:
+    """What a row may change, saved once: each block's experts module, its
+    parameter objects and their data, and the experts implementation.
+    restore() puts all of it back (no copy: the saved data tensors are the
+    originals) and checks it."""
+
+    NAMES = ("gate_up_proj", "down_proj")
+
+    def __init__(self, model):
+        self.model = model
+        self.impl = model.config._experts_implementation
+        self.saved = []
+        for block, experts, _ in moe_blocks(model):
+            params = {n: (getattr(experts, n), getattr(experts, n).data) for n in self.NAMES}
+            self.saved.append((block, experts, params, (set(block.__dict__), set(experts.__dict__)),
+                               experts.forward))
+        gu = self.saved[0][2]["gate_up_proj"][1]
+        dn = self.saved[0][2]["down_proj"][1]
+        self.num_layers = len(self.saved)
+        self.num_experts = gu.shape[0]
+        self.expert_bytes = gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size()
+        self.total_bytes = self.expert_bytes * self.num_experts * self.num_layers
+
+    def restore(self):
+        with contextlib.suppress(ImportError):
+            from accelerate.hooks import remove_hook_from_module
+
+            for _, experts, _, _, _ in self.saved:
+                remove_hook_from_module(experts, recurse=True)
+        for block, experts, params, (block_attrs, experts_attrs), _ in self.saved:
+            block.experts = experts
+            for module, attrs in ((block, block_attrs), (experts, experts_attrs)):
+                for key in [k for k in module.__dict__ if k not in attrs]:
+                    delattr(module, key)  # what a row added (contexts, wrapped forwards)
+            for name, (param, data) in params.items():
+                param.data = data
+                experts._parameters[name] = param
+        self.model.config._experts_implementation = self.impl
+        self.check()
+
+    def check(self):
+        for block, experts, params, (block_attrs, experts_attrs), forward in self.saved:
+            ok = block.experts is experts and experts.forward == forward
+            ok = ok and set(block.__dict__) == block_attrs and set(experts.__dict__) == experts_attrs
+            for name, (param, data) in params.items():
+                live = experts._parameters.get(name)
+                ok = ok and live is param and live.data.data_ptr() == data.data_ptr()
+            if not ok:
+                raise RuntimeError("the model could not be restored to its resident state")
+        if self.model.config._experts_implementation != self.impl:
+            raise RuntimeError("experts implementation not restored")
+
+
+# ------------------------------------------------------------- generation
+
+
+def make_sync(torch, cuda: bool):
+    if cuda:
+        return torch.cuda.synchronize
+    return lambda: None
+
+
+class StepTimer:
+    """A logits processor that reads the clock (after a device sync) once per
+    generated token; `on_first` runs at the first call (the prefill's logits)."""
+
+    def __init__(self, sync, on_first=None, on_step=None):
+        self.sync = sync
+        self.on_first = on_first
+        self.on_step = on_step
+        self.times = []
+
+    def __call__(self, input_ids, scores):
+        self.sync()
+        self.times.append(time.perf_counter())
+        if len(self.times) == 1 and self.on_first is not None:
+            self.on_first()
+        if self.on_step is not None:
+            self.on_step()
+        return scores
+
+
+def generate(torch, model, ids, new_tokens: int, sync, timer=None):
+    """Greedy generate of exactly `new_tokens`; returns (new ids on the CPU,
+    start time, end time), both after a sync."""
+    from transformers import LogitsProcessorList
+
+    kwargs = dict(attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                  do_sample=False, pad_token_id=0)
+    if timer is not None:
+        kwargs["logits_processor"] = LogitsProcessorList([timer])
+    sync()
+    t0 = time.perf_counter()
+    out = model.generate(ids, **kwargs)
+    sync()
+    t1 = time.perf_counter()
+    return out[:, ids.shape[1]:].cpu(), t0, t1
+
+
+def percentile(values, q):
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+class RoutingRecorder:
+    """Forward hooks on the routers: keeps each call's top-k index tensor on
+    its device (no sync while generating); steps() turns them into a routing
+    trace (per step, per layer, sorted distinct experts)."""
+
+    def __init__(self, model):
+        self.calls = []
+        self.handles = []
+        for layer, (_, _, gate) in enumerate(moe_blocks(model)):
+            self.handles.append(gate.register_forward_hook(
+                lambda module, args, out, layer=layer: self.calls.append((layer, out[-1].detach()))))
+        self.layers = len(self.handles)
+
+    def mark(self) -> int:
+        return len(self.calls)
+
+    def distinct_accesses(self, start: int = 0, end: int | None = None) -> int:
+        return sum(len(set(idx.flatten().tolist())) for _, idx in self.calls[start:end])
+
+    def steps(self) -> list:
+        out = []
+        for i, (layer, idx) in enumerate(self.calls):
+            if i % self.layers == 0:
+                out.append([[] for _ in range(self.layers)])
+            out[-1][layer] = sorted(set(idx.flatten().tolist()))
+        return out
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+
+
+# ------------------------------------------------------------ the modes

@@ -1,0 +1,387 @@
+"""BM6's rows (bench/generate.py): how each alternative is set up on the model
+(resident, prefetch's engine, a by-hand PyTorch LRU, accelerate,
+moe-policylang) and the row names."""
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+import time
+from collections import OrderedDict
+
+if __package__ in (None, ""):
+    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.generate_model import ModelState, RowSkipped  # noqa: E402
+
+SHARE_FREE_ROWS = ("resident", "resident-eager", "accelerate-cpu-offload")
+SHARE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced", "torch-by-hand",
+              "moe-policylang-lru", "moe-policylang-lookahead")
+ROWS = ("resident", "resident-eager", *SHARE_ROWS, "accelerate-cpu-offload")
+ENGINE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced")
+MPL_ROWS = ("moe-policylang-lru", "moe-policylang-lookahead")
+BY_HAND_IMPL = "bench_torch_by_hand"
+FIGURES = ("p50_ms", "p90_ms", "prefill_ms", "ttft_ms", "tokens_equal", "hit_rate", "bytes_moved", "copies",
+           "precision", "recall", "host_us_per_layer", "x_resident", "x_adjacent", "over_floor", "ttft_over_floor")
+
+
+class Mode:
+    """A way of running the experts, attached to the model for one row.
+    counters(): cumulative numbers (hits, misses, bytes, copies, ...), any
+    of them None where not known."""
+
+    accesses_from_routing = False
+
+    def counters(self) -> dict:
+        return {}
+
+    def new_sequence(self):
+        pass
+
+    def on_step(self):
+        pass
+
+    def start_measuring(self):
+        pass
+
+    def close(self):
+        pass
+
+    def extra(self) -> dict:
+        return {}
+
+
+class ResidentMode(Mode):
+    def __init__(self, model, impl):
+        if impl is not None:
+            model.config._experts_implementation = impl
+
+
+_HOST_EXPERTS = {}  # id(model) -> the packed host copy its first offload made (same weights every row)
+
+
+class EngineMode(Mode):
+    def __init__(self, model, budget, row, trace, cuda):
+        import prefetch
+        from prefetch.integration import NextLayerGatePredictor, OraclePredictor
+
+        predictor, options = None, None
+        sync_free = False if row.endswith("-synced") else None
+        row = row.removesuffix("-synced")
+        if row == "gate":
+            predictor = NextLayerGatePredictor()
+        elif row == "oracle":
+            predictor = OraclePredictor(trace)
+            options = {"eviction_policy": "next-use"}
+        kwargs = {} if cuda else {"backend": "host"}
+        self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
+                                                handle_options=options, record_trace=True, sync_free=sync_free,
+                                                host_experts=_HOST_EXPERTS.get(id(model)), **kwargs)
+        _HOST_EXPERTS[id(model)] = self.ctl.host_experts
+
+    def counters(self):
+        r = self.ctl.report()  # reads the routings still on their way back first
+        # Bytes moved: the engine's copies plus the experts the sync-free path
+        # read straight from host memory; hits and misses likewise.
+        out = {"bytes": r.get("bytes_copied") + r.get("zero_copy_bytes", 0), "copies": r.get("copies"),
+               "hits": None, "misses": None, "evictions": r.get("evictions"), "wasted": r.get("wasted"),
+               "late": r.get("late"), "zero_copy_reads": r.get("zero_copy_reads")}
+        handle = getattr(self.ctl, "handle", None)
+        if handle is not None and hasattr(handle, "stats"):
+            s = handle.stats()
+            out["hits"] = s.get("hits") + getattr(self.ctl, "pinned_hits", 0)
+            out["misses"] = s.get("misses") + getattr(self.ctl, "zero_copy_reads", 0)
+        return out
+
+    def new_sequence(self):
+        self.ctl.new_sequence()
+
+    def start_measuring(self):
+        # Score predictions on the measured generate only (as BM5 does);
+        # where the controller has no such counters the scores cover the row.
+        self.scores_scope = "row"
+        if all(hasattr(self.ctl, k) for k in ("prediction_hits", "predicted_total", "actual_total")):
+            self.ctl.prediction_hits = self.ctl.predicted_total = self.ctl.actual_total = 0
+            self.scores_scope = "measured generate"
+
+    def extra(self):
+        r = self.ctl.report()
+        return {"precision": r.get("prediction_precision"), "recall": r.get("prediction_recall"),
+                "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer"),
+                "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
+                "declined": r.get("declined")}
+
+    def trace_steps(self, n):
+        trace = getattr(self.ctl, "trace", None)
+        return [list(map(list, step)) for step in trace.steps[:n]] if trace is not None else None
+
+    def close(self):
+        self.ctl.close()
+
+
+class ByHandCache:
+    """The plain-PyTorch LRU: (layer, expert) -> slot of preallocated device
+    tensors; misses copied from pinned host memory with copy_(non_blocking=
+    True) on a side stream; an event per copy the compute stream waits on and
+    an event per use so a slot is not overwritten while a kernel reads it."""
+
+    def __init__(self, torch, state: ModelState, budget: int, device, cuda: bool):
+        self.torch = torch
+        self.cuda = cuda
+        self.slots = max(1, budget // state.expert_bytes)
+        self.host = []  # per layer: (gate_up [E, 2I, H], down [E, H, I]) on the host
+        for _, _, params, _, _ in state.saved:
+            pair = []
+            for name in ModelState.NAMES:
+                src = params[name][1]
+                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
+                dst.copy_(src)
+                pair.append(dst)
+            self.host.append(tuple(pair))
+        gu, dn = self.host[0]
+        self.gate_up = torch.empty((self.slots, *gu.shape[1:]), dtype=gu.dtype, device=device)
+        self.down = torch.empty((self.slots, *dn.shape[1:]), dtype=dn.dtype, device=device)
+        self.lru = OrderedDict()  # (layer, expert) -> slot
+        self.free = list(range(self.slots))[::-1]
+        self.ready = [None] * self.slots
+        self.used = [None] * self.slots
+        self.side = torch.cuda.Stream(device=device) if cuda else None
+        self.hits = self.misses = self.bytes = self.copies = 0
+        self.host_s = 0.0
+        self.calls = 0
+        self.expert_bytes = state.expert_bytes
+
+    def acquire(self, layer, experts, compute):
+        torch = self.torch
+        busy = {self.lru[(layer, e)] for e in experts if (layer, e) in self.lru}
+        slots = []
+        for e in experts:
+            key = (layer, e)
+            slot = self.lru.get(key)
+            if slot is not None:
+                self.hits += 1
+                self.lru.move_to_end(key)
+            else:
+                self.misses += 1
+                if self.free:
+                    slot = self.free.pop()
+                else:
+                    victim = next(k for k, s in self.lru.items() if s not in busy)
+                    slot = self.lru.pop(victim)
+                gu, dn = self.host[layer]
+                if self.cuda:
+                    if self.used[slot] is not None:
+                        self.side.wait_event(self.used[slot])
+                    with torch.cuda.stream(self.side):
+                        self.gate_up[slot].copy_(gu[e], non_blocking=True)
+                        self.down[slot].copy_(dn[e], non_blocking=True)
+                        ev = torch.cuda.Event()
+                        ev.record(self.side)
+                    self.ready[slot] = ev
+                else:
+                    self.gate_up[slot].copy_(gu[e])
+                    self.down[slot].copy_(dn[e])
+                self.lru[key] = slot
+                busy.add(slot)
+                self.bytes += self.expert_bytes
+                self.copies += 1
+            if self.cuda and self.ready[slot] is not None:
+                compute.wait_event(self.ready[slot])
+            slots.append(slot)
+        return slots
+
+    def release(self, slots, compute):
+        if not self.cuda:
+            return
+        ev = self.torch.cuda.Event()
+        ev.record(compute)
+        for slot in slots:
+            self.used[slot] = ev
+
+
+def _grouped_rows(torch, module, weights, hidden_states, slot_ids, top_k_weights, num_slots):
+    """transformers' grouped_mm experts forward on the slot tensors, up to
+    the weighted (token, k) rows in their original order: rows whose slot id
+    is the sentinel `num_slots` (another piece's expert) come out as zeros."""
+    from transformers.integrations.moe import _grouped_linear
+
+    num_top_k = slot_ids.size(-1)
+    ids = slot_ids.reshape(-1)
+    sample_weights = top_k_weights.reshape(-1)
+    ids_g, perm = torch.sort(ids)
+    states_g = hidden_states[perm // num_top_k]
+    weights_g = sample_weights[perm]
+    device = hidden_states.device
+    histc_input = ids_g.float() if device.type in ("cpu", "mps") else ids_g.int()
+    per_slot = torch.histc(histc_input, bins=num_slots, min=0, max=num_slots - 1)
+    offsets = torch.cumsum(per_slot, dim=0, dtype=torch.int32)
+    sentinel = (ids_g >= num_slots).unsqueeze(-1)
+    states_g = states_g.masked_fill(sentinel, 0.0)
+    proj = _grouped_linear(states_g, weights[0], offsets).masked_fill(sentinel, 0.0)
+    proj = module._apply_gate(proj)
+    proj = _grouped_linear(proj, weights[1], offsets).masked_fill(sentinel, 0.0)
+    weighted = (proj * weights_g.unsqueeze(-1)).masked_fill(sentinel, 0.0)
+    inv = torch.empty_like(perm)
+    inv[perm] = torch.arange(perm.size(0), device=device)
+    return weighted[inv]
+
+
+def by_hand_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The experts implementation torch-by-hand registers: the experts of
+    this layer from the LRU, then grouped_mm on the slot tensors."""
+    import torch
+
+    cache, layer = self._bench_by_hand
+    experts = top_k_index.unique().tolist()  # the routing sync every offloader needs
+    compute = torch.cuda.current_stream(hidden_states.device) if cache.cuda else None
+    num_tokens, num_top_k = top_k_index.shape
+    rows = None
+    for start in range(0, len(experts), cache.slots):  # in pieces when the slots cannot hold them all
+        piece = experts[start:start + cache.slots]
+        t0 = time.perf_counter()
+        slots = cache.acquire(layer, piece, compute)
+        cache.host_s += time.perf_counter() - t0
+        # expert id -> slot id (the sentinel `slots` for other pieces' experts),
+        # built on the host and sent without a stream sync
+        remap = torch.full((self.num_experts,), cache.slots, dtype=top_k_index.dtype)
+        remap[piece] = torch.tensor(slots, dtype=top_k_index.dtype)
+        remap = remap.to(top_k_index.device, non_blocking=True)
+        part = _grouped_rows(torch, self, (cache.gate_up, cache.down), hidden_states, remap[top_k_index],
+                             top_k_weights, cache.slots)
+        rows = part if rows is None else rows + part  # the other pieces' rows are exact zeros
+        t0 = time.perf_counter()
+        cache.release(slots, compute)
+        cache.host_s += time.perf_counter() - t0
+    cache.calls += 1
+    if rows is None:
+        return torch.zeros_like(hidden_states)
+    return rows.view(num_tokens, num_top_k, -1).sum(dim=1).to(hidden_states.dtype)
+
+
+class ByHandMode(Mode):
+    def __init__(self, torch, model, state, budget, device, cuda):
+        from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
+
+        ALL_EXPERTS_FUNCTIONS.register(BY_HAND_IMPL, by_hand_experts_forward)
+        self.cache = ByHandCache(torch, state, budget, device, cuda)
+        for layer, (_, experts, _, _, _) in enumerate(state.saved):
+            experts._bench_by_hand = (self.cache, layer)
+            experts.config._experts_implementation = BY_HAND_IMPL
+        self.device_bytes = self.cache.slots * state.expert_bytes
+
+    def counters(self):
+        c = self.cache
+        return {"hits": c.hits, "misses": c.misses, "bytes": c.bytes, "copies": c.copies, "host_s": c.host_s,
+                "calls": c.calls}
+
+    def close(self):
+        self.cache = None
+
+
+class AccelerateMode(Mode):
+    def __init__(self, model, state, device):
+        try:
+            from accelerate import cpu_offload
+        except ImportError as exc:
+            raise RowSkipped(f"accelerate is not importable ({exc})") from exc
+        self.calls = 0
+        self.layer_bytes = state.expert_bytes * state.num_experts
+        self.handles = []
+        for _, experts, _, _, _ in state.saved:
+            cpu_offload(experts, execution_device=device)
+            self.handles.append(experts.register_forward_pre_hook(self._count))
+
+    def _count(self, module, args):
+        self.calls += 1
+
+    def counters(self):
+        # Every call copies all of its layer's experts in (no cache).
+        return {"bytes": self.calls * self.layer_bytes, "copies": None, "hits": None, "misses": None}
+
+    def close(self):
+        for h in self.handles:
+            h.remove()
+
+
+@contextlib.contextmanager
+def cpu_sync_noop(torch, active: bool):
+    """moe-policylang calls torch.cuda.synchronize(compute_device); on the
+    CPU smoke that device is the CPU: make that one call a no-op."""
+    if not active:
+        yield
+        return
+    original = torch.cuda.synchronize
+
+    def synchronize(device=None):
+        if device is not None and torch.device(device).type == "cpu":
+            return None
+        return original(device)
+
+    torch.cuda.synchronize = synchronize
+    try:
+        yield
+    finally:
+        torch.cuda.synchronize = original
+
+
+class PolicyLangMode(Mode):
+    accesses_from_routing = True
+
+    def __init__(self, torch, model, state, budget, row, device, cuda, capacity_mode):
+        try:
+            import moe_policylang
+        except ImportError as exc:
+            raise RowSkipped(f"moe-policylang is not importable ({exc})") from exc
+        self.version = getattr(moe_policylang, "__version__", None)
+        slots = max(1, budget // state.expert_bytes)
+        if capacity_mode == "memory":
+            self.capacity = max(1, slots // state.num_layers)
+        else:
+            self.capacity = max(1, min(slots, state.num_experts))
+        top_k = model.config.num_experts_per_tok
+        if row == "moe-policylang-lru":
+            policy = f"policy bench_lru {{ cache {{ capacity = {self.capacity} eviction = lru }} }}"
+            self.async_transfers = False
+        else:
+            budget_k = min(top_k, self.capacity)
+            policy = (f"policy bench_lookahead {{ cache {{ capacity = {self.capacity} eviction = lru }} "
+                      f"prefetch {{ strategy = lookahead lookahead = 1 budget = {budget_k} }} }}")
+            # Its prefetches move bytes only through the async transfer manager.
+            self.async_transfers = cuda
+        self.policy = policy
+        self.expert_bytes = state.expert_bytes
+        gpu_device = torch.cuda.current_device() if cuda else device  # an index: it compares devices
+        self.mgr = moe_policylang.attach(model, policy, gpu_device=gpu_device, async_transfers=self.async_transfers)
+        if getattr(self.mgr, "_mode", "backend") != "backend":
+            raise RowSkipped(f"moe-policylang attached in {self.mgr._mode!r} mode, not its experts backend")
+        self.peak_cached = 0
+        self.pool_bytes = state.num_layers * self.capacity * state.expert_bytes
+
+    def _cached(self):
+        return sum(len(ctx.get("gpu_cache", ())) for ctx in getattr(self.mgr, "_backend_contexts", []) or [])
+
+    def on_step(self):
+        self.peak_cached = max(self.peak_cached, self._cached())
+
+    def counters(self):
+        s = self.mgr.stats
+        transfers, nbytes = s.cpu_to_gpu_transfers, s.bytes_transferred
+        atm = getattr(self.mgr, "_atm", None)
+        if atm is not None:
+            # A prefetched expert is counted by the manager when used and by
+            # the transfer manager when copied: count its bytes once.
+            used = atm.stats.prefetch_hits
+            nbytes = nbytes - used * self.expert_bytes + atm.stats.bytes_transferred
+        return {"bytes": nbytes, "copies_at_use": transfers, "hits": None, "misses": None}
+
+    def extra(self):
+        self.on_step()
+        return {"mpl_capacity": self.capacity, "mpl_policy": self.policy, "mpl_version": self.version,
+                "mpl_async_transfers": self.async_transfers, "mpl_pool_bytes": self.pool_bytes,
+                "mpl_peak_cached_expert_bytes": self.peak_cached * self.expert_bytes}
+
+    def close(self):
+        self.mgr.detach()
+
+
+# ------------------------------------------------------------------- rows
