@@ -443,7 +443,9 @@ class OffloadController:
 
     def new_sequence(self) -> None:
         """Call between requests: resets the step counter and lets a learning
-        predictor file the finished request."""
+        predictor file the finished request (the sync-free path's last
+        routings are read first: they belong to it)."""
+        self.flush()
         if hasattr(self.predictor, "end_request"):
             self.predictor.end_request()
         self.step = 0

@@ -128,6 +128,8 @@ def test_sync_free_decode_matches_original(family, slots):
             else:
                 assert report["zero_copy_reads"] == 0
             assert ctl.handle.stats()["pinned_count"] == 0
+            ctl.new_sequence()  # the last step's routing is read now, into this request's trace
+            assert not ctl._routings
             traces[sync_free] = ctl.trace.steps
         finally:
             ctl.close()
