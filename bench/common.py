@@ -5,6 +5,7 @@ import json
 import os
 import platform
 import sys
+from collections import OrderedDict
 
 
 def machine_info() -> dict:
@@ -72,3 +73,38 @@ def raw_copy_gbps(torch, src, dst, streams, reps: int) -> list:
         end.synchronize()
         out.append(total / (start.elapsed_time(end) / 1e3) / 1e9)
     return out[1:]
+
+
+class LruSlots:
+    """The bookkeeping of the by-hand PyTorch LRU that BM5 and BM6 compare
+    against: (layer, expert) -> one of `count` device slots; a miss takes a
+    free slot, else the least recently used one that this call does not
+    hold already (`busy`, from `held`)."""
+
+    def __init__(self, count: int):
+        self.lru = OrderedDict()  # (layer, expert) -> slot, least recent first
+        self.free = list(range(count))[::-1]
+        self.hits = self.misses = 0
+
+    def held(self, keys) -> set:
+        """The slots of those `keys` that are cached (a call's own experts)."""
+        return {self.lru[k] for k in keys if k in self.lru}
+
+    def slot_for(self, key, busy: set) -> tuple[int, bool]:
+        """(slot, hit). On a miss the slot is claimed for `key` and joins
+        `busy`; the caller copies the expert into it."""
+        slot = self.lru.get(key)
+        if slot is not None:
+            self.hits += 1
+            self.lru.move_to_end(key)
+            return slot, True
+        self.misses += 1
+        if self.free:
+            slot = self.free.pop()
+        else:
+            victim = next(k for k, s in self.lru.items() if s not in busy)
+            slot = self.lru.pop(victim)
+        self.lru[key] = slot
+        busy.add(slot)
+        return slot, False
+

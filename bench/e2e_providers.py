@@ -5,12 +5,11 @@ from __future__ import annotations
 import os
 import statistics
 import sys
-from collections import OrderedDict
 
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import raw_copy_gbps  # noqa: E402
+from bench.common import LruSlots, raw_copy_gbps  # noqa: E402
 
 
 class ResidentProvider:
@@ -87,13 +86,15 @@ class ByHandCache:
         self.dec = dec
         n_slots = budget // dec.slot_bytes
         self.slots = [torch.empty(dec.expert_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
-        self.free = list(range(n_slots))
-        self.lru = OrderedDict()  # (layer, expert) -> slot
+        self.lru = LruSlots(n_slots)
         self.ready = {}  # slot -> event (copy done)
         self.used = {}  # slot -> event (last read done)
         self.side = torch.cuda.Stream(device=device) if dec.cuda else None
         self.layout = dec.pool_host[0][1]
-        self.hits = self.misses = self.bytes = 0
+        self.bytes = 0
+
+    hits = property(lambda self: self.lru.hits)
+    misses = property(lambda self: self.lru.misses)
 
     def _views(self, slot):
         raw = self.slots[slot]
@@ -106,22 +107,12 @@ class ByHandCache:
         torch = self.torch
         cuda = self.dec.cuda
         result = []
-        busy = {self.lru[(layer, e)] for e in experts if (layer, e) in self.lru}
+        busy = self.lru.held((layer, e) for e in experts)
         for e in experts:
-            key = (layer, e)
-            if key in self.lru:
-                self.hits += 1
-                self.lru.move_to_end(key)
-                slot = self.lru[key]
-            else:
-                self.misses += 1
-                if self.free:
-                    slot = self.free.pop()
-                else:
-                    victim = next(k for k, s in self.lru.items() if s not in busy)
-                    slot = self.lru.pop(victim)
-                    if cuda:
-                        self.side.wait_event(self.used[slot])
+            slot, hit = self.lru.slot_for((layer, e), busy)
+            if not hit:
+                if cuda and slot in self.used:  # a reused slot: its last reader first
+                    self.side.wait_event(self.used[slot])
                 src = self.dec.pool_host[self.dec.pool_index(layer, e)][0]
                 if cuda:
                     with torch.cuda.stream(self.side):
@@ -131,8 +122,6 @@ class ByHandCache:
                     self.ready[slot] = ev
                 else:
                     self.slots[slot].copy_(src)
-                self.lru[key] = slot
-                busy.add(slot)
                 self.bytes += self.dec.expert_bytes
             if cuda:
                 compute.wait_event(self.ready[slot])
@@ -143,7 +132,7 @@ class ByHandCache:
         if not self.dec.cuda:
             return
         for e in experts:
-            slot = self.lru[(layer, e)]
+            slot = self.lru.lru[(layer, e)]
             ev = self.torch.cuda.Event()
             ev.record(compute)
             self.used[slot] = ev

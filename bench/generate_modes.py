@@ -7,11 +7,11 @@ import contextlib
 import os
 import sys
 import time
-from collections import OrderedDict
 
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import LruSlots  # noqa: E402
 from bench.generate_model import ModelState, RowSkipped  # noqa: E402
 
 SHARE_FREE_ROWS = ("resident", "resident-eager", "accelerate-cpu-offload")
@@ -141,33 +141,25 @@ class ByHandCache:
         gu, dn = self.host[0]
         self.gate_up = torch.empty((self.slots, *gu.shape[1:]), dtype=gu.dtype, device=device)
         self.down = torch.empty((self.slots, *dn.shape[1:]), dtype=dn.dtype, device=device)
-        self.lru = OrderedDict()  # (layer, expert) -> slot
-        self.free = list(range(self.slots))[::-1]
+        self.lru = LruSlots(self.slots)
         self.ready = [None] * self.slots
         self.used = [None] * self.slots
         self.side = torch.cuda.Stream(device=device) if cuda else None
-        self.hits = self.misses = self.bytes = self.copies = 0
+        self.bytes = self.copies = 0
         self.host_s = 0.0
         self.calls = 0
         self.expert_bytes = state.expert_bytes
 
+    hits = property(lambda self: self.lru.hits)
+    misses = property(lambda self: self.lru.misses)
+
     def acquire(self, layer, experts, compute):
         torch = self.torch
-        busy = {self.lru[(layer, e)] for e in experts if (layer, e) in self.lru}
+        busy = self.lru.held((layer, e) for e in experts)
         slots = []
         for e in experts:
-            key = (layer, e)
-            slot = self.lru.get(key)
-            if slot is not None:
-                self.hits += 1
-                self.lru.move_to_end(key)
-            else:
-                self.misses += 1
-                if self.free:
-                    slot = self.free.pop()
-                else:
-                    victim = next(k for k, s in self.lru.items() if s not in busy)
-                    slot = self.lru.pop(victim)
+            slot, hit = self.lru.slot_for((layer, e), busy)
+            if not hit:
                 gu, dn = self.host[layer]
                 if self.cuda:
                     if self.used[slot] is not None:
@@ -181,8 +173,6 @@ class ByHandCache:
                 else:
                     self.gate_up[slot].copy_(gu[e])
                     self.down[slot].copy_(dn[e])
-                self.lru[key] = slot
-                busy.add(slot)
                 self.bytes += self.expert_bytes
                 self.copies += 1
             if self.cuda and self.ready[slot] is not None:
