@@ -300,13 +300,14 @@ class OffloadController:
             self.flush()  # the last sync-free step's uses and misses reach the engine now
         return self.sync_free_active
 
-    def pin_layer(self, layer: int, hidden, stream) -> np.ndarray:
+    def pin_layer(self, layer: int, hidden, stream) -> tuple[np.ndarray, np.ndarray]:
         """The sync-free path's one engine call for `layer`: release what the
         last layer held, report the uses read from the last step's routing
         and prefetch what it read from host memory (at layer 0; see
         `read_routings`), queue a host-side predictor's guesses, pin every
-        resident expert of `layer`. Returns the slot offset of each expert of
-        the layer (-1: not pinned, read from host memory)."""
+        resident expert of `layer`. Returns (the slot offset of each expert
+        of the layer, -1 where not pinned: read from host memory; the pinned
+        mask)."""
         if self._routings and layer == 0:
             self.read_routings()
         use, fetch = self._use, self._fetch
