@@ -3,7 +3,7 @@
     python bench/generate.py [--models olmoe-1b-7b qwen3-30b-a3b] [--batches 1 8]
         [--shares 0.1 0.25 0.5] [--rows ROW ...] [--new-tokens 64] [--warmup-tokens 8]
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
-        [--mpl-capacity memory|slots] [--budget-s 540] [--json PATH] [--plot PATH.png]
+        [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -86,9 +86,11 @@ Figures per row:
   x_resident        p50_ms / resident p50_ms (the faster of the resident row
                     and its rerun after the block, as the block's
                     resident_ref_p50_ms)
-  x_adjacent        p50_ms / resident_adjacent_p50_ms: the resident model's
-                    generate run again right after this row (the host's
-                    speed drifts over a block; this pair is seconds apart)
+  x_adjacent        median of the row's --repeats measured p50s
+                    (p50_runs_ms) over the median of as many resident
+                    generates run right after it (resident_adjacent_runs_ms):
+                    the host's speed drifts over a block; these are seconds
+                    apart
   io_floor_ms       Belady's fewest loads (prefetch.integration.belady_misses
                     over the recorded routing, decode steps, capacity = budget
                     slots) x expert bytes / raw H2D GB/s / decode tokens;
@@ -229,6 +231,16 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
             if isinstance(mode, EngineMode):
                 out["trace_steps"] = mode.trace_steps(new_tokens)
             mode.new_sequence()
+            # --repeats: the measured generate again (counters and trace are
+            # the first one's); x_adjacent compares medians of the repeats.
+            runs = []
+            for _ in range(max(0, args.repeats - 1)):
+                again = StepTimer(sync)
+                generate(torch, model, block.prompt, new_tokens, sync, again)
+                mode.new_sequence()
+                steps = [b - a for a, b in zip(again.times, again.times[1:])]
+                if steps:
+                    runs.append(statistics.median(steps) * 1e3)
             if row == "resident":
                 # The floor of every row's TTFT: not the process's first
                 # prefill of this shape.
@@ -247,8 +259,10 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
             torch.cuda.empty_cache()
     times = timer.times
     decode = [b - a for a, b in zip(times, times[1:])]
+    p50 = statistics.median(decode) * 1e3 if decode else None
+    out["p50_runs_ms"] = ([p50] if p50 is not None else []) + runs
     out.update({
-        "p50_ms": statistics.median(decode) * 1e3 if decode else None,
+        "p50_ms": p50,
         "p90_ms": percentile(decode, 0.9) * 1e3 if decode else None,
         "decode_tokens": len(decode),
         "prefill_ms": (times[0] - t0) * 1e3,
@@ -381,9 +395,11 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
             ref = block.reference[:, :generated.shape[1]]
             res["tokens_equal"] = bool(torch.equal(generated, ref))
             if row != "resident" and block.reference is not None:
-                res["resident_adjacent_p50_ms"] = resident_p50_now(block)
-                if res["resident_adjacent_p50_ms"] and res.get("p50_ms") is not None:
-                    res["x_adjacent"] = res["p50_ms"] / res["resident_adjacent_p50_ms"]
+                adjacent = [v for v in (resident_p50_now(block) for _ in range(args.repeats)) if v is not None]
+                res["resident_adjacent_runs_ms"] = adjacent
+                res["resident_adjacent_p50_ms"] = statistics.median(adjacent) if adjacent else None
+                if res["resident_adjacent_p50_ms"] and res.get("p50_runs_ms"):
+                    res["x_adjacent"] = statistics.median(res["p50_runs_ms"]) / res["resident_adjacent_p50_ms"]
             if block.routing is not None and row in ENGINE_ROWS and steps is not None:
                 res["routing_equals_resident"] = steps == block.routing[:len(steps)]
             block_rows.append({**base, **res})
@@ -526,6 +542,9 @@ def main(argv=None) -> int:
     parser.add_argument("--budget-s", type=float, default=None, help="start no row after this many seconds")
     parser.add_argument("--json")
     parser.add_argument("--plot", help="PNG of ms/token per row per share")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="measured generates per row, and resident generates right after it; x_adjacent is "
+                             "the ratio of their medians (the host's speed drifts over seconds)")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny configs on the CPU in float32: checks the logic, measures nothing")
     args = parser.parse_args(argv)
@@ -551,6 +570,8 @@ def main(argv=None) -> int:
         args.rows = ["resident", *args.rows]
     if args.new_tokens < 2 or args.accelerate_tokens < 2:
         parser.error("--new-tokens and --accelerate-tokens must be >= 2 (the decode figure excludes the prefill)")
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     cuda = not smoke and torch.cuda.is_available()
     report = {"benchmark": "BM6 generate", "machine": machine_info(), "smoke_cpu": smoke,
