@@ -2,8 +2,10 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import statistics
 import sys
 from collections import OrderedDict
 
@@ -107,4 +109,21 @@ class LruSlots:
         self.lru[key] = slot
         busy.add(slot)
         return slot, False
+
+
+def percentile(values, q):
+    """Nearest-rank percentile `q` (0..1) of `values`."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def raw_h2d_gbps(torch, nbytes_each: int, device=0, count: int = 64) -> float:
+    """Median raw host-to-device GB/s of `count` page-locked copies of
+    `nbytes_each` bytes onto `device` (raw_copy_gbps, 3 repetitions)."""
+    src = torch.empty((count, nbytes_each), dtype=torch.uint8, pin_memory=True).fill_(7)
+    with torch.cuda.device(device):
+        dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device=device)
+        gbps = statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream(device=device)], reps=3))
+    del src, dst
+    return gbps
 

@@ -53,15 +53,14 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.common import fmt, machine_info, percentile, raw_h2d_gbps, write_json  # noqa: E402
 from bench.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps  # noqa: E402
 from bench.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E402
 from bench.e2e_providers import (  # noqa: E402
     make_provider,
     policy_eviction,
-    raw_h2d_gbps,
 )
-from bench.e2e_report import format_table, percentile, plot_latency, timeline  # noqa: E402
+from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,

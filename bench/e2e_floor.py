@@ -9,7 +9,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.e2e_report import percentile  # noqa: E402
+from bench.common import percentile  # noqa: E402
 
 
 def io_floor(belady_bytes_each, raw_each) -> float:

@@ -3,13 +3,12 @@ predictor, and the by-hand PyTorch LRU."""
 from __future__ import annotations
 
 import os
-import statistics
 import sys
 
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import LruSlots, raw_copy_gbps  # noqa: E402
+from bench.common import LruSlots  # noqa: E402
 
 
 class ResidentProvider:
@@ -159,13 +158,6 @@ class ByHandProvider:
     def close(self):
         for c in self.caches:
             c.slots.clear()
-
-
-def raw_h2d_gbps(torch, nbytes_each: int, device, count: int = 64) -> float:
-    src = torch.empty((count, nbytes_each), dtype=torch.uint8, pin_memory=True).fill_(7)
-    with torch.cuda.device(device):
-        dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device=device)
-        return statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream(device=device)], reps=3))
 
 
 def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None):

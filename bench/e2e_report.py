@@ -3,7 +3,6 @@ the latency plot, the table."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import sys
 
@@ -13,11 +12,6 @@ if __package__ in (None, ""):
 from bench.common import fmt  # noqa: E402
 from bench.e2e_decoder import POLICIES  # noqa: E402
 from bench.e2e_providers import make_provider  # noqa: E402
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 def timeline(torch, dec, inputs, budget, path_png, path_json, eviction):

@@ -68,7 +68,7 @@ _own_gpu()
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.common import fmt, machine_info, percentile, write_json  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
@@ -76,7 +76,6 @@ from bench.generate_model import (  # noqa: E402
     StepTimer,
     build_model,
     generate,
-    percentile,
 )
 
 SMOKE = ("smoke-qwen3-moe", "smoke-olmoe")

@@ -125,7 +125,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, raw_copy_gbps, write_json  # noqa: E402
+from bench.common import fmt, machine_info, percentile, raw_h2d_gbps, write_json  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
@@ -136,7 +136,6 @@ from bench.generate_model import (  # noqa: E402
     build_model,
     generate,
     make_sync,
-    percentile,
 )
 from bench.generate_modes import (  # noqa: E402
     _HOST_EXPERTS,
@@ -315,14 +314,6 @@ def record_routing(block: Block):
         rec.close()
 
 
-def raw_h2d_gbps(torch, nbytes_each: int, count: int = 32) -> float:
-    src = torch.empty((count, nbytes_each), dtype=torch.uint8, pin_memory=True).fill_(7)
-    dst = torch.empty((count, nbytes_each), dtype=torch.uint8, device="cuda")
-    gbps = statistics.median(raw_copy_gbps(torch, src, dst, [torch.cuda.Stream()], reps=3))
-    del src, dst
-    return gbps
-
-
 def null_row(base: dict, reason: str) -> dict:
     row = dict(base)
     for key in FIGURES:
@@ -337,7 +328,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
     model = build_model(torch, family, shape, args.vocab, device, dtype)
     state = ModelState(model)
     build_s = time.perf_counter() - t_build
-    raw = [raw_h2d_gbps(torch, state.expert_bytes)] if cuda else []
+    raw = [raw_h2d_gbps(torch, state.expert_bytes, torch.cuda.current_device(), count=32)] if cuda else []
     info = {"family": family, "shape": shape, "vocab": args.vocab, "dtype": str(dtype).replace("torch.", ""),
             "layers": state.num_layers, "experts": state.num_experts, "top_k": model.config.num_experts_per_tok,
             "expert_bytes": state.expert_bytes, "total_expert_bytes": state.total_bytes,
@@ -410,7 +401,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
         blocks.append(restore_check(block, name))
         model_rows.extend(block_rows)
     if cuda:
-        raw.append(raw_h2d_gbps(torch, state.expert_bytes))
+        raw.append(raw_h2d_gbps(torch, state.expert_bytes, torch.cuda.current_device(), count=32))
     info["raw_h2d_gbps_runs"] = raw
     info["raw_h2d_gbps"] = max(raw) if raw else None
     by_block = {}

@@ -4,7 +4,6 @@ recording routing."""
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 import sys
 import time
@@ -167,11 +166,6 @@ def generate(torch, model, ids, new_tokens: int, sync, timer=None):
     sync()
     t1 = time.perf_counter()
     return out[:, ids.shape[1]:].cpu(), t0, t1
-
-
-def percentile(values, q):
-    ordered = sorted(values)
-    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
 class RoutingRecorder:
