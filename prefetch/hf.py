@@ -206,14 +206,8 @@ class ExpertsOffload:
             self._foreign = torch.from_numpy(~self._local).to(device)  # expert -> not ours, on the device
 
     def enable_sync_free(self, universe: Universe, max_rows: int) -> None:
-        stand = copy.copy(self.stand)
-        stand.gate_up_proj = universe.gate_up_proj
-        stand.down_proj = universe.down_proj
-        stand.num_experts = universe.rows
-        if hasattr(self.stand, "_apply_gate"):
-            stand._apply_gate = types.MethodType(self.stand._apply_gate.__func__, stand)
         self.universe = universe
-        self._uva_stand = stand
+        self._uva_stand = self._stand_with(universe.gate_up_proj, universe.down_proj, universe.rows)
         self.max_rows = max_rows
         self._host_rows = universe.host_rows[self.layer]
         self._slot_row = np.empty(self.num_experts, dtype=np.int64)
@@ -284,13 +278,20 @@ class ExpertsOffload:
             self._remap[experts] = slots
             return self.stand
         picked = torch.from_numpy(slots).to(self.device)
+        stand = self._stand_with(self.stand.gate_up_proj.index_select(0, picked),
+                                 self.stand.down_proj.index_select(0, picked), int(slots.shape[0]))
+        self._remap[experts] = np.arange(slots.shape[0])
+        return stand
+
+    def _stand_with(self, gate_up_proj, down_proj, num_experts: int):
+        """A copy of the stand-in with other weights (its bound _apply_gate
+        rebound to the copy)."""
         stand = copy.copy(self.stand)
-        stand.gate_up_proj = self.stand.gate_up_proj.index_select(0, picked)
-        stand.down_proj = self.stand.down_proj.index_select(0, picked)
-        stand.num_experts = int(slots.shape[0])
+        stand.gate_up_proj = gate_up_proj
+        stand.down_proj = down_proj
+        stand.num_experts = num_experts
         if hasattr(self.stand, "_apply_gate"):
             stand._apply_gate = types.MethodType(self.stand._apply_gate.__func__, stand)
-        self._remap[experts] = np.arange(slots.shape[0])
         return stand
 
     def _slot_ids(self, where: np.ndarray) -> np.ndarray:
