@@ -215,11 +215,7 @@ class OffloadController:
                 prefetch, band = ids, min(_MAX_BAND, distance)
             else:
                 extra = [*(extra or ()), (ids, min(_MAX_BAND, distance))]
-        hint_ids = hint_when = None
-        if hints:
-            hint_ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
-            hint_when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
-                                        else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
+        hint_ids, hint_when = self._hint_arrays(hints)
         if self._held is not None and stream is not self._held_stream and stream != self._held_stream:
             self.release_held()  # another stream now: its own release
         held, self._held = self._held, None
@@ -318,12 +314,8 @@ class OffloadController:
             if extra:
                 fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
                     np.concatenate(extra))
-        hint_ids = hint_when = None
         hints = self._late_hints
-        if hints:
-            hint_ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
-            hint_when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
-                                        else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
+        hint_ids, hint_when = self._hint_arrays(hints)
         if self._held is not None and stream != self._held_stream:
             self.release_held()
         held, self._held = self._held, None
@@ -404,6 +396,16 @@ class OffloadController:
                 self.handle.step(use=use, prefetch=fetch, band=1)
             finally:
                 self.engine_ns += time.perf_counter_ns() - t0
+
+    def _hint_arrays(self, hints):
+        """(tensor ids, next-use times) of predictor hints [(layer, experts,
+        one time or one per expert)], or (None, None) for none."""
+        if not hints:
+            return None, None
+        ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
+        when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
+                               else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
+        return ids, when
 
     def _only_local(self, guesses: dict, hints):
         local = self.local
