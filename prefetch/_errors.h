@@ -13,10 +13,11 @@
 // The exception class of each ErrorKind (prefetch.errors.BY_KIND, in the
 // enum's order), set once when the module is imported; until then (and for
 // a kind without one) the builtin below.
-inline PyObject* g_prefetch_error_types[16] = {nullptr};
+constexpr int kPrefetchErrorTypes = 16;  // room for every ErrorKind
+inline PyObject* g_prefetch_error_types[kPrefetchErrorTypes] = {nullptr};
 
 inline void prefetch_set_error_type(int kind, PyObject* type) {
-  if (kind < 0 || kind >= 16) return;
+  if (kind < 0 || kind >= kPrefetchErrorTypes) return;
   Py_XINCREF(type);
   Py_XDECREF(g_prefetch_error_types[kind]);
   g_prefetch_error_types[kind] = type;
@@ -27,7 +28,7 @@ inline void prefetch_raise_py_error() {
     throw;
   } catch (const prefetch::PrefetchError& e) {
     const int kind = static_cast<int>(e.kind());
-    if (kind >= 0 && kind < 16 && g_prefetch_error_types[kind] != nullptr) {
+    if (kind >= 0 && kind < kPrefetchErrorTypes && g_prefetch_error_types[kind] != nullptr) {
       PyErr_SetString(g_prefetch_error_types[kind], e.what());
       return;
     }

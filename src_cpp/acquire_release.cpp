@@ -133,8 +133,7 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
 void ArcherPrefetchHandle::PinResidentLocked(const int64_t* ids, size_t n,
                                              const uintptr_t* streams,
                                              int64_t* offsets) {
-  ++acquire_calls_;
-  for (auto& dev : devices_) dev->cache->AcquireCall();
+  TickAcquireClockLocked();
   const bool async = backend_->IsAsync();
   size_t i = 0;
   try {
@@ -199,8 +198,7 @@ void ArcherPrefetchHandle::AcquireLocked(const int64_t* ids, size_t n,
                                          const uintptr_t* streams,
                                          double timeout_s, SlotInfo* slots,
                                          std::unique_lock<std::mutex>& lk) {
-  ++acquire_calls_;
-  for (auto& dev : devices_) dev->cache->AcquireCall();
+  TickAcquireClockLocked();
   std::vector<uint64_t> error_seq(n);
   const uint64_t wake_mask = PinAndQueueMissesLocked(ids, n, error_seq.data());
   ++active_calls_;
@@ -389,6 +387,13 @@ void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
     UnpinLocked(ids, n);
     throw PrefetchError(ErrorKind::kCopyFailed, wait_error);
   }
+}
+
+// One layer on the clock of want_at and of the eviction policies: each
+// Acquire call, or each Step that pins a layer instead.
+void ArcherPrefetchHandle::TickAcquireClockLocked() {
+  ++acquire_calls_;
+  for (auto& dev : devices_) dev->cache->AcquireCall();
 }
 
 void ArcherPrefetchHandle::EndActiveCallLocked() {

@@ -279,6 +279,7 @@ class ArcherPrefetchHandle {
                           const uintptr_t* streams, SlotInfo* slots,
                           std::unique_lock<std::mutex>& lk);
   void EndActiveCallLocked();  // --active_calls_, wakes Close at zero
+  void TickAcquireClockLocked();  // ++acquire_calls_ and every policy's clock
   // Step's pin_ids and use_ids (Note [Pins without waiting]).
   void PinResidentLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
                          int64_t* offsets);
