@@ -274,8 +274,7 @@ class OffloadController:
         if not self._adaptive:
             return True
         if not self.sync_free_active:
-            s = self.handle.stats()
-            counts = (s["hits"], s["misses"])
+            counts = self._engine_hits_misses()
             if self._engine_counts is not None:
                 hits, misses = (c - b for c, b in zip(counts, self._engine_counts))
                 if hits + misses:
@@ -287,14 +286,16 @@ class OffloadController:
             if active != self.sync_free_active:
                 self.path_switches += 1
                 self.sync_free_active = active
-                self._engine_counts = None
-                if not active:  # the synced steps' misses count from here
-                    s = self.handle.stats()
-                    self._engine_counts = (s["hits"], s["misses"])
+                # Synced steps count their misses from here on.
+                self._engine_counts = None if active else self._engine_hits_misses()
         self._step_missed = None
         if not self.sync_free_active and (self._use is not None or self._fetch is not None):
             self.flush()  # the last sync-free step's uses and misses reach the engine now
         return self.sync_free_active
+
+    def _engine_hits_misses(self) -> tuple[int, int]:
+        s = self.handle.stats()
+        return s["hits"], s["misses"]
 
     def pin_layer(self, layer: int, hidden, stream) -> tuple[np.ndarray, np.ndarray]:
         """The sync-free path's one engine call for `layer`: release what the
