@@ -73,6 +73,10 @@ class OffloadController:
         self._use = None  # tensor ids read (from read_routings), for the next engine call
         self._fetch = None  # of those, the ones read from host memory: prefetched
         self._late_hints: list = []
+        # Note [Prefill read-ahead]: cache slots (set by the transformers
+        # adapter; 0 turns it off) and the calls that read ahead.
+        self.read_ahead_slots = 0
+        self.read_aheads = 0
 
     @property
     def trace(self):
@@ -176,6 +180,30 @@ class OffloadController:
                 target_step = step + (1 if target <= layer else 0)
                 self._pending[(target_step, target)] = guess
         return guesses, hints
+
+    def read_ahead(self, layer: int, experts: np.ndarray, guesses: dict) -> dict:
+        """Note [Prefill read-ahead]
+        A call that routes to nearly every expert of its layer (90 % or
+        more: a prompt, where each of hundreds of rows picks top-k) is
+        followed by a next layer that does the same. Without a predictor
+        nothing would be copied for that layer until its own routing, and
+        the link would idle through this layer's compute and the host work
+        in between, once per layer of the prefill (BM6, Qwen3-30B-A3B, a
+        512-token prompt at a quarter of the experts cached: time to first
+        token 1.40x its floor on-demand, 1.01x with the gate, which does
+        keep the link busy). So, with no predictor, such a call also
+        queues the next layer's experts at band 1, behind this layer's
+        misses; the next layer's own call cancels those still queued, as it
+        does a guess's. Only where the cache holds two layers' experts: a
+        smaller one would evict the read-ahead before its use, or this
+        layer's later pieces. Decode calls route to far fewer experts (8
+        rows of top-8 over 64 experts: about 63 %) and never read ahead."""
+        nxt = layer + 1
+        if (self.predictor is not None or nxt >= self.num_layers or self.read_ahead_slots < 2 * self.num_experts
+                or experts.shape[0] < 0.9 * self.num_experts or nxt in guesses):
+            return guesses
+        self.read_aheads += 1
+        return {**guesses, nxt: np.arange(self.num_experts, dtype=np.int64)}
 
     # -- the engine
 
@@ -472,6 +500,7 @@ class OffloadController:
             "zero_copy_reads": self.zero_copy_reads,
             "path_switches": self.path_switches if self.sync_free else None,
             "zero_copy_bytes": self.zero_copy_reads * self.expert_bytes,
+            "read_aheads": self.read_aheads,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
             "bytes_copied": s["bytes_copied"],

@@ -320,6 +320,7 @@ class ExpertsOffload:
         routed, guesses = ctl.read_back(ctl.predict(layer, hidden_states), top_k_index)
         experts = _routed_experts(routed, self.num_experts)
         guesses, hints = ctl.observe(layer, experts, guesses)
+        guesses = ctl.read_ahead(layer, experts, guesses)
         stream = _raw_stream(self.device)
         engine_before = ctl.engine_ns
         if self._local is not None:
@@ -465,13 +466,12 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
                                        host_experts.down_shape, host_experts.dtype, experts.gate_up_proj.device,
                                        ep=ep))
+    controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
     # A predictor whose guesses are device tensors (the router of a later
-    # layer) needs them on the host before the later layer runs, which only
-    # the synced path gives: auto keeps such a model on it.
-    device_guesses = predictor is not None and not (getattr(predictor, "host_guesses", False)
-                                                    or getattr(predictor, "reads_routing", False))
-    if sync_free is None and device_guesses:
-        sync_free = False
+    # layer) guesses only on synced steps: its guesses reach the engine
+    # through the routing's sync. Sync-free steps are those whose experts
+    # are nearly all cached, where a guess has nothing left to fetch (Note
+    # [Which path a step takes]); auto lets the gate take them as well.
     if sync_free is not False and ep is None:
         try:
             universe = Universe(handle.arena(0), host_experts, offloads[0].slot_bytes, device)

@@ -172,11 +172,12 @@ def offload_moe_experts(
     straight from page-locked host memory and prefetched for the next step
     (Note [Sync-free decode] in prefetch/host_experts.py). None (default) turns it on
     where it can run (batched_mm calls of at most 64 rows, no process
-    group) unless the predictor guesses on the device (NextLayerGatePredictor:
-    its guesses need the routing's sync to reach the engine in time); True
-    insists (ValueError where it cannot run; a device-side predictor then
-    guesses only on the layers that take the synced path, e.g. prefill);
-    False keeps every layer on the path that reads the routing first."""
+    group), each step choosing its path from the last step's misses; a
+    predictor that guesses on the device (NextLayerGatePredictor) guesses
+    on the synced steps only (its guesses reach the engine through the
+    routing's sync). True insists (ValueError where it cannot run; every
+    decode step sync-free); False keeps every layer on the path that reads
+    the routing first."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     if any(b.controller is not None for b in generic):

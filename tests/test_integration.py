@@ -158,10 +158,44 @@ def test_sync_free_warms_the_cache_and_then_hits():
         ctl.close()
 
 
-def test_each_step_takes_the_path_its_misses_call_for():
+def test_prefill_reads_the_next_layer_ahead():
+    # Note [Prefill read-ahead]: with no predictor, a prompt's call, routed
+    # to every expert of its layer, queues the next layer's experts; the
+    # tokens do not change. Not with a predictor, nor on a cache that does
+    # not hold two layers' experts, nor on decode calls.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    layers = cfg.num_hidden_layers
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(3))
+    seq_ref, logits_ref = greedy(ref, ids, steps=3)
+    for count, predictor, expect in ((num_experts * layers, None, layers - 1),
+                                     (num_experts * layers, NextLayerGatePredictor(), 0),
+                                     (num_experts + 3, None, 0)):
+        model = copy.deepcopy(ref)
+        ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
+                                  predictor=predictor, sync_free=False)
+        try:
+            seq, logits = greedy(model, ids, steps=1)  # the prefill only
+            assert ctl.read_aheads == expect
+            if predictor is None:  # no other prefetch on this path: the read-ahead's ids, each layer's experts
+                assert ctl.handle.stats()["requests"] == expect * num_experts
+            seq, logits = greedy(model, ids, steps=3)  # a second prefill and two decode steps
+            assert ctl.read_aheads == 2 * expect
+            assert ctl.report()["read_aheads"] == 2 * expect
+            assert torch.equal(seq, seq_ref)
+            for a, b in zip(logits, logits_ref):
+                assert torch.equal(a, b)
+        finally:
+            ctl.close()
+
+
+@pytest.mark.parametrize("gate", [False, True], ids=["on-demand", "gate"])
+def test_each_step_takes_the_path_its_misses_call_for(gate):
     # Note [Which path a step takes]: a cache far smaller than the working
     # set misses often, and the steps go synced; one that holds everything
-    # misses only while it warms, and the steps go back to sync-free.
+    # misses only while it warms, and the steps go back to sync-free. The
+    # gate follows the same choice and guesses on the synced steps.
     cfg = family_configs()["olmoe"]
     ref = build(cfg, experts_implementation="batched_mm")
     per, num_experts = expert_bytes(ref)
@@ -169,11 +203,13 @@ def test_each_step_takes_the_path_its_misses_call_for():
     seq_ref, _ = greedy(ref, ids, steps=8)
     for count, sync_free_at_end in ((3, False), (num_experts * cfg.num_hidden_layers, True)):
         model = copy.deepcopy(ref)
-        ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host")
+        ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
+                                  predictor=NextLayerGatePredictor() if gate else None)
         try:
             seq, _ = greedy(model, ids, steps=8)
             assert torch.equal(seq, seq_ref)
             assert ctl.path_switches >= 1  # the first steps miss (a cold cache)
+            assert (ctl.predicted_total > 0) is gate  # the gate guessed on the synced steps
             # The same prompt again, on the cache as the first run left it
             # (every copy landed): the big cache misses nothing and the steps
             # go sync-free; the small one keeps missing and stays synced.
@@ -204,10 +240,11 @@ def test_sync_free_option():
         offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True,
                             process_group=object())
     assert not offloaded_experts(model)
-    # A device-side predictor needs the routing's sync: auto keeps the synced path.
+    # A device-side predictor guesses on the synced steps; auto lets the
+    # per-step choice run the others sync-free (the choice is tested below).
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
                               predictor=NextLayerGatePredictor())
-    assert ctl.sync_free is False
+    assert ctl.sync_free is True and ctl._adaptive
     ctl.close()
     model = build(cfg, experts_implementation="batched_mm")
     ref = build(cfg, experts_implementation="batched_mm")
@@ -496,10 +533,11 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
     model = copy.deepcopy(ref)
     per, num_experts = expert_bytes(model)
     # Without a predictor every batched_mm step is sync-free (sync_free=True:
-    # the per-step choice would go synced after the first, missing, steps).
+    # the per-step choice would go synced after the first, missing, steps);
+    # with the gate every step is synced (its guesses ride on the routing's sync).
     ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
                               predictor=NextLayerGatePredictor() if predictor else None,
-                              sync_free=None if predictor else True)
+                              sync_free=not predictor)
     try:
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
         seq_ref, logits_ref = greedy(ref, ids)
