@@ -57,21 +57,36 @@ class Decoder:
         # Residual updates stay small against the stream, as in trained
         # models: consecutive layers see similar hidden states.
         self.attn_scale = 0.1
-        self.pool_gpu = [[] for _ in range(devices)]  # per device: (gate_up, down)
         self.pool_host = []  # (pinned packed buffer, layout)
         import prefetch
 
+        made = []
         for _ in range(pool):
             gate_up = (torch.randn(2 * inter, H, device=dev, generator=g) / math.sqrt(H)).to(bf16)
             down = (torch.randn(H, inter, device=dev, generator=g) / math.sqrt(inter) * 0.1).to(bf16)
-            for d in range(devices):
-                self.pool_gpu[d].append((gate_up.to(self.devs[d]), down.to(self.devs[d])))
+            made.append((gate_up, down))
             self.pool_host.append(prefetch.pack_expert({"gate_up": gate_up.cpu(), "down": down.cpu()},
                                                        pin_memory=self.cuda))
+        # The pool on each device, stacked once: [pool, 2I, H] and [pool, H, I]
+        # (the resident reference gathers a layer's experts from them), and
+        # per expert (gate_up, down) views of the same memory (loop mode).
+        self.pool_stacked = []
+        self.pool_gpu = []
+        for d in range(devices):
+            gate_up = torch.stack([gu for gu, _ in made]).to(self.devs[d])
+            down = torch.stack([dn for _, dn in made]).to(self.devs[d])
+            self.pool_stacked.append((gate_up, down))
+            self.pool_gpu.append([(gate_up[i], down[i]) for i in range(pool)])
+        del made
+        # Per layer, on its device: expert -> pool entry (pool_index as a
+        # table, so a layer's routed experts map to pool rows in one gather).
+        self.pool_table = [torch.tensor([self.pool_index(layer, e) for e in range(E)], dtype=torch.int64,
+                                        device=self.devs[self.layer_dev[layer]]) for layer in range(L)]
         self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
         self.slot_bytes = -(-self.expert_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
-        # Host seconds per phase of step() (routing sync, acquire, compute
-        # launch, release) when set to a dict; None costs nothing.
+        # Host seconds per phase of step() (routing sync, acquire including
+        # the gather or stack of the weights, compute launch, release) when
+        # set to a dict; None costs nothing.
         self.timers = None
 
     def layers_of(self, d: int) -> list:
@@ -137,15 +152,24 @@ class Decoder:
             experts = routed.tolist()
             if timers is not None:
                 t1 = time.perf_counter()
-            weights = provider.acquire(layer, x, experts)
+            stacked = getattr(provider, "acquire_stacked", None) if self.grouped else None
+            if stacked is not None:
+                # The routed experts' weights as two tensors in `experts`'
+                # order, gathered by the provider from its slot tensor with
+                # one index_select per weight (a device-to-device copy; no
+                # per-expert tensor op on the host).
+                gate_up, down = stacked(layer, x, experts, routed)  # [n, 2I, H], [n, H, I]
+            else:
+                weights = provider.acquire(layer, x, experts)
+                if self.grouped:  # a provider without acquire_stacked: stack its per-expert views
+                    gate_up = torch.stack([w[0] for w in weights])
+                    down = torch.stack([w[1] for w in weights])
             if timers is not None:
                 t2 = time.perf_counter()
             if self.grouped:
                 # All routed experts in two batched matmuls: far fewer kernel
                 # launches than a loop, so the step is GPU time rather than
-                # Python time. Stacking copies the weights device-to-device.
-                gate_up = torch.stack([w[0] for w in weights])  # [n, 2I, H]
-                down = torch.stack([w[1] for w in weights])  # [n, H, I]
+                # Python time.
                 xs = x.unsqueeze(0).expand(len(experts), -1, -1)
                 gate, up = torch.bmm(xs, gate_up.transpose(1, 2)).chunk(2, dim=-1)
                 y = torch.bmm(torch.nn.functional.silu(gate) * up, down.transpose(1, 2))  # [n, B, H]

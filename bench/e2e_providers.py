@@ -1,5 +1,11 @@
 """BM5's expert providers (bench/e2e.py): resident, the engine with each
-predictor, and the by-hand PyTorch LRU."""
+predictor, and the by-hand PyTorch LRU.
+
+``acquire(layer, x, experts)`` hands a layer a (gate_up, down) pair of
+views per expert; a provider with ``acquire_stacked(layer, x, experts,
+routed)`` hands the grouped decoder two tensors [n, 2I, H] and [n, H, I] in
+`experts`' order instead, gathered from its slot tensors with one
+index_select per weight."""
 from __future__ import annotations
 
 import os
@@ -12,16 +18,28 @@ from bench.common import LruSlots  # noqa: E402
 
 
 class ResidentProvider:
+    """Every expert on the GPU (the reference): a layer's experts come from
+    the decoder's pool, mapped expert -> pool row on the device."""
+
     def __init__(self, dec):
         self.dec = dec
         self.trace = []  # per step, per layer experts
 
-    def acquire(self, layer, x, experts):
+    def _record(self, layer, experts):
         if layer == 0:
             self.trace.append([])
         self.trace[-1].append(experts)
+
+    def acquire(self, layer, x, experts):
+        self._record(layer, experts)
         pool = self.dec.pool_gpu[self.dec.layer_dev[layer]]
         return [pool[self.dec.pool_index(layer, e)] for e in experts]
+
+    def acquire_stacked(self, layer, x, experts, routed):
+        self._record(layer, experts)
+        rows = self.dec.pool_table[layer].index_select(0, routed)
+        gate_up, down = self.dec.pool_stacked[self.dec.layer_dev[layer]]
+        return gate_up.index_select(0, rows), down.index_select(0, rows)
 
     def release(self, layer, experts):
         pass
