@@ -11,10 +11,67 @@ from __future__ import annotations
 import os
 import sys
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import LruSlots  # noqa: E402
+
+
+def slot_views(torch, flat, slot_bytes: int, layout) -> dict:
+    """Per part of `layout` (an expert's packed layout), a [slots, *shape]
+    view of `flat` (a uint8 tensor holding experts `slot_bytes` apart, the
+    first at byte 0): slot s's part is view[s]. Zero-copy (as_strided)."""
+    slots = flat.numel() // slot_bytes
+    views = {}
+    for part in layout:
+        itemsize = torch.empty(0, dtype=part.dtype).element_size()
+        if slot_bytes % itemsize or part.offset % itemsize:
+            raise ValueError(f"part {part.name!r} is not aligned to its {itemsize}-byte items")
+        typed = flat[: slots * slot_bytes].view(part.dtype)
+        strides = [1] * len(part.shape)
+        for i in range(len(part.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * part.shape[i + 1]
+        views[part.name] = typed.as_strided((slots, *part.shape), (slot_bytes // itemsize, *strides),
+                                            part.offset // itemsize)
+    return views
+
+
+class SlotIndex:
+    """Slot numbers (host ints) to an int64 index tensor on `device`, for
+    index_select. On CUDA: one non_blocking copy from a small ring of page-
+    locked buffers; an event per buffer, recorded after its copy, is waited
+    on before the buffer is written again (the wait is free in BM5: the
+    layer's routing read-back in between synchronised the stream). On the
+    CPU: the numbers as a tensor, no copy."""
+
+    def __init__(self, torch, device, capacity: int, depth: int = 2):
+        self.torch = torch
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = self.host_np = self.done = None
+        self.next = 0
+        if self.cuda:
+            self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(depth)]
+            self.host_np = [h.numpy() for h in self.host]
+            self.done = [torch.cuda.Event() for _ in range(depth)]
+
+    def send(self, slots):
+        """`slots`: an int64 numpy array or a list of ints. The copy goes on
+        the device's current stream (the decoder's compute stream), ahead of
+        the gathers that read the index."""
+        torch = self.torch
+        if not self.cuda:
+            return torch.from_numpy(np.asarray(slots, dtype=np.int64))
+        i = self.next
+        self.next = (i + 1) % len(self.host)
+        self.done[i].synchronize()  # this buffer's previous copy has been read
+        n = len(slots)
+        self.host_np[i][:n] = slots
+        index = self.host[i][:n].to(self.device, non_blocking=True)
+        self.done[i].record(torch.cuda.current_stream(self.device))
+        return index
 
 
 class ResidentProvider:
@@ -71,13 +128,55 @@ class EngineProvider:
                 buffer, layout = dec.pool_host[dec.pool_index(layer, e)]
                 self.ctl.prefetcher.register_packed(layer, e, buffer, layout, device=dec.layer_dev[layer])
 
+        # Per layer, expert -> tensor id (the prefetcher's ids, looked up once).
+        self._tids = [self.ctl.prefetcher.tensor_ids(layer, range(dec.spec["experts"]))
+                      for layer in range(dec.spec["layers"])]
+        self._slot_views = {}  # device -> (gate_up [slots, 2I, H], down [slots, H, I])
+        self._index = [SlotIndex(self.torch, dev, dec.spec["experts"]) for dev in dec.devs]
+
     def acquire(self, layer, x, experts):
         self.ctl.on_routed(layer, x, experts)
         got = self.ctl.prefetcher.acquire_experts(layer, experts, stream=self.dec.stream(layer))
         return [(w["gate_up"], w["down"]) for w in got]
 
+    def _views(self, device: int):
+        """The engine's arena of `device` as slot tensors (built once)."""
+        views = self._slot_views.get(device)
+        if views is None:
+            arena = self.handle.arena(device)
+            if isinstance(arena, np.ndarray):  # host backend
+                arena = self.torch.from_numpy(arena)
+            parts = slot_views(self.torch, arena, self.dec.slot_bytes, self.dec.pool_host[0][1])
+            views = (parts["gate_up"], parts["down"])
+            self._slot_views[device] = views
+        return views
+
+    def acquire_stacked(self, layer, x, experts, routed):
+        """Pins the experts (as acquire does: same waits, same counters) and
+        gathers their slots of the arena. The gather copies the weights, so
+        the release after compute releases slots nothing reads any more.
+        Every expert has the same size, so the engine (first fit of equal
+        slots from offset 0) places each one slot_bytes-aligned: offset //
+        slot_bytes is its slot, and an offset off that grid (a handle that
+        holds tensors of another size) is refused. The device needs no
+        check: a layer's experts are registered on the layer's device."""
+        self.ctl.on_routed(layer, x, experts)
+        stream = self.dec.stream(layer)
+        ids = self._tids[layer][experts]
+        where = self.handle.acquire_slots(ids, stream=stream)
+        slots, off_grid = np.divmod(where[:, 0], self.dec.slot_bytes)
+        if off_grid.any():
+            self.handle.release(ids, stream=stream)
+            raise RuntimeError(f"layer {layer}: an expert's cache slot is not on the grid of "
+                               f"{self.dec.slot_bytes}-byte slots (offsets {where[:, 0].tolist()}): "
+                               "the handle holds tensors of another size")
+        d = self.dec.layer_dev[layer]
+        gate_up, down = self._views(d)
+        index = self._index[d].send(slots)
+        return gate_up.index_select(0, index), down.index_select(0, index)
+
     def release(self, layer, experts):
-        self.ctl.prefetcher.release_experts(layer, experts, stream=self.dec.stream(layer))
+        self.handle.release(self._tids[layer][experts], stream=self.dec.stream(layer))
 
     def stats(self):
         s = self.handle.stats()
