@@ -1,11 +1,19 @@
 """BM5's expert providers (bench/e2e.py): resident, the engine with each
 predictor, and the by-hand PyTorch LRU.
 
-``acquire(layer, x, experts)`` hands a layer a (gate_up, down) pair of
-views per expert; a provider with ``acquire_stacked(layer, x, experts,
-routed)`` hands the grouped decoder two tensors [n, 2I, H] and [n, H, I] in
-`experts`' order instead, gathered from its slot tensors with one
-index_select per weight."""
+Each provider has two ways to hand a layer its routed experts' weights:
+``acquire(layer, x, experts)``, a (gate_up, down) pair of views per expert
+(--expert-compute loop), and ``acquire_stacked(layer, x, experts, routed)``,
+two tensors [n, 2I, H] and [n, H, I] in `experts`' order (grouped, the
+default). The stacked path is the same for every provider, so the ratios
+between them stay fair: each keeps its weights as a slot tensor per device
+([slots, 2I, H] and [slots, H, I]: the resident pool, strided views of the
+engine's arena, the by-hand LRU's slots), maps the routed experts to slot
+numbers, sends those to the device in one copy (the resident reference
+maps on the device, from `routed`), and gathers with one index_select per
+weight. No tensor op per expert: the per-expert host work left is each
+provider's own bookkeeping (the engine's on_routed and pins, the by-hand
+LRU's Python dict)."""
 from __future__ import annotations
 
 import os
@@ -192,66 +200,80 @@ class EngineProvider:
 
 class ByHandCache:
     """What a user writes by hand, for one device: an LRU of device slots in
-    Python, a copy_(non_blocking=True) per missing expert on a side stream,
-    an event per copy that the compute stream waits on, and an event per use
-    so a slot is not overwritten while a kernel still reads it."""
+    Python (one [slots, slot_bytes] tensor, typed per weight as [slots, ...]
+    views), a copy_(non_blocking=True) per missing expert on a side stream,
+    one event after a call's copies that the compute stream waits on, and an
+    event per release (noted for each of the layer's slots) so a slot is not
+    overwritten while a kernel still reads it. A hit costs the LRU's Python
+    bookkeeping only: its copy was waited for by the call that made it, on
+    the same compute stream."""
 
     def __init__(self, dec, budget: int, device):
         torch = dec.torch
         self.torch = torch
         self.dec = dec
         n_slots = budget // dec.slot_bytes
-        self.slots = [torch.empty(dec.expert_bytes, dtype=torch.uint8, device=device) for _ in range(n_slots)]
+        self.slots = torch.empty(n_slots, dec.slot_bytes, dtype=torch.uint8, device=device)
+        parts = slot_views(torch, self.slots.view(-1), dec.slot_bytes, dec.pool_host[0][1])
+        self.gate_up, self.down = parts["gate_up"], parts["down"]
         self.lru = LruSlots(n_slots)
-        self.ready = {}  # slot -> event (copy done)
         self.used = {}  # slot -> event (last read done)
         self.side = torch.cuda.Stream(device=device) if dec.cuda else None
-        self.layout = dec.pool_host[0][1]
+        self.index = SlotIndex(torch, torch.device(device), dec.spec["experts"])
+        self.in_use = {}  # layer -> its acquired experts' slots, until release
         self.bytes = 0
 
     hits = property(lambda self: self.lru.hits)
     misses = property(lambda self: self.lru.misses)
 
-    def _views(self, slot):
-        raw = self.slots[slot]
-        out = []
-        for part in self.layout:
-            out.append(raw[part.offset : part.offset + part.nbytes].view(part.dtype).view(part.shape))
-        return tuple(out)
-
-    def acquire(self, layer, experts, compute):
+    def _fill(self, layer, experts, compute) -> list:
+        """The experts' slots, in order; misses copied in (the compute stream
+        waits for those copies)."""
         torch = self.torch
         cuda = self.dec.cuda
-        result = []
-        busy = self.lru.held((layer, e) for e in experts)
+        lru = self.lru
+        slots = []
+        copied = False
+        busy = lru.held((layer, e) for e in experts)
         for e in experts:
-            slot, hit = self.lru.slot_for((layer, e), busy)
-            if not hit:
-                if cuda and slot in self.used:  # a reused slot: its last reader first
-                    self.side.wait_event(self.used[slot])
-                src = self.dec.pool_host[self.dec.pool_index(layer, e)][0]
-                if cuda:
-                    with torch.cuda.stream(self.side):
-                        self.slots[slot].copy_(src, non_blocking=True)
-                        ev = torch.cuda.Event()
-                        ev.record(self.side)
-                    self.ready[slot] = ev
-                else:
-                    self.slots[slot].copy_(src)
-                self.bytes += self.dec.expert_bytes
+            slot, hit = lru.slot_for((layer, e), busy)
+            slots.append(slot)
+            if hit:
+                continue
+            src = self.dec.pool_host[self.dec.pool_index(layer, e)][0]
+            dst = self.slots[slot, : src.numel()]
             if cuda:
-                compute.wait_event(self.ready[slot])
-            result.append(self._views(slot))
-        return result
+                if slot in self.used:  # a reused slot: its last reader first
+                    self.side.wait_event(self.used[slot])
+                with torch.cuda.stream(self.side):
+                    dst.copy_(src, non_blocking=True)
+                copied = True
+            else:
+                dst.copy_(src)
+            self.bytes += self.dec.expert_bytes
+        if copied:
+            ev = torch.cuda.Event()
+            ev.record(self.side)
+            compute.wait_event(ev)
+        self.in_use[layer] = slots
+        return slots
+
+    def acquire(self, layer, experts, compute):
+        return [(self.gate_up[s], self.down[s]) for s in self._fill(layer, experts, compute)]
+
+    def acquire_stacked(self, layer, experts, compute):
+        index = self.index.send(self._fill(layer, experts, compute))
+        return self.gate_up.index_select(0, index), self.down.index_select(0, index)
 
     def release(self, layer, experts, compute):
+        slots = self.in_use.pop(layer)
         if not self.dec.cuda:
             return
-        for e in experts:
-            slot = self.lru.lru[(layer, e)]
-            ev = self.torch.cuda.Event()
-            ev.record(compute)
-            self.used[slot] = ev
+        ev = self.torch.cuda.Event()
+        ev.record(compute)
+        used = self.used
+        for slot in slots:
+            used[slot] = ev
 
 
 class ByHandProvider:
@@ -264,6 +286,9 @@ class ByHandProvider:
     def acquire(self, layer, x, experts):
         return self.caches[self.dec.layer_dev[layer]].acquire(layer, experts, self.dec.stream(layer))
 
+    def acquire_stacked(self, layer, x, experts, routed):
+        return self.caches[self.dec.layer_dev[layer]].acquire_stacked(layer, experts, self.dec.stream(layer))
+
     def release(self, layer, experts):
         self.caches[self.dec.layer_dev[layer]].release(layer, experts, self.dec.stream(layer))
 
@@ -274,7 +299,7 @@ class ByHandProvider:
 
     def close(self):
         for c in self.caches:
-            c.slots.clear()
+            c.slots = c.gate_up = c.down = None
 
 
 def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None):
