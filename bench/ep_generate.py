@@ -28,10 +28,10 @@ ms/token (the prefill step excluded), tokens_equal / first_mismatch against
 the resident tokens, x_1gpu = ep p50 / 1-gpu p50; per rank: hit_rate
 (decode), bytes copied, experts registered, all-reduce us per layer.
 
-Rounding: with top-2 routing in float32 the all-reduced sum is bit-equal to
-one process (the CPU test checks it); with top-8 in bf16 each rank rounds its
-partial sum, so logits can differ in the last bits and a near-tie can turn a
-greedy token (first_mismatch says where).
+Rounding: the batched_mm and grouped_mm implementations all-reduce per
+(token, k) expert outputs, so the ranks' result is bit-equal to one process
+for any top-k (Note [Expert parallel]; the CPU test checks top-4 in bf16);
+first_mismatch says where tokens differ if they ever do.
 
 --smoke-cpu: gloo, tiny Qwen3-MoE and OLMoE configs in float32 on the CPU,
 host backend: checks the logic, measures nothing.

@@ -25,9 +25,18 @@ implementation with the other experts' routing weights set to 0 and their
 rows sent to the sentinel slot for grouped_mm (it skips them) or to a slot
 the call acquired for the others (they read it and multiply by 0; a slot
 not held could be mid-copy, and 0 x NaN is NaN), and (5)
-all-reduces the [tokens, hidden] output over the group. With top-2 routing
-the sum is bit-equal to one process (x + 0 + y = x + y); with top-k > 2 the
-order of the additions can differ in the last bits.
+all-reduces the output over the group. For batched_mm and grouped_mm that
+output is per (token, k) pair: each pair runs as a row of its own with
+weight 1, so a rank's row is the pair's expert output exactly, or an exact
+0 where another rank owns the expert; the all-reduce adds only zeros to
+each value, and the weighting and the sum over k are then the
+implementation's own two ops on the same values (`_weighted_sum` in
+prefetch/hf.py): bit-equal to one process for any top-k (a partial sum per
+rank, all-reduced, rounded differently with top-8 in bf16 and turned a
+greedy token on the H200, run 25). It costs k times the all-reduce bytes
+(decode: 8 x 2048 bf16 values per token for OLMoE). The eager loop keeps
+the partial sums ([tokens, hidden]): its adds run in expert order, which no
+per-pair sum reproduces; bit-equal with top-2 (x + 0 + y = x + y).
 
 Every collective here is blocking and bounded by the process group's
 timeout: a rank that dies or stops answering makes the others raise (gloo)

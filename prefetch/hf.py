@@ -200,6 +200,7 @@ class ExpertsOffload:
         # the experts this rank owns; None without a process group.
         self.ep = ep
         self._local = None
+        self._pair_weights = None  # this call's routing weights, when its output is per (token, k) pair
         if ep is not None:
             self._local = ep.local[layer]
             self._remap[~self._local] = self.slots  # other ranks' experts: the sentinel slot
@@ -346,6 +347,9 @@ class ExpertsOffload:
             self.ep.all_reduce(out)
             comm = time.perf_counter_ns() - t4
             ctl.comm_ns += comm
+            if self._pair_weights is not None:
+                out = _weighted_sum(out, self._pair_weights, hidden_states.dtype)
+                self._pair_weights = None
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
         engine = ctl.engine_ns - engine_before
@@ -363,6 +367,18 @@ class ExpertsOffload:
         multiply by 0. Returns
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
+        if name in _PER_PAIR:
+            # Each (token, k) pair as a row of its own, routed to its one
+            # expert with weight 1: the output is the pair's expert output,
+            # exact, and on every rank but its expert's an exact 0; the
+            # all-reduce adds those zeros and forward() then weights and sums
+            # over k as the implementation does (Note [Expert parallel]).
+            # Every rank takes this form, whatever its pieces.
+            k = top_k_index.shape[-1]
+            self._pair_weights = top_k_weights
+            hidden_states = hidden_states.repeat_interleave(k, dim=0)
+            top_k_index = top_k_index.reshape(-1, 1)
+            top_k_weights = torch.ones_like(top_k_weights).reshape(-1, 1)
         mine = experts[self._local[experts]]
         if mine.shape[0] > self.slots:
             t2 = time.perf_counter_ns()
@@ -418,6 +434,21 @@ class ExpertsOffload:
             inner_ns += time.perf_counter_ns() - t0
             out = part if out is None else out + part
         return out, inner_ns
+
+
+# The implementations whose output is sum over k of (expert output x weight),
+# weighted then summed in one reshape + sum (transformers.integrations.moe):
+# expert parallel reproduces that op on the all-reduced pair outputs.
+_PER_PAIR = ("batched_mm", "grouped_mm")
+
+
+def _weighted_sum(pairs, top_k_weights, dtype):
+    """batched_mm's and grouped_mm's last two steps on the [tokens x k,
+    hidden] expert outputs: weight each pair, sum over k, in the same ops
+    and dtypes, so the result is theirs bit for bit."""
+    k = top_k_weights.shape[-1]
+    weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(-1, k, pairs.shape[-1]).sum(dim=1).to(dtype)
 
 
 def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,

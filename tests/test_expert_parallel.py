@@ -45,6 +45,12 @@ def slots_budget(model, slots):
     return slots * (per + 512)
 
 
+def top4_config():
+    cfg = copy.deepcopy(family_configs()["qwen3_moe"])
+    cfg.num_experts_per_tok = 4
+    return cfg
+
+
 # -- what each rank runs (module level: spawned processes import this file)
 
 
@@ -72,7 +78,7 @@ def _catch(fn):
 def scenario_tokens_and_errors(rank, group):
     from prefetch.integration import NextLayerGatePredictor
 
-    out = {"errors": {}, "runs": {}}
+    out = {"errors": {}, "runs": {}, "top4": {}}
     # Bad input first: every case fails on both ranks at offload's one
     # all_gather, so the group stays usable.
     cfg = family_configs()["qwen3_moe"]
@@ -110,6 +116,18 @@ def scenario_tokens_and_errors(rank, group):
                         "report": ctl.report()}
                 finally:
                     ctl.close()
+    # Top-4 in bfloat16: a rank's partial sum of its experts, all-reduced,
+    # would round differently from one process's sum over the four; the
+    # per-(token, k) outputs are all-reduced instead (Note [Expert
+    # parallel]), and logits must be bit-equal. 8 slots: no pieces.
+    for impl in ("batched_mm", "grouped_mm"):
+        model = build(top4_config(), dtype=torch.bfloat16, experts_implementation=impl)
+        ctl = _offload(model, group, 8)
+        try:
+            seq, logits = greedy(model, prompt(model.config, 2), steps=6)
+            out["top4"][impl] = {"seq": seq, "logits": logits}
+        finally:
+            ctl.close()
     # One engine call per layer and rank: a slice's worth of slots, no pieces.
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="grouped_mm")
@@ -285,6 +303,15 @@ def test_two_ranks_match_one_process(tmp_path):
                     assert not (runs[0]["local"][:, :4]).all()
                 if impl != "eager":
                     assert runs[0]["report"]["prediction_recall"] == runs[1]["report"]["prediction_recall"]
+
+    for impl in ("batched_mm", "grouped_mm"):
+        ref = build(top4_config(), dtype=torch.bfloat16, experts_implementation=impl)
+        seq_ref, logits_ref = greedy(ref, prompt(ref.config, 2), steps=6)
+        for g in got:
+            run = g["top4"][impl]
+            assert torch.equal(run["seq"], seq_ref), impl
+            for a, b in zip(run["logits"], logits_ref):
+                assert torch.equal(a, b), impl
 
     cfg = family_configs()["qwen3_moe"]
     seq_ref, _ = greedy(build(cfg, experts_implementation="grouped_mm"), prompt(cfg, 1), steps=3)
