@@ -10,7 +10,10 @@ attention, RMSNorm, a router (softmax, top-k, renormalised), SwiGLU experts
 (real bf16 matmuls: gate|up [2I, H], down [H, I]; each routed expert runs on
 the whole batch with its dense routing weight, so a layer has one host sync,
 for the expert list), residual adds. --expert-compute grouped (default)
-stacks the layer's routed experts and runs them in two batched matmuls;
+runs the layer's routed experts in two batched matmuls, their weights
+gathered by every provider alike from its slot tensor (the resident pool,
+the engine's arena, the by-hand LRU's slots) with one index_select per
+weight, so no provider pays a tensor op per expert (bench/e2e_providers.py);
 "loop" runs one expert at a time as transformers' eager MoE does, which on a
 slow host CPU makes the step Python launch time rather than GPU time. Weights are
 random bf16 (never zeros); expert (layer, e) uses the bytes of one of
@@ -32,6 +35,7 @@ Policies, one run each (fresh cache, same inputs):
   oracle-cyclic    the same prefetches, no hints, --eviction's policy
   torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
                    side stream into an LRU of device slots kept in Python
+                   (one slot tensor per device, gathered like the others)
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
@@ -250,24 +254,46 @@ def main(argv=None) -> int:
     return 0
 
 
+class PerExpertViews:
+    """A provider seen without its acquire_stacked: the decoder then stacks
+    the per-expert views of acquire (the path of a provider that has no
+    stacked acquire). The smoke checks both paths compute the same."""
+
+    def __init__(self, provider):
+        self.provider = provider
+
+    def acquire(self, layer, x, experts):
+        return self.provider.acquire(layer, x, experts)
+
+    def release(self, layer, experts):
+        self.provider.release(layer, experts)
+
+
 def smoke_cpu(torch, args) -> int:
     """Every policy on tiny shapes on the CPU (host backend): the outputs of
-    every policy must equal all-resident's, bit for bit. No figures."""
+    every policy must equal all-resident's, bit for bit. With grouped
+    experts, a resident, an engine and a by-hand provider also run through
+    their per-expert acquire (stacked by the decoder), which must give the
+    same bits as their stacked acquire. No figures."""
     spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="smoke")
     dec = Decoder(torch, spec, pool=5, device="cpu", devices=args.devices, grouped=args.expert_compute == "grouped")
     inputs = dec.inputs(4, 2, seed=0)
     outs = {}
     trace = None
-    for policy in POLICIES:
+    runs = [(policy, False) for policy in POLICIES]
+    if dec.grouped:
+        runs += [(policy, True) for policy in ("all-resident", "on-demand", "torch-by-hand")]
+    for policy, per_expert in runs:
         budget = 6 * dec.slot_bytes * args.devices  # every device holds a whole layer's experts
         provider = make_provider(dec, policy, budget, trace, args.eviction)
+        stepped = PerExpertViews(provider) if per_expert else provider
         try:
             if policy == "trace":
                 for x in dec.inputs(4, 2, seed=1):
-                    dec.step(x, provider)
+                    dec.step(x, stepped)
                 provider.ctl.new_sequence()
-            outs[policy] = [dec.step(x, provider) for x in inputs]
-            if policy == "all-resident":
+            outs[policy + (" (per-expert views)" if per_expert else "")] = [dec.step(x, stepped) for x in inputs]
+            if policy == "all-resident" and not per_expert:
                 trace = provider.trace
         finally:
             if hasattr(provider, "close"):
