@@ -105,21 +105,29 @@ def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw,
         ctl.new_sequence()
 
         def first():
+            ctl.flush()  # the prefill's (and warm-up's) sync-free routings count before the mark
             marks["stats"] = ctl.handle.stats()
-            marks["comm_ns"], marks["layers"] = ctl.comm_ns, ctl.layers_run
+            marks.update({key: getattr(ctl, key) for key in _COUNTERS})
 
         timer = StepTimer(sync, on_first=first)
         ids, _, _ = generate(torch, model, prompts["measured"], args.new_tokens, sync, timer)
+        ctl.flush()
         end = ctl.handle.stats()
-        layers = ctl.layers_run - marks["layers"]
+        delta = {key: getattr(ctl, key) - marks[key] for key in _COUNTERS}
+        layers = delta["layers_run"]
         host = ctl.host_experts
         figures = {
             "registered": end["registered"],
-            "hit_rate": _hit_rate(marks["stats"], end),
+            "hit_rate": _hit_rate(marks["stats"], end, delta),
             "bytes_copied": end["bytes_copied"] - marks["stats"]["bytes_copied"],
-            "allreduce_us_per_layer": ((ctl.comm_ns - marks["comm_ns"]) / layers / 1e3
-                                       if group is not None and layers else None),
+            "zero_copy_reads": delta["zero_copy_reads"],
+            "allreduce_us_per_layer": (delta["comm_ns"] / layers / 1e3 if group is not None and layers else None),
         }
+        # Where a decode layer's host time goes (OffloadController's counters):
+        # engine calls (acquire waits for copies), the routing read-back
+        # (waits for the GPU), the rest of our host work.
+        for key in ("engine_ns", "sync_ns", "host_ns"):
+            figures[key.replace("_ns", "_us_per_layer")] = delta[key] / layers / 1e3 if layers else None
     finally:
         ctl.close()
         state.restore()
@@ -128,8 +136,15 @@ def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw,
     return figures, ids, host
 
 
-def _hit_rate(a, b):
-    hits, misses = b["hits"] - a["hits"], b["misses"] - a["misses"]
+# OffloadController counters read before and after the measured generate.
+_COUNTERS = ("layers_run", "comm_ns", "engine_ns", "sync_ns", "host_ns", "pinned_hits", "zero_copy_reads")
+
+
+def _hit_rate(a, b, delta):
+    """Engine acquires (synced layers) and sync-free reads together: a read
+    from the cache is a hit, one from host memory a miss."""
+    hits = b["hits"] - a["hits"] + delta["pinned_hits"]
+    misses = b["misses"] - a["misses"] + delta["zero_copy_reads"]
     return hits / (hits + misses) if hits + misses else None
 
 
@@ -199,7 +214,8 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
                    "ranks_agree": all(torch.equal(g["ids"], gathered[0]["ids"]) for g in gathered),
                    "x_1gpu": (figures["p50_ms"] / single[(batch, share)]
                               if single.get((batch, share)) and figures["p50_ms"] else None)}
-            for key in ("hit_rate", "bytes_copied", "registered", "allreduce_us_per_layer"):
+            for key in ("hit_rate", "bytes_copied", "registered", "allreduce_us_per_layer", "zero_copy_reads",
+                        "engine_us_per_layer", "sync_us_per_layer", "host_us_per_layer"):
                 row[f"{key}_per_rank"] = [f[key] for f in per_rank]
             rows.append(row)
     del host, model, state
