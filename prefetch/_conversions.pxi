@@ -1,6 +1,6 @@
 # Included by _engine.pyx: turning Python arguments into what the engine
-# takes (int64 id arrays, bands, byte buffers, stream handles, options),
-# with the errors the API documents.
+# takes (int64 id arrays, bands, byte buffers, stream handles, timeouts,
+# hint times and clocks, options), with the errors the API documents.
 
 # The .pxd cimports libcpp.bool, which shadows the builtin name here.
 cdef object _PY_BOOL = builtins.bool
@@ -161,6 +161,33 @@ cdef uintptr_t _stream_handle(object stream) except? 0:
             "a stream must be None, an int, a torch.cuda.Stream or a dict "
             f"of device -> stream, got {type(stream).__name__}"
         ) from None
+
+
+cdef double _as_timeout(object timeout) except? -1.0:
+    if type(timeout) is _PY_BOOL:
+        raise TypeError("timeout must be a number of seconds")
+    return float(timeout)
+
+
+cdef int64_t _as_clock(object now) except? -1:
+    """A hint clock reading (``now=``): an integer, not a bool."""
+    if type(now) is _PY_BOOL:
+        raise TypeError("now must be an integer, got a bool")
+    return operator.index(now)
+
+
+cdef object _hint_times(object when, size_t n, str name, str ids):
+    """One next-use time per id as an int64 array: ``when`` is None (no known
+    next use), one integer time for all `n` ids, or a sequence of `n` times
+    (a length mismatch names argument `name` and the `ids`)."""
+    if when is None:
+        return np.full(n, _INT64_MAX, dtype=np.int64)
+    if isinstance(when, (int, np.integer)) and type(when) is not _PY_BOOL:
+        return np.full(n, operator.index(when), dtype=np.int64)
+    times = as_id_array(when)
+    if <size_t>times.shape[0] != n:
+        raise InvalidArgumentError(f"{name} has {times.shape[0]} times for {n} {ids}")
+    return times
 
 
 cdef object _int_option(str name, object value, object low, object high):

@@ -50,8 +50,12 @@ NO_NEXT_USE = kNoNextUse  # hint_next_use: no known next read
 # and prefetch.hf's row grid).
 SLOT_ALIGNMENT = kSlotAlignmentBytes
 
-# Argument conversion: ids, bands, byte buffers, streams, options.
+# Argument conversion: ids, bands, buffers, streams, timeouts, hint times, options.
 include "_conversions.pxi"
+# The constructor's work: budgets, limits, the backend, the arenas.
+include "_handle_setup.pxi"
+# What the calls share: streams per device, step's arguments, slot tables.
+include "_handle_calls.pxi"
 
 
 # Engine errors raise prefetch.errors' classes (Note in prefetch/_errors.h).
@@ -188,90 +192,17 @@ cdef class PrefetchHandle:
                 "eviction_policy must be 'lru', 'cyclic' or 'next-use', "
                 f"got {type(eviction_policy).__name__}"
             )
-        if num_devices is not None:
-            num_devices = _int_option("num_devices", num_devices, 1, 64)
-        if isinstance(device_budget_bytes, (list, tuple)):
-            budgets = [
-                _int_option(f"device_budget_bytes[{i}]", b, 256, _INT64_MAX)
-                for i, b in enumerate(device_budget_bytes)
-            ]
-            if not budgets:
-                raise InvalidArgumentError("device_budget_bytes needs at least one device")
-            if num_devices is not None and num_devices != len(budgets):
-                raise InvalidArgumentError(
-                    f"num_devices={num_devices} disagrees with the "
-                    f"{len(budgets)} budgets in device_budget_bytes"
-                )
-        else:
-            budget = _int_option("device_budget_bytes", device_budget_bytes, 256, _INT64_MAX)
-            budgets = [budget] * (1 if num_devices is None else num_devices)
-        chunk = _int_option("copy_chunk_bytes", copy_chunk_bytes, 1, _INT64_MAX)
-        in_flight = _int_option("max_bytes_in_flight", max_bytes_in_flight, 1, _INT64_MAX)
-        lanes = _int_option("copy_lanes", copy_lanes, 1, kMaxCopyLanes)
-        cycle = _int_option("cycle_acquires", cycle_acquires, 0, _INT64_MAX)
-        speculative = (
-            None if max_speculative_bytes_in_flight is None
-            else _int_option("max_speculative_bytes_in_flight",
-                             max_speculative_bytes_in_flight, 1, _INT64_MAX)
-        )
-        cdef bint paused = _flag_option("start_paused", start_paused)
-        cdef bint poison = _flag_option("poison_freed_slots", poison_freed_slots)
-        if (type(debug_issue_delay_us) is _PY_BOOL
-                or not isinstance(debug_issue_delay_us, (int, float))):
-            raise TypeError("debug_issue_delay_us must be a number of microseconds")
-        if not debug_issue_delay_us >= 0:
-            raise InvalidArgumentError("debug_issue_delay_us must be >= 0")
+        budgets = _device_budgets(device_budget_bytes, num_devices)
+        cdef CHandleOptions options
+        _check_limits(options, cycle_acquires, copy_chunk_bytes, max_bytes_in_flight,
+                      max_speculative_bytes_in_flight, copy_lanes, start_paused,
+                      poison_freed_slots, debug_issue_delay_us)
         if faults is not None and not isinstance(faults, dict):
             raise TypeError("faults must be a dict of setting -> int")
-
         cdef unique_ptr[CCopyBackend] cbackend
-        if backend == "fault":
-            self._faults = make_shared[CFaultConfig]()
-            for key, value in (faults or {}).items():
-                self._faults.get().Set(key.encode(), value)
-            cbackend = MakeFaultBackend(len(budgets), self._faults)
-        else:
-            if faults is not None:
-                raise InvalidArgumentError("faults= needs backend='fault'")
-            cbackend = MakeBackend(backend.encode(), len(budgets))
-        name = deref(cbackend).Name().decode()
-        if len(budgets) > deref(cbackend).DeviceCount():
-            raise InvalidArgumentError(
-                f"{len(budgets)} devices requested but the {name} backend "
-                f"has {deref(cbackend).DeviceCount()}"
-            )
-        arenas = []
-        if name == "cuda":
-            import torch
-            for d, b in enumerate(budgets):
-                arenas.append(
-                    torch.empty(b, dtype=torch.uint8, device=f"cuda:{d}")
-                )
-        else:
-            for b in budgets:
-                # 256-byte aligned like a CUDA allocation (the slot grid;
-                # prefetch.hf's sync-free path views it with host memory)
-                raw = np.empty(b + SLOT_ALIGNMENT, dtype=np.uint8)
-                shift = -raw.ctypes.data % SLOT_ALIGNMENT
-                arenas.append(raw[shift : shift + b])
-
-        cdef CHandleOptions options
-        for d, b in enumerate(budgets):
-            options.device_budget_bytes.push_back(b)
-            address = (
-                arenas[d].data_ptr() if name == "cuda"
-                else arenas[d].ctypes.data
-            )
-            options.device_arenas.push_back(<void*><uintptr_t>address)
+        name = _make_backend(backend, faults, len(budgets), self._faults, cbackend)
+        arenas = _make_arenas(name, budgets, options)
         options.eviction_policy = eviction_policy.encode()
-        options.cycle_acquires = cycle
-        options.copy_chunk_bytes = chunk
-        options.max_bytes_in_flight = in_flight
-        if speculative is not None:
-            options.max_speculative_bytes_in_flight = speculative
-        options.copy_lanes = lanes
-        options.start_paused = paused
-        options.poison_freed_slots = poison
         options.debug_issue_delay_ns = int(debug_issue_delay_us * 1000)
         self._owner.reset(new CArcherPrefetchHandle(options, move(cbackend)))
         self._c = self._owner.get()
@@ -288,40 +219,8 @@ cdef class PrefetchHandle:
         pass
 
     cdef vector[uintptr_t] _streams(self, object stream, bint for_release):
-        """One stream handle per device (kNoStream = none; 0 is CUDA's legacy
-        default stream, torch's default stream, and a real one). `stream` is
-        None, one stream (for the device it belongs to; device 0 when that
-        is unknown), or a dict device -> stream. On the CUDA backend a
-        release without a stream for a device uses torch's current stream
-        there, so a slot is never reused under a kernel still reading it.
-        The host backend has no streams: it refuses one rather than ignore
-        it (a raw int there is a caller's mistake, not a request to wait)."""
-        if self.backend == "host" and stream is not None and stream != {}:
-            raise InvalidArgumentError(
-                "the host backend has no streams: pass stream=None (got "
-                f"{type(stream).__name__} {stream!r}); streams are for "
-                "backend='cuda'"
-            )
-        cdef vector[uintptr_t] out
-        out.resize(self.num_devices, kNoStream)
-        if isinstance(stream, dict):
-            for device, s in stream.items():
-                d = operator.index(device)
-                if d < 0 or d >= self.num_devices:
-                    raise InvalidArgumentError(f"no device {d} for a stream")
-                out[d] = _stream_handle(s)
-        elif stream is not None:
-            device = getattr(getattr(stream, "device", None), "index", None)
-            d = 0 if device is None else device
-            if d < 0 or d >= self.num_devices:
-                raise InvalidArgumentError(f"stream is on device {d}, not one of ours")
-            out[d] = _stream_handle(stream)
-        if for_release and self.backend == "cuda":
-            import torch
-            for d in range(self.num_devices):
-                if out[d] == kNoStream:
-                    out[d] = torch.cuda.current_stream(d).cuda_stream
-        return out
+        # One handle per device: _device_streams in _handle_calls.pxi.
+        return _device_streams(self.backend, self.num_devices, stream, for_release)
 
     cdef inline int _check_open(self) except -1:
         if self._closed:
@@ -513,23 +412,9 @@ cdef class PrefetchHandle:
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]
-        if when is None:
-            times = np.full(n, _INT64_MAX, dtype=np.int64)
-        elif isinstance(when, (int, np.integer)) and type(when) is not _PY_BOOL:
-            times = np.full(n, operator.index(when), dtype=np.int64)
-        else:
-            times = as_id_array(when)
-            if <size_t>times.shape[0] != n:
-                raise InvalidArgumentError(
-                    f"when has {times.shape[0]} times for {n} tensor ids"
-                )
-        cdef const int64_t[::1] ctimes = times
+        cdef const int64_t[::1] ctimes = _hint_times(when, n, "when", "tensor ids")
         cdef bint set_now = now is not None
-        cdef int64_t cnow = 0
-        if set_now:
-            if type(now) is _PY_BOOL:
-                raise TypeError("now must be an integer, got a bool")
-            cnow = operator.index(now)
+        cdef int64_t cnow = _as_clock(now) if set_now else 0
         if n == 0:
             if set_now:
                 self._c.HintNextUse(NULL, NULL, 0, cnow, True)
@@ -632,20 +517,14 @@ cdef class PrefetchHandle:
             return out
         cdef vector[CSlotInfo] slots
         self._acquire_into(ids, stream, timeout, slots)
-        cdef int64_t[:, ::1] where = out
-        cdef size_t i
-        for i in range(n):
-            where[i, 0] = <int64_t>slots[i].offset
-            where[i, 1] = slots[i].device
+        _fill_slot_table(out, slots)
         return out
 
     cdef int _acquire_into(self, const int64_t[::1] ids, object stream,
                            object timeout, vector[CSlotInfo]& slots) except -1:
         cdef size_t n = ids.shape[0]
         cdef vector[uintptr_t] streams = self._streams(stream, False)
-        if type(timeout) is _PY_BOOL:
-            raise TypeError("timeout must be a number of seconds")
-        cdef double ctimeout = float(timeout)
+        cdef double ctimeout = _as_timeout(timeout)
         slots.resize(n)
         with nogil:
             self._c.Acquire(
@@ -681,110 +560,53 @@ cdef class PrefetchHandle:
         the hints and before ``acquire`` (Note [Pins without waiting])."""
         self._check_open()
         cdef CStepArgs args
-        cdef const int64_t[::1] rel
-        cdef const int64_t[::1] can
-        cdef const int64_t[::1] acq
-        cdef const int64_t[::1] pre
-        cdef const int64_t[::1] hid
-        cdef const int64_t[::1] hwhen
+        # The id views live until Step returns (args points into them).
+        cdef const int64_t[::1] _rel, _can, _acq, _pre, _use, hid, hwhen, pin_ids
+        cdef int64_t[::1] pin_out
         cdef vector[uintptr_t] streams
         cdef vector[uintptr_t] release_streams
         cdef vector[CSlotInfo] slots  # local: another thread may step too
-        cdef size_t n_acq = 0
-        cdef size_t n_hint
         args.prefetch_band = _as_priority(band)
-        if type(timeout) is _PY_BOOL:
-            raise TypeError("timeout must be a number of seconds")
-        args.timeout_s = float(timeout)
+        args.timeout_s = _as_timeout(timeout)
         if release is not None:
-            rel = as_id_array(release)
-            if rel.shape[0] > 0:
-                args.release_ids = &rel[0]
-                args.n_release = rel.shape[0]
+            _rel = _step_ids(release, &args.release_ids, &args.n_release)
         if cancel is not None:
-            can = as_id_array(cancel)
-            if can.shape[0] > 0:
-                args.cancel_ids = &can[0]
-                args.n_cancel = can.shape[0]
+            _can = _step_ids(cancel, &args.cancel_ids, &args.n_cancel)
         if hint_ids is not None:
             hid = as_id_array(hint_ids)
-            n_hint = hid.shape[0]
-            if hint_when is None:
-                times = np.full(n_hint, _INT64_MAX, dtype=np.int64)
-            elif (isinstance(hint_when, (int, np.integer))
-                  and type(hint_when) is not _PY_BOOL):
-                times = np.full(n_hint, operator.index(hint_when),
-                                dtype=np.int64)
-            else:
-                times = as_id_array(hint_when)
-                if <size_t>times.shape[0] != n_hint:
-                    raise InvalidArgumentError(
-                        f"hint_when has {times.shape[0]} times for {n_hint} ids"
-                    )
-            hwhen = times
-            if n_hint > 0:
+            hwhen = _hint_times(hint_when, hid.shape[0], "hint_when", "ids")
+            if hid.shape[0] > 0:
                 args.hint_ids = &hid[0]
                 args.hint_when = &hwhen[0]
-                args.n_hint = n_hint
+                args.n_hint = hid.shape[0]
         elif hint_when is not None:
             raise InvalidArgumentError("hint_when needs hint_ids")
         if now is not None:
-            if type(now) is _PY_BOOL:
-                raise TypeError("now must be an integer, got a bool")
-            args.now = operator.index(now)
+            args.now = _as_clock(now)
             args.set_now = True
         if acquire is not None:
-            acq = as_id_array(acquire)
-            n_acq = acq.shape[0]
-        out = np.empty((n_acq, 2), dtype=np.int64)
-        cdef int64_t[:, ::1] where = out
-        if n_acq > 0:
-            args.acquire_ids = &acq[0]
-            args.n_acquire = n_acq
-            slots.resize(n_acq)
+            _acq = _step_ids(acquire, &args.acquire_ids, &args.n_acquire)
+        out = np.empty((args.n_acquire, 2), dtype=np.int64)
+        if args.n_acquire > 0:
+            slots.resize(args.n_acquire)
             args.slots = slots.data()
         if prefetch is not None:
-            pre = as_id_array(prefetch)
-            if pre.shape[0] > 0:
-                args.prefetch_ids = &pre[0]
-                args.n_prefetch = pre.shape[0]
-        cdef const int64_t[::1] pin_ids
-        cdef int64_t[::1] pin_out
+            _pre = _step_ids(prefetch, &args.prefetch_ids, &args.n_prefetch)
         if pin is not None:
             pin_ids = as_id_array(pin)
-            if pin_into is None:
-                raise InvalidArgumentError("pin needs pin_into (an int64 array as long as pin)")
-            pin_out = pin_into
-            if pin_out.shape[0] != pin_ids.shape[0]:
-                raise InvalidArgumentError(f"pin_into has {pin_out.shape[0]} places for "
-                                           f"{pin_ids.shape[0]} pin ids")
+            pin_out = _pin_offsets(pin_into, pin_ids.shape[0])
             if pin_ids.shape[0] > 0:
                 args.pin_ids = &pin_ids[0]
                 args.n_pin = pin_ids.shape[0]
                 args.pin_offsets = &pin_out[0]
         elif pin_into is not None:
             raise InvalidArgumentError("pin_into needs pin")
-        cdef const int64_t[::1] use_ids
         if use is not None:
-            use_ids = as_id_array(use)
-            if use_ids.shape[0] > 0:
-                args.use_ids = &use_ids[0]
-                args.n_use = use_ids.shape[0]
-        if stream is not None or args.n_release > 0:
-            streams = self._streams(stream, False)
-            args.streams = streams.data()
-            if args.n_release > 0:
-                if stream is None and self.backend == "cuda":
-                    release_streams = self._streams(stream, True)
-                    args.release_streams = release_streams.data()
-                else:
-                    args.release_streams = streams.data()
+            _use = _step_ids(use, &args.use_ids, &args.n_use)
+        _step_streams(self.backend, self.num_devices, stream, args, streams, release_streams)
         with nogil:
             self._c.Step(args)
-        cdef size_t i
-        for i in range(n_acq):
-            where[i, 0] = <int64_t>slots[i].offset
-            where[i, 1] = slots[i].device
+        _fill_slot_table(out, slots)
         return out
 
     def arena(self, device=0):
