@@ -46,21 +46,81 @@ def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9
 
 
-def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk_bytes: int, lanes: int) -> dict:
-    total = entry_bytes * count
-    # Random bytes made on the GPU and copied down (fast), never zeros.
+def random_pinned_rows(torch, count: int, entry_bytes: int):
+    """`count` rows of `entry_bytes` random bytes in pinned host memory
+    (made on the GPU and copied down: fast; never zeros)."""
     src = torch.empty((count, entry_bytes), dtype=torch.uint8, pin_memory=True)
     for i in range(count):
         src[i].copy_(torch.randint(0, 256, (entry_bytes,), dtype=torch.uint8, device="cuda"))
+    return src
+
+
+def measure_raw(torch, src, reps: int):
+    """The raw copy_ baseline of every row of `src`: GB/s samples on one side
+    stream and on two taking rows in turn; the copied bytes are checked."""
+    count, entry_bytes = src.shape
     dst = torch.empty((count, entry_bytes), dtype=torch.uint8, device="cuda")
     stream = torch.cuda.Stream()
-
     raw = raw_copy_gbps(torch, src, dst, [stream], reps)
     raw2 = raw_copy_gbps(torch, src, dst, [stream, torch.cuda.Stream()], reps)
     if not torch.equal(dst, src.cuda()):
         raise RuntimeError("raw copy mismatch")
-    del dst
+    return raw, raw2
 
+
+def evict_all(torch, handle, ids):
+    torch.cuda.synchronize()
+    handle.evict(ids)
+    if handle.stats()["resident_count"] != 0:
+        raise RuntimeError("could not evict every entry between passes")
+
+
+def gpu_timed_pass(torch, handle, ids, timing):
+    """Every id evicted, then prefetched between two events on the `timing`
+    stream, which waits (GPU-side) for each copy still in flight once all
+    are issued. Returns the seconds between the events and the engine's
+    copy_seconds during the pass."""
+    evict_all(torch, handle, ids)
+    before = handle.stats()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record(timing)
+    handle.prefetch_tensors(ids)
+    while handle.stats()["queue_depth"] > 0:  # wait until all are issued
+        time.sleep(0.0001)
+    handle.acquire(ids, stream=timing)  # no upgrade: all issued
+    end.record(timing)
+    handle.release(ids, stream=timing)
+    end.synchronize()
+    after = handle.stats()
+    if after["copies"] - before["copies"] != len(ids) or after["upgraded"] != before["upgraded"]:
+        raise RuntimeError("GPU-timed pass did not copy every entry exactly once at its band")
+    return start.elapsed_time(end) / 1e3, after["copy_seconds"] - before["copy_seconds"]
+
+
+def host_clock_pass(torch, handle, ids, src, check: bool) -> float:
+    """Every id evicted, then prefetched and acquired CPU-blocking: the
+    seconds on the host clock. With `check`, every view must equal its row
+    of `src`."""
+    evict_all(torch, handle, ids)
+    t0 = time.perf_counter()
+    handle.prefetch_tensors(ids)
+    views = handle.acquire(ids)
+    t1 = time.perf_counter()
+    if check:
+        exact = all(torch.equal(v, src[i].cuda()) for i, v in enumerate(views))
+        if not exact:
+            raise RuntimeError("engine copy mismatch")
+    handle.release(ids)
+    return t1 - t0
+
+
+def measure_engine(torch, prefetch, src, reps: int, chunk_bytes: int, lanes: int):
+    """The engine copying every row of `src` (one entry each) into a cache
+    that holds them all: GB/s samples of the GPU-timed and the host-clock
+    passes, and the issue time per copy call, over `reps` passes after an
+    untimed one (which checks the bytes)."""
+    count, entry_bytes = src.shape
+    total = entry_bytes * count
     slot = -(-entry_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
     handle = prefetch.PrefetchHandle(
         device_budget_bytes=slot * count, backend="cuda", copy_chunk_bytes=chunk_bytes, copy_lanes=lanes
@@ -72,47 +132,24 @@ def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk
         engine, engine_host = [], []
         per_call_us = []
         timing = torch.cuda.Stream()
-        def evict_all():
-            torch.cuda.synchronize()
-            handle.evict(ids)
-            if handle.stats()["resident_count"] != 0:
-                raise RuntimeError("could not evict every entry between passes")
-
         for rep in range(reps + 1):
-            # GPU-timed pass.
-            evict_all()
-            before = handle.stats()
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record(timing)
-            handle.prefetch_tensors(ids)
-            while handle.stats()["queue_depth"] > 0:  # wait until all are issued
-                time.sleep(0.0001)
-            handle.acquire(ids, stream=timing)  # no upgrade: all issued
-            end.record(timing)
-            handle.release(ids, stream=timing)
-            end.synchronize()
-            after = handle.stats()
-            if after["copies"] - before["copies"] != count or after["upgraded"] != before["upgraded"]:
-                raise RuntimeError("GPU-timed pass did not copy every entry exactly once at its band")
-            # Host-clock pass with a CPU-blocking acquire of every id.
-            evict_all()
-            t0 = time.perf_counter()
-            handle.prefetch_tensors(ids)
-            views = handle.acquire(ids)
-            t1 = time.perf_counter()
-            if rep == 0:
-                exact = all(torch.equal(v, src[i].cuda()) for i, v in enumerate(views))
-                if not exact:
-                    raise RuntimeError("engine copy mismatch")
-            handle.release(ids)
-            del views
+            gpu_s, copy_s = gpu_timed_pass(torch, handle, ids, timing)
+            host_s = host_clock_pass(torch, handle, ids, src, check=rep == 0)
             if rep > 0:
-                engine.append(gbps(total, start.elapsed_time(end) / 1e3))
-                engine_host.append(gbps(total, t1 - t0))
+                engine.append(gbps(total, gpu_s))
+                engine_host.append(gbps(total, host_s))
                 calls = count * -(-entry_bytes // chunk_bytes)
-                per_call_us.append((after["copy_seconds"] - before["copy_seconds"]) / calls * 1e6)
+                per_call_us.append(copy_s / calls * 1e6)
     finally:
         handle.close()
+    return engine, engine_host, per_call_us
+
+
+def measure_size(torch, prefetch, entry_bytes: int, count: int, reps: int, chunk_bytes: int, lanes: int) -> dict:
+    total = entry_bytes * count
+    src = random_pinned_rows(torch, count, entry_bytes)
+    raw, raw2 = measure_raw(torch, src, reps)
+    engine, engine_host, per_call_us = measure_engine(torch, prefetch, src, reps, chunk_bytes, lanes)
     raw_gbps = statistics.median(raw)
     raw2_gbps = statistics.median(raw2)
     engine_gbps = statistics.median(engine)

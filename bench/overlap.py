@@ -30,12 +30,9 @@ from bench.common import fmt, machine_info, write_json  # noqa: E402
 MIB = 1 << 20
 
 
-def run(args) -> dict:
-    import torch
-
-    import prefetch
-
-    n = args.matmul
+def matmul_launcher(torch, n: int, steps: int):
+    """A function that launches `steps` bf16 n x n matmuls on the default
+    stream between two timing events, and returns the events."""
     a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
     out = torch.empty_like(a)
@@ -43,28 +40,37 @@ def run(args) -> dict:
     def launch_compute():
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
-        for _ in range(args.steps):
+        for _ in range(steps):
             torch.matmul(a, b, out=out)
         end.record()
         return start, end
 
+    return launch_compute
+
+
+def time_compute(torch, launch_compute, reps: int):
+    """Two untimed launches, then `reps` timed ones: the host-clock seconds
+    of each, synchronised, and the GPU seconds between its events."""
     for _ in range(2):
         launch_compute()
     torch.cuda.synchronize()
-
     compute, compute_gpu = [], []
-    for _ in range(args.reps):
+    for _ in range(reps):
         torch.cuda.synchronize()
         t0 = time.perf_counter()
         s, e = launch_compute()
         torch.cuda.synchronize()
         compute.append(time.perf_counter() - t0)
         compute_gpu.append(s.elapsed_time(e) / 1e3)
-    t_compute = statistics.median(compute)
+    return compute, compute_gpu
 
-    entry = int(args.entry_mib * MIB)
-    bandwidth_guess = 50e9
-    count = max(4, int(args.copy_fraction * t_compute * bandwidth_guess / entry))
+
+def time_copies(torch, prefetch, entry: int, count: int, reps: int, launch_compute):
+    """The engine copying `count` entries of `entry` bytes (prefetch, then a
+    CPU-blocking acquire), alone and behind the matmuls, `reps` times each
+    after an untimed copy. Returns the host-clock seconds of the copies
+    alone, of both, the GPU seconds of the matmuls with copies running, and
+    the engine's copy count."""
     handle = prefetch.PrefetchHandle(device_budget_bytes=((entry + 255) // 256 * 256) * count, backend="cuda")
     try:
         src = torch.randint(0, 256, (entry,), dtype=torch.uint8, device="cuda").cpu()
@@ -80,7 +86,7 @@ def run(args) -> dict:
         copy_all()
         handle.evict(ids)
         copy = []
-        for _ in range(args.reps):
+        for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             copy_all()
@@ -88,7 +94,7 @@ def run(args) -> dict:
             copy.append(time.perf_counter() - t0)
             handle.evict(ids)
         both, both_gpu = [], []
-        for _ in range(args.reps):
+        for _ in range(reps):
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             s, e = launch_compute()
@@ -100,6 +106,23 @@ def run(args) -> dict:
         stats = handle.stats()
     finally:
         handle.close()
+    return copy, both, both_gpu, stats["copies"]
+
+
+def run(args) -> dict:
+    import torch
+
+    import prefetch
+
+    n = args.matmul
+    launch_compute = matmul_launcher(torch, n, args.steps)
+    compute, compute_gpu = time_compute(torch, launch_compute, args.reps)
+    t_compute = statistics.median(compute)
+
+    entry = int(args.entry_mib * MIB)
+    bandwidth_guess = 50e9
+    count = max(4, int(args.copy_fraction * t_compute * bandwidth_guess / entry))
+    copy, both, both_gpu, copies = time_copies(torch, prefetch, entry, count, args.reps, launch_compute)
     t_copy = statistics.median(copy)
     t_both = statistics.median(both)
     hidden = (t_compute + t_copy - t_both) / t_copy
@@ -118,7 +141,7 @@ def run(args) -> dict:
         "hidden_fraction": max(0.0, min(1.0, hidden)),
         "hidden_fraction_unclamped": hidden,
         "compute_slowdown": statistics.median(both_gpu) / statistics.median(compute_gpu),
-        "engine_copies": stats["copies"],
+        "engine_copies": copies,
     }
 
 
