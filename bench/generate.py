@@ -116,6 +116,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import gc
 import os
 import statistics
@@ -126,6 +127,7 @@ if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import fmt, machine_info, percentile, raw_h2d_gbps, write_json  # noqa: E402
+from bench.generate_figures import decode_counters, delta, settle  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
@@ -178,12 +180,119 @@ class Block:
         self.traces = {}  # share -> on-demand's recorded steps
 
 
+def make_mode(block: Block, row: str, budget, trace, out: dict):
+    """The mode that sets `row` up on the block's model; puts the device
+    bytes it holds experts in into out["device_expert_bytes"] (offloaded
+    rows)."""
+    torch, model, state = block.torch, block.model, block.state
+    if row == "resident":
+        return ResidentMode(model, None)
+    if row == "resident-eager":
+        return ResidentMode(model, "eager")
+    if row in ENGINE_ROWS:
+        mode = EngineMode(model, budget, row, trace, block.cuda)
+        out["device_expert_bytes"] = budget
+    elif row == "torch-by-hand":
+        mode = ByHandMode(torch, model, state, budget, block.device, block.cuda)
+        out["device_expert_bytes"] = mode.device_bytes
+    elif row == "accelerate-cpu-offload":
+        mode = AccelerateMode(model, state, block.device)
+        out["device_expert_bytes"] = mode.layer_bytes
+    elif row in MPL_ROWS:
+        mode = PolicyLangMode(torch, model, state, budget, row, block.device, block.cuda,
+                              block.args.mpl_capacity)
+        out["device_expert_bytes"] = mode.pool_bytes
+    else:
+        raise ValueError(row)
+    return mode
+
+
+@dataclasses.dataclass
+class Measured:
+    """What a row's generates measured (run_row turns it into figures)."""
+
+    timer: StepTimer  # the measured generate's clock at each logits call
+    t0: float  # its start
+    ids: object  # its generated ids
+    before: dict  # the mode's counters before it, at its first logits call, at its end
+    at_first: dict
+    after: dict
+    accesses: object  # distinct routed (layer, expert) of the decode steps, or None
+    extra: dict  # the mode's own figures
+    runs: list  # decode p50s (ms) of the --repeats generates after it
+    ttft_s: float
+
+
+def repeat_p50s(block: Block, mode, new_tokens: int) -> list:
+    """--repeats: the measured generate again (counters and trace are the
+    first one's); x_adjacent compares medians of the repeats."""
+    runs = []
+    for _ in range(max(0, block.args.repeats - 1)):
+        again = StepTimer(block.sync)
+        generate(block.torch, block.model, block.prompt, new_tokens, block.sync, again)
+        mode.new_sequence()
+        steps = [b - a for a, b in zip(again.times, again.times[1:])]
+        if steps:
+            runs.append(statistics.median(steps) * 1e3)
+    return runs
+
+
+def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_tokens: int, out: dict) -> Measured:
+    """The warm-up, measured, repeated and TTFT generates of `row` with its
+    mode set up (the engine rows' routing trace goes to out["trace_steps"])."""
+    torch, model, sync = block.torch, block.model, block.sync
+    generate(torch, model, block.warm_prompt, warm_tokens, sync)
+    mode.new_sequence()
+    marks = {}
+
+    def first():
+        marks["counters"] = mode.counters()
+        marks["calls"] = recorder.mark() if recorder else None
+
+    timer = StepTimer(sync, on_first=first, on_step=mode.on_step)
+    mode.start_measuring()
+    before = mode.counters()
+    ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
+    after = mode.counters()
+    accesses = recorder.distinct_accesses(marks["calls"]) if recorder else None
+    extra = mode.extra()
+    if isinstance(mode, EngineMode):
+        out["trace_steps"] = mode.trace_steps(new_tokens)
+    mode.new_sequence()
+    runs = repeat_p50s(block, mode, new_tokens)
+    if row == "resident":
+        # The floor of every row's TTFT: not the process's first
+        # prefill of this shape.
+        generate(torch, model, block.ttft_prompt, 1, sync)
+    _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
+    return Measured(timer, t0, ids, before, marks["counters"], after, accesses, extra, runs, s1 - s0)
+
+
+def row_figures(m: Measured, out: dict) -> dict:
+    """`out` with the figures of what `m` measured."""
+    times = m.timer.times
+    decode = [b - a for a, b in zip(times, times[1:])]
+    p50 = statistics.median(decode) * 1e3 if decode else None
+    out["p50_runs_ms"] = ([p50] if p50 is not None else []) + m.runs
+    out.update({
+        "p50_ms": p50,
+        "p90_ms": percentile(decode, 0.9) * 1e3 if decode else None,
+        "decode_tokens": len(decode),
+        "prefill_ms": (times[0] - m.t0) * 1e3,
+        "ttft_ms": m.ttft_s * 1e3,
+        "generated": m.ids,
+    })
+    out.update(decode_counters(m.at_first, m.after, m.accesses))
+    out["prefill_bytes"] = delta(m.before, m.at_first, "bytes")
+    out.update({k: v for k, v in m.extra.items() if k not in out})
+    return out
+
+
 def run_row(block: Block, row: str, share, trace=None) -> dict:
     """Sets up `row`, runs the warm-up, measured and TTFT generates, tears
     down and restores the model. Returns the figures."""
-    torch, model, state, args = block.torch, block.model, block.state, block.args
-    sync = block.sync
-    budget = None if share is None else int(share * state.total_bytes)
+    torch, args = block.torch, block.args
+    budget = None if share is None else int(share * block.state.total_bytes)
     new_tokens = args.accelerate_tokens if row == "accelerate-cpu-offload" else args.new_tokens
     warm_tokens = 1 if row == "accelerate-cpu-offload" else args.warmup_tokens
     out = {"budget_bytes": budget, "new_tokens": new_tokens}
@@ -191,60 +300,10 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
     recorder = None
     try:
         with cpu_sync_noop(torch, row in MPL_ROWS and not block.cuda):
-            if row == "resident":
-                mode = ResidentMode(model, None)
-            elif row == "resident-eager":
-                mode = ResidentMode(model, "eager")
-            elif row in ENGINE_ROWS:
-                mode = EngineMode(model, budget, row, trace, block.cuda)
-                out["device_expert_bytes"] = budget
-            elif row == "torch-by-hand":
-                mode = ByHandMode(torch, model, state, budget, block.device, block.cuda)
-                out["device_expert_bytes"] = mode.device_bytes
-            elif row == "accelerate-cpu-offload":
-                mode = AccelerateMode(model, state, block.device)
-                out["device_expert_bytes"] = mode.layer_bytes
-            elif row in MPL_ROWS:
-                mode = PolicyLangMode(torch, model, state, budget, row, block.device, block.cuda,
-                                      args.mpl_capacity)
-                out["device_expert_bytes"] = mode.pool_bytes
-            else:
-                raise ValueError(row)
+            mode = make_mode(block, row, budget, trace, out)
             if mode.accesses_from_routing:
-                recorder = RoutingRecorder(model)
-            generate(torch, model, block.warm_prompt, warm_tokens, sync)
-            mode.new_sequence()
-            marks = {}
-
-            def first():
-                marks["counters"] = mode.counters()
-                marks["calls"] = recorder.mark() if recorder else None
-
-            timer = StepTimer(sync, on_first=first, on_step=mode.on_step)
-            mode.start_measuring()
-            before = mode.counters()
-            ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
-            after = mode.counters()
-            accesses = recorder.distinct_accesses(marks["calls"]) if recorder else None
-            extra = mode.extra()
-            if isinstance(mode, EngineMode):
-                out["trace_steps"] = mode.trace_steps(new_tokens)
-            mode.new_sequence()
-            # --repeats: the measured generate again (counters and trace are
-            # the first one's); x_adjacent compares medians of the repeats.
-            runs = []
-            for _ in range(max(0, args.repeats - 1)):
-                again = StepTimer(sync)
-                generate(torch, model, block.prompt, new_tokens, sync, again)
-                mode.new_sequence()
-                steps = [b - a for a, b in zip(again.times, again.times[1:])]
-                if steps:
-                    runs.append(statistics.median(steps) * 1e3)
-            if row == "resident":
-                # The floor of every row's TTFT: not the process's first
-                # prefill of this shape.
-                generate(torch, model, block.ttft_prompt, 1, sync)
-            _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
+                recorder = RoutingRecorder(block.model)
+            measured = measure_row(block, row, mode, recorder, new_tokens, warm_tokens, out)
     finally:
         if recorder is not None:
             recorder.close()
@@ -256,46 +315,7 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
         gc.collect()
         if block.cuda:
             torch.cuda.empty_cache()
-    times = timer.times
-    decode = [b - a for a, b in zip(times, times[1:])]
-    p50 = statistics.median(decode) * 1e3 if decode else None
-    out["p50_runs_ms"] = ([p50] if p50 is not None else []) + runs
-    out.update({
-        "p50_ms": p50,
-        "p90_ms": percentile(decode, 0.9) * 1e3 if decode else None,
-        "decode_tokens": len(decode),
-        "prefill_ms": (times[0] - t0) * 1e3,
-        "ttft_ms": (s1 - s0) * 1e3,
-        "generated": ids,
-    })
-    out.update(decode_counters(marks["counters"], after, accesses))
-    out["prefill_bytes"] = delta(before, marks["counters"], "bytes")
-    out.update({k: v for k, v in extra.items() if k not in out})
-    return out
-
-
-def delta(a, b, key):
-    if a.get(key) is None or b.get(key) is None:
-        return None
-    return b[key] - a[key]
-
-
-def decode_counters(at_first: dict, end: dict, accesses) -> dict:
-    """Counter figures over the decode steps (first logits call to the end)."""
-    hits, misses = delta(at_first, end, "hits"), delta(at_first, end, "misses")
-    hit_rate = hits / (hits + misses) if hits is not None and misses is not None and hits + misses else None
-    out = {"bytes_moved": delta(at_first, end, "bytes"), "copies": delta(at_first, end, "copies"),
-           "hit_rate": hit_rate}
-    copies_at_use = delta(at_first, end, "copies_at_use")
-    if accesses and copies_at_use is not None:
-        out["hit_rate"] = 1.0 - copies_at_use / accesses
-        out["copies"] = copies_at_use
-        out["routed_accesses"] = accesses
-    calls = delta(at_first, end, "calls")
-    host_s = delta(at_first, end, "host_s")
-    if calls and host_s is not None:
-        out["host_us_per_layer"] = host_s / calls * 1e6
-    return out
+    return row_figures(measured, out)
 
 
 def record_routing(block: Block):
@@ -322,8 +342,9 @@ def null_row(base: dict, reason: str) -> dict:
     return row
 
 
-def run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, blocks, models_info):
-    sync = make_sync(torch, cuda)
+def build(torch, name, family, shape, args, cuda, device, dtype):
+    """The model `name` and its state, what is known of it, and the first
+    raw H2D reading (CUDA only)."""
     t_build = time.perf_counter()
     model = build_model(torch, family, shape, args.vocab, device, dtype)
     state = ModelState(model)
@@ -333,71 +354,92 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
             "layers": state.num_layers, "experts": state.num_experts, "top_k": model.config.num_experts_per_tok,
             "expert_bytes": state.expert_bytes, "total_expert_bytes": state.total_bytes,
             "default_experts_implementation": state.impl, "build_s": build_s}
-    models_info[name] = info
     print(f"{name}: expert {state.expert_bytes / 2**20:.2f} MiB, all experts {state.total_bytes / 2**30:.2f} GiB, "
           f"vocab {args.vocab}, default experts implementation {state.impl!r}, built in {build_s:.1f} s"
           + (f", raw H2D {raw[0]:.1f} GB/s" if raw else ""), file=sys.stderr, flush=True)
+    return model, state, info, raw
+
+
+def row_plan(args) -> list:
+    """(row, share) in the order a block runs them: the share-free rows,
+    then each share's rows, accelerate last (it is slow and its tokens are
+    few)."""
+    wanted = [r for r in ROWS if r in args.rows]
+    plan = []
+    for r in wanted:
+        if r in SHARE_FREE_ROWS:
+            plan.append((r, None))
+    for share in args.shares:
+        plan.extend((r, share) for r in SHARE_ROWS if r in wanted)
+    plan.sort(key=lambda p: p[0] == "accelerate-cpu-offload")
+    return plan
+
+
+def compare_to_resident(block: Block, row: str, share, trace, res: dict):
+    """Takes the generated ids and routing trace out of `res` and adds what
+    they say against the resident row (which, when `row` is it, becomes
+    the block's reference)."""
+    generated = res.pop("generated")
+    steps = res.pop("trace_steps", None)
+    if row == "resident":
+        block.reference = generated
+        block.resident_p50, block.resident_ttft = res["p50_ms"], res["ttft_ms"]
+        record_routing(block)
+    if row == "on-demand" and steps is not None:
+        block.traces[share] = steps
+    if row in ("oracle", "oracle-synced") and steps is not None:
+        res["oracle_replayed_exactly"] = steps == trace.steps
+    ref = block.reference[:, :generated.shape[1]]
+    res["tokens_equal"] = bool(block.torch.equal(generated, ref))
+    if row != "resident" and block.reference is not None:
+        repeats = block.args.repeats
+        adjacent = [v for v in (resident_p50_now(block) for _ in range(repeats)) if v is not None]
+        res["resident_adjacent_runs_ms"] = adjacent
+        res["resident_adjacent_p50_ms"] = statistics.median(adjacent) if adjacent else None
+        if res["resident_adjacent_p50_ms"] and res.get("p50_runs_ms"):
+            res["x_adjacent"] = statistics.median(res["p50_runs_ms"]) / res["resident_adjacent_p50_ms"]
+    if block.routing is not None and row in ENGINE_ROWS and steps is not None:
+        res["routing_equals_resident"] = steps == block.routing[:len(steps)]
+
+
+def run_planned_row(block: Block, name: str, row: str, share, started: float) -> dict:
+    """One row of a block's plan: its figures, or null ones with the reason
+    it did not run."""
+    args, batch = block.args, block.batch
+    base = {"model": name, "batch": batch, "share": share, "row": row}
+    if time.monotonic() - started > args.budget_s:
+        return null_row(base, f"not run: --budget-s {args.budget_s:g} s spent")
+    if row != "resident" and block.reference is None:
+        return null_row(base, "not run: the resident row did not run")
+    trace = None
+    if row in ("oracle", "oracle-synced"):
+        trace = oracle_trace(block, share)
+        if trace is None:
+            return null_row(base, "not run: no recorded routing trace (on-demand did not run)")
+    try:
+        res = run_row(block, row, share, trace)
+    except RowSkipped as exc:
+        return null_row(base, str(exc))
+    except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run
+        failed = null_row(base, f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+        print(f"  {name} b{batch} {row} failed: {exc!r}", file=sys.stderr, flush=True)
+        return failed
+    compare_to_resident(block, row, share, trace, res)
+    r = {**base, **res}
+    print(f"  {name} b{batch} {fmt(share) if share is not None else '-':>5} {row:<26} p50 "
+          f"{fmt(r['p50_ms']):>9} ms  ttft {fmt(r['ttft_ms']):>9} ms  hit {fmt(r.get('hit_rate'))}  "
+          f"equal {r['tokens_equal']}", file=sys.stderr, flush=True)
+    return r
+
+
+def run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, blocks, models_info):
+    sync = make_sync(torch, cuda)
+    model, state, info, raw = build(torch, name, family, shape, args, cuda, device, dtype)
+    models_info[name] = info
     model_rows = []
     for batch in args.batches:
         block = Block(torch, model, state, batch, args, cuda, device, sync)
-        block_rows = []
-        wanted = [r for r in ROWS if r in args.rows]
-        plan = []
-        for r in wanted:
-            if r in SHARE_FREE_ROWS:
-                plan.append((r, None))
-        for share in args.shares:
-            plan.extend((r, share) for r in SHARE_ROWS if r in wanted)
-        # accelerate last: it is slow and its tokens are few
-        plan.sort(key=lambda p: p[0] == "accelerate-cpu-offload")
-        for row, share in plan:
-            base = {"model": name, "batch": batch, "share": share, "row": row}
-            if time.monotonic() - started > args.budget_s:
-                block_rows.append(null_row(base, f"not run: --budget-s {args.budget_s:g} s spent"))
-                continue
-            if row != "resident" and block.reference is None:
-                block_rows.append(null_row(base, "not run: the resident row did not run"))
-                continue
-            trace = None
-            if row in ("oracle", "oracle-synced"):
-                trace = oracle_trace(block, share)
-                if trace is None:
-                    block_rows.append(null_row(base, "not run: no recorded routing trace (on-demand did not run)"))
-                    continue
-            try:
-                res = run_row(block, row, share, trace)
-            except RowSkipped as exc:
-                block_rows.append(null_row(base, str(exc)))
-                continue
-            except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run
-                block_rows.append(null_row(base, f"failed: {type(exc).__name__}: {str(exc)[:300]}"))
-                print(f"  {name} b{batch} {row} failed: {exc!r}", file=sys.stderr, flush=True)
-                continue
-            generated = res.pop("generated")
-            steps = res.pop("trace_steps", None)
-            if row == "resident":
-                block.reference = generated
-                block.resident_p50, block.resident_ttft = res["p50_ms"], res["ttft_ms"]
-                record_routing(block)
-            if row == "on-demand" and steps is not None:
-                block.traces[share] = steps
-            if row in ("oracle", "oracle-synced") and steps is not None:
-                res["oracle_replayed_exactly"] = steps == trace.steps
-            ref = block.reference[:, :generated.shape[1]]
-            res["tokens_equal"] = bool(torch.equal(generated, ref))
-            if row != "resident" and block.reference is not None:
-                adjacent = [v for v in (resident_p50_now(block) for _ in range(args.repeats)) if v is not None]
-                res["resident_adjacent_runs_ms"] = adjacent
-                res["resident_adjacent_p50_ms"] = statistics.median(adjacent) if adjacent else None
-                if res["resident_adjacent_p50_ms"] and res.get("p50_runs_ms"):
-                    res["x_adjacent"] = statistics.median(res["p50_runs_ms"]) / res["resident_adjacent_p50_ms"]
-            if block.routing is not None and row in ENGINE_ROWS and steps is not None:
-                res["routing_equals_resident"] = steps == block.routing[:len(steps)]
-            block_rows.append({**base, **res})
-            r = block_rows[-1]
-            print(f"  {name} b{batch} {fmt(share) if share is not None else '-':>5} {row:<26} p50 "
-                  f"{fmt(r['p50_ms']):>9} ms  ttft {fmt(r['ttft_ms']):>9} ms  hit {fmt(r.get('hit_rate'))}  "
-                  f"equal {r['tokens_equal']}", file=sys.stderr, flush=True)
+        block_rows = [run_planned_row(block, name, row, share, started) for row, share in row_plan(args)]
         blocks.append(restore_check(block, name))
         model_rows.extend(block_rows)
     if cuda:
@@ -464,55 +506,6 @@ def restore_check(block: Block, name) -> dict:
     out["restore_check"] = bool(block.torch.equal(ids, block.reference))
     out["resident_again_p50_ms"] = statistics.median(decode) * 1e3 if decode else None
     return out
-
-
-def settle(block_rows, block: dict, info: dict):
-    """Ratios within the block and the floors (after the model's second raw
-    bandwidth reading)."""
-    from prefetch.integration import RoutingTrace, belady_misses
-
-    # The reference: the faster of the resident row and its rerun after the
-    # block (a transient slowdown of the host is not the model's speed).
-    runs = [v for v in (block["resident_p50_ms"], block.get("resident_again_p50_ms")) if v is not None]
-    res_p50 = min(runs) if runs else None
-    block["resident_ref_p50_ms"] = res_p50
-    res_ttft = block["resident_ttft_ms"]
-    raw = info.get("raw_h2d_gbps")
-    eb = info["expert_bytes"]
-    routing = block.get("routing")
-    traces = block.get("traces") or {}
-    ttft_floor = None
-    if res_ttft is not None:
-        io = block["ttft_routed_experts"] * eb / (raw * 1e9) * 1e3 if raw and block["ttft_routed_experts"] else None
-        ttft_floor = max(res_ttft, io) if io is not None else res_ttft
-        block["ttft_io_floor_ms"] = io
-    block["ttft_floor_ms"] = ttft_floor
-    for r in block_rows:
-        p50 = r.get("p50_ms")
-        r["x_resident"] = p50 / res_p50 if p50 is not None and res_p50 else None
-        r["ttft_floor_ms"] = ttft_floor
-        r["ttft_over_floor"] = r["ttft_ms"] / ttft_floor if r.get("ttft_ms") is not None and ttft_floor else None
-        if r["share"] is None or routing is None:
-            continue
-        budget = int(r["share"] * info["total_expert_bytes"])
-        capacity = budget // eb
-        # The routing on-demand recorded at this share (what the oracle
-        # replays); the resident's where there is none.
-        steps = traces.get(r["share"])
-        r["io_floor_trace"] = "on-demand" if steps is not None else "resident"
-        steps = steps if steps is not None else routing
-        decode_tokens = len(steps) - 1
-        io_floor = None
-        if raw and capacity >= 1 and decode_tokens > 0:
-            loads = belady_misses(RoutingTrace(info["layers"], info["experts"], steps), capacity, start_step=1)
-            r["belady_loads"] = loads
-            io_floor = loads * eb / (raw * 1e9) / decode_tokens * 1e3
-        r["io_floor_ms"] = io_floor
-        floor = max(res_p50, io_floor) if res_p50 is not None and io_floor is not None else res_p50
-        r["floor_ms"] = floor
-        r["over_floor"] = p50 / floor if p50 is not None and floor else None
-    block.pop("routing", None)
-    block.pop("traces", None)
 
 
 def main(argv=None) -> int:
