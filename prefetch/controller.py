@@ -278,9 +278,21 @@ class OffloadController:
         self._step_missed = None  # fraction of routed experts the last step missed
         self.path_switches = 0
         self.expert_bytes = expert_bytes
-        self._all_ids = np.stack([self.ids(layer, np.arange(num_experts)) for layer in range(self.num_layers)])
-        self._layer_ids = list(self._all_ids)
-        self._pin_out = [np.empty(num_experts, dtype=np.int64) for _ in range(self.num_layers)]
+        # Tensor id of every (layer, expert), -1 where not registered here (the
+        # prefetcher's table per layer ends at the last expert it registered).
+        self._all_ids = np.full((self.num_layers, num_experts), -1, dtype=np.int64)
+        for layer in range(self.num_layers):
+            table = self.prefetcher._ids.get(layer, _EMPTY)[:num_experts]
+            self._all_ids[layer, : table.shape[0]] = table
+        # Expert parallel: only this rank's experts are pinned, used and
+        # fetched (the others are not registered here; their id is -1).
+        self._owned = self._all_ids >= 0
+        self._layer_ids = [ids[own] for ids, own in zip(self._all_ids, self._owned)]
+        self._pin_out = [np.full(num_experts, -1, dtype=np.int64) for _ in range(self.num_layers)]
+        # The engine writes the pinned offsets here; it is _pin_out itself
+        # where the rank owns the whole layer.
+        self._pin_buf = [out if own.all() else np.empty(int(own.sum()), dtype=np.int64)
+                         for out, own in zip(self._pin_out, self._owned)]
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
 
     def choose_path(self) -> bool:
@@ -337,7 +349,7 @@ class OffloadController:
             self.read_routings()
         use, fetch = self._use, self._fetch
         if self._host_guesses:
-            extra = [self.ids(target, g) for target, g in
+            extra = [self._owned_ids(target, g) for target, g in
                      ((t, _distinct(g, self.num_experts))
                       for t, g in self.predictor.predict(self, self.step, layer, hidden).items()) if g.shape[0]]
             if extra:
@@ -348,10 +360,10 @@ class OffloadController:
         if self._held is not None and stream != self._held_stream:
             self.release_held()
         held, self._held = self._held, None
-        out = self._pin_out[layer]
+        out, buf = self._pin_out[layer], self._pin_buf[layer]
         t0 = time.perf_counter_ns()
         try:
-            self.handle.step(release=held, pin=self._layer_ids[layer], pin_into=out, use=use, prefetch=fetch,
+            self.handle.step(release=held, pin=self._layer_ids[layer], pin_into=buf, use=use, prefetch=fetch,
                              band=1, hint_ids=hint_ids, hint_when=hint_when,
                              now=self.clock if hints else None, stream=stream)
         except (ValueError, KeyError, TypeError, OverflowError):
@@ -361,10 +373,17 @@ class OffloadController:
             self.engine_ns += time.perf_counter_ns() - t0
         self._use = self._fetch = None
         self._late_hints = []
+        if buf is not out:
+            out[self._owned[layer]] = buf
         pinned = out >= 0
-        self._held = self._layer_ids[layer][pinned]
+        self._held = self._layer_ids[layer][buf >= 0]
         self._held_stream = stream
         return out, pinned
+
+    def _owned_ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
+        """Tensor ids of those of `experts` this rank owns (all of them
+        without expert parallel)."""
+        return self.ids(layer, experts[self._owned[layer][experts]])
 
     def note_routing(self, layer: int, top_k_index, pinned: np.ndarray) -> None:
         """Keeps `layer`'s routing (a device tensor: no copy yet) and which
@@ -391,20 +410,21 @@ class OffloadController:
         routed = np.zeros((count, self.num_experts), dtype=bool)
         routed[np.repeat(np.arange(count), sizes), host] = True
         pinned = np.stack([r[3] for r in routings])
-        missed = routed & ~pinned
-        hits, misses = int(np.count_nonzero(routed & pinned)), int(np.count_nonzero(missed))
+        owned = routed & self._owned[layers]  # expert parallel: this rank's reads
+        missed = owned & ~pinned
+        hits, misses = int(np.count_nonzero(owned & pinned)), int(np.count_nonzero(missed))
         self.pinned_hits += hits
         self.zero_copy_reads += misses
         if hits + misses:
             self._step_missed = misses / (hits + misses)
         ids = self._all_ids[layers]
-        use, fetch = ids[routed], ids[missed]
+        use, fetch = ids[owned], ids[missed]
         extra = []
         if self._trace is not None or self.predictor is not None or self._pending:
             for i, (layer, step, _, _) in enumerate(routings):
                 guesses, hints = self.observe(layer, np.flatnonzero(routed[i]), {}, step=step)
                 if self._late_predict:
-                    extra.extend(self.ids(t, g) for t, g in guesses.items() if g.shape[0])
+                    extra.extend(self._owned_ids(t, g) for t, g in guesses.items() if g.shape[0])
                 if hints:
                     self._late_hints.extend(hints)
         if extra:

@@ -210,7 +210,15 @@ class ExpertsOffload:
         self.universe = universe
         self._uva_stand = self._stand_with(universe.gate_up_proj, universe.down_proj, universe.rows)
         self.max_rows = max_rows
-        self._host_rows = universe.host_rows[self.layer]
+        self._host_rows = universe.host_rows[self.layer].copy()
+        if self._local is not None:
+            # Other ranks' experts get weight 0 but are still read: point them
+            # at one of this rank's host rows (real weights: 0 x a finite
+            # value is 0; a cache slot could be mid-copy or never written).
+            own = self._host_rows[self._local]
+            if not own.size or (own < 0).any():
+                raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
+            self._host_rows[~self._local] = own[0]
         self._slot_row = np.empty(self.num_experts, dtype=np.int64)
         self._rowmap_host = torch.empty(self.num_experts, dtype=torch.int64, pin_memory=self._cuda)
         self._rowmap_np = self._rowmap_host.numpy()
@@ -246,19 +254,50 @@ class ExpertsOffload:
                 self._rowmap_event.record()
             np.copyto(self._last_offsets, offsets)
         index = (self._rowmap_dev if self._cuda else self._rowmap_host)[top_k_index]
+        routing = top_k_index
+        if self.ep is not None:  # this rank's experts, per (token, k) pair (Note [Expert parallel])
+            hidden_states, index, top_k_weights = self._pairs(hidden_states, index, top_k_weights)
+            top_k_weights = top_k_weights.masked_fill(self._foreign[routing.reshape(-1, 1)], 0)
         t2 = time.perf_counter_ns()
         out = fn(self._uva_stand, hidden_states, index, top_k_weights)
         t3 = time.perf_counter_ns()
-        ctl.note_routing(layer, top_k_index, pinned)
+        ctl.note_routing(layer, routing, pinned)
         if self.last_layer:
             ctl.release_held(stream)
+        out, comm = self._all_reduce(out)
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
-        # As on the synced path: the engine calls and the routing read-back
-        # are counted apart, not as "our other host work".
+        # As on the synced path: the engine calls, the routing read-back and
+        # the all-reduce are counted apart, not as "our other host work".
         engine, sync = ctl.engine_ns - engine_before, ctl.sync_ns - sync_before
-        ctl.host_ns += (t_end - t_start) - (t3 - t2) - engine - sync
+        ctl.host_ns += (t_end - t_start) - (t3 - t2) - engine - sync - comm
         return out
+
+    def _pairs(self, hidden_states, top_k_index, top_k_weights):
+        """Expert parallel, batched_mm and grouped_mm: each (token, k) pair
+        as a row of its own, routed to its one expert with weight 1. The
+        output is then the pair's expert output, exact, and on every rank
+        but its expert's an exact 0; the all-reduce adds those zeros and
+        `_all_reduce` weights and sums over k as the implementation does
+        (Note [Expert parallel]). Returns the inputs to call it with."""
+        k = top_k_index.shape[-1]
+        self._pair_weights = top_k_weights
+        return (hidden_states.repeat_interleave(k, dim=0), top_k_index.reshape(-1, 1),
+                torch.ones_like(top_k_weights).reshape(-1, 1))
+
+    def _all_reduce(self, out):
+        """Expert parallel: sums the layer's output over the group (and
+        finishes a per-pair output). Returns (output, ns spent)."""
+        if self.ep is None:
+            return out, 0
+        t0 = time.perf_counter_ns()
+        self.ep.all_reduce(out)
+        comm = time.perf_counter_ns() - t0
+        self.controller.comm_ns += comm
+        if self._pair_weights is not None:
+            out = _weighted_sum(out, self._pair_weights, out.dtype)  # the pair outputs are in the hidden dtype
+            self._pair_weights = None
+        return out, comm
 
     def _slot_index(self, routed: np.ndarray, shape) -> torch.Tensor:
         """The routing with expert ids replaced by slots (self._remap), on the
@@ -341,15 +380,7 @@ class ExpertsOffload:
             t3 = t2 + inner_ns
         if self.last_layer:
             ctl.release_held(stream)
-        comm = 0
-        if self.ep is not None:
-            t4 = time.perf_counter_ns()
-            self.ep.all_reduce(out)
-            comm = time.perf_counter_ns() - t4
-            ctl.comm_ns += comm
-            if self._pair_weights is not None:
-                out = _weighted_sum(out, self._pair_weights, hidden_states.dtype)
-                self._pair_weights = None
+        out, comm = self._all_reduce(out)
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
         engine = ctl.engine_ns - engine_before
@@ -367,18 +398,8 @@ class ExpertsOffload:
         multiply by 0. Returns
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
-        if name in _PER_PAIR:
-            # Each (token, k) pair as a row of its own, routed to its one
-            # expert with weight 1: the output is the pair's expert output,
-            # exact, and on every rank but its expert's an exact 0; the
-            # all-reduce adds those zeros and forward() then weights and sums
-            # over k as the implementation does (Note [Expert parallel]).
-            # Every rank takes this form, whatever its pieces.
-            k = top_k_index.shape[-1]
-            self._pair_weights = top_k_weights
-            hidden_states = hidden_states.repeat_interleave(k, dim=0)
-            top_k_index = top_k_index.reshape(-1, 1)
-            top_k_weights = torch.ones_like(top_k_weights).reshape(-1, 1)
+        if name in _PER_PAIR:  # every rank takes this form, whatever its pieces
+            hidden_states, top_k_index, top_k_weights = self._pairs(hidden_states, top_k_index, top_k_weights)
         mine = experts[self._local[experts]]
         if mine.shape[0] > self.slots:
             t2 = time.perf_counter_ns()
@@ -503,7 +524,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
     # through the routing's sync. Sync-free steps are those whose experts
     # are nearly all cached, where a guess has nothing left to fetch (Note
     # [Which path a step takes]); auto lets the gate take them as well.
-    if sync_free is not False and ep is None:
+    if sync_free is not False:
         try:
             universe = Universe(handle.arena(0), host_experts, offloads[0].slot_bytes, device)
         except (ValueError, RuntimeError) as err:
@@ -515,8 +536,6 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                 offload.enable_sync_free(universe, sync_free_max_rows)
             controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes,
                                         adaptive=sync_free is None)
-    elif sync_free is True:
-        raise ValueError("sync_free=True is not supported with expert parallel (process_group)")
     for (_, experts, _), offload in zip(hf_blocks, offloads):
         empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)

@@ -171,8 +171,10 @@ def offload_moe_experts(
     the routing on the host; an expert not in the cache is read by the GPU
     straight from page-locked host memory and prefetched for the next step
     (Note [Sync-free decode] in prefetch/host_experts.py). None (default) turns it on
-    where it can run (batched_mm calls of at most 64 rows, no process
-    group), each step choosing its path from the last step's misses; a
+    where it can run (batched_mm calls of at most 64 rows; with a process
+    group each rank reads its own experts so, and the per-pair outputs are
+    all-reduced as on the synced path), each step choosing its path from
+    the last step's misses (each rank from its own); a
     predictor that guesses on the device (NextLayerGatePredictor) guesses
     on the synced steps only (its guesses reach the engine through the
     routing's sync). True insists (ValueError where it cannot run; every
@@ -192,9 +194,6 @@ def offload_moe_experts(
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
     if sync_free not in (None, True, False):
         raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
-    if sync_free and process_group is not None:
-        raise ValueError("sync_free=True is not supported with expert parallel (process_group): each layer's "
-                         "output is summed over the ranks, which the synced path does")
     if sync_free and generic:
         raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
     if process_group is None and (expert_placement != "balanced" or activation_counts is not None):

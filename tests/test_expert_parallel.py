@@ -120,12 +120,16 @@ def scenario_tokens_and_errors(rank, group):
     # would round differently from one process's sum over the four; the
     # per-(token, k) outputs are all-reduced instead (Note [Expert
     # parallel]), and logits must be bit-equal. 8 slots: no pieces.
-    for impl in ("batched_mm", "grouped_mm"):
+    # batched_mm decodes sync-free (forced, and the default per-step choice,
+    # each rank its own): its experts read from the cache or host memory.
+    for impl, sync_free in (("batched_mm", True), ("batched_mm", None), ("batched_mm", False),
+                            ("grouped_mm", None)):
         model = build(top4_config(), dtype=torch.bfloat16, experts_implementation=impl)
-        ctl = _offload(model, group, 8)
+        ctl = _offload(model, group, 8, sync_free=sync_free)
         try:
             seq, logits = greedy(model, prompt(model.config, 2), steps=6)
-            out["top4"][impl] = {"seq": seq, "logits": logits}
+            out["top4"][(impl, sync_free)] = {"seq": seq, "logits": logits, "sync_free": ctl.sync_free,
+                                              "report": ctl.report()}
         finally:
             ctl.close()
     # One engine call per layer and rank: a slice's worth of slots, no pieces.
@@ -304,14 +308,23 @@ def test_two_ranks_match_one_process(tmp_path):
                 if impl != "eager":
                     assert runs[0]["report"]["prediction_recall"] == runs[1]["report"]["prediction_recall"]
 
+    refs = {}
     for impl in ("batched_mm", "grouped_mm"):
         ref = build(top4_config(), dtype=torch.bfloat16, experts_implementation=impl)
-        seq_ref, logits_ref = greedy(ref, prompt(ref.config, 2), steps=6)
-        for g in got:
-            run = g["top4"][impl]
-            assert torch.equal(run["seq"], seq_ref), impl
+        refs[impl] = greedy(ref, prompt(ref.config, 2), steps=6)
+    for g in got:
+        for (impl, sync_free), run in g["top4"].items():
+            seq_ref, logits_ref = refs[impl]
+            assert torch.equal(run["seq"], seq_ref), (impl, sync_free)
             for a, b in zip(run["logits"], logits_ref):
-                assert torch.equal(a, b), impl
+                assert torch.equal(a, b), (impl, sync_free)
+            assert run["sync_free"] is (sync_free is not False)
+            if impl == "grouped_mm":  # needs the routing on the host: never read from host memory
+                assert run["report"]["zero_copy_reads"] == 0
+        forced = g["top4"][("batched_mm", True)]["report"]
+        # Read from host memory on the first steps (8 slots for this rank's
+        # 12 experts), and only this rank's experts count.
+        assert forced["zero_copy_reads"] > 0 and forced["path_switches"] == 0
 
     cfg = family_configs()["qwen3_moe"]
     seq_ref, _ = greedy(build(cfg, experts_implementation="grouped_mm"), prompt(cfg, 1), steps=3)

@@ -236,9 +236,12 @@ def test_sync_free_option():
     model = build(cfg, experts_implementation="batched_mm")
     with pytest.raises(TypeError, match="sync_free"):
         offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free="yes")
-    with pytest.raises(ValueError, match="expert parallel"):
-        offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True,
-                            process_group=object())
+    with pytest.raises(ValueError, match="OffloadedMoEBlock"):
+        from prefetch.integration import OffloadedMoEBlock
+        router = torch.nn.Linear(8, 4, bias=False)
+        block = OffloadedMoEBlock(router, [torch.nn.Linear(8, 8) for _ in range(4)], top_k=2)
+        offload_moe_experts(torch.nn.Sequential(block), device_budget_bytes=1 << 20, backend="host",
+                            sync_free=True)
     assert not offloaded_experts(model)
     # A device-side predictor guesses on the synced steps; auto lets the
     # per-step choice run the others sync-free (the choice is tested below).
