@@ -2,6 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
+# bandwidth2proc abcompare (OLD_TREE=folder)
 # overlap e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
@@ -37,6 +38,31 @@ for step in $steps; do
       python3 bench/bandwidth.py --chunk-mib 16 --json "$out/bandwidth_chunk16.json" 2>&1 | tee "$out/bandwidth_chunk16.txt" ;;
     bandwidth2gpu)
       python3 bench/bandwidth.py --devices 2 --json "$out/bandwidth_2gpu.json" 2>&1 | tee "$out/bandwidth_2gpu.txt" ;;
+    bandwidth2proc)
+      # One process per GPU at once, as expert parallel runs (a diagnostic:
+      # the two start together and run the same phases, not in lockstep).
+      for d in 0 1; do
+        CUDA_VISIBLE_DEVICES=$d python3 bench/bandwidth.py --sizes-mib 9.4 64 --json "$out/bandwidth_proc$d.json" \
+          >"$out/bandwidth_proc$d.txt" 2>&1 &
+      done
+      wait
+      cat "$out"/bandwidth_proc*.txt ;;
+    abcompare)
+      # BM2 and bandwidth of an older tree (OLD_TREE, a carried folder, built
+      # here) and of this one, alternating in one run: same-run ratios.
+      (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
+      for i in 1 2; do
+        for side in new old; do
+          dir=$PWD
+          [ "$side" = old ] && dir=$(cd "$OLD_TREE" && pwd)
+          (cd "$dir" && PYTHONPATH="$dir" python3 bench/issuance.py --backend cuda --warmup 20 --iterations 200 \
+            --json "$out/ab_bm2_${side}_$i.json" >"$out/ab_bm2_${side}_$i.txt" 2>&1)
+          (cd "$dir" && PYTHONPATH="$dir" python3 bench/bandwidth.py --sizes-mib 4 9.4 64 \
+            --json "$out/ab_bw_${side}_$i.json" >"$out/ab_bw_${side}_$i.txt" 2>&1)
+          echo "$side $i: $(grep -E '^(batched|cpp)' "$out/ab_bm2_${side}_$i.txt" | tr -s ' ' | tr '\n' ';')"
+          grep -E '^ +[0-9]' "$out/ab_bw_${side}_$i.txt"
+        done
+      done ;;
     bandwidth1lane)
       python3 bench/bandwidth.py --lanes 1 --json "$out/bandwidth_1lane.json" 2>&1 | tee "$out/bandwidth_1lane.txt" ;;
     e2e)
