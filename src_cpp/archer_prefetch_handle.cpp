@@ -25,6 +25,15 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
       poison_freed_slots_(options.poison_freed_slots),
       owner_pid_(static_cast<long>(::getpid())) {
+  CheckOptions(options);
+  // Build every device before starting any thread, so a failure here leaves
+  // nothing running; then start workers.
+  BuildDevices(options);
+  paused_ = options.start_paused;
+  StartWorkers();
+}
+
+void ArcherPrefetchHandle::CheckOptions(const HandleOptions& options) const {
   if (!backend_) {
     throw PrefetchError(ErrorKind::kInvalidArgument, "no copy backend");
   }
@@ -65,9 +74,10 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
     }
   }
   CheckEvictionPolicyName(options.eviction_policy);
+}
 
-  // Build every device before starting any thread, so a failure here leaves
-  // nothing running; then start workers.
+void ArcherPrefetchHandle::BuildDevices(const HandleOptions& options) {
+  const size_t n = options.device_budget_bytes.size();
   try {
     for (size_t d = 0; d < n; ++d) {
       auto dev = std::make_unique<DeviceState>();
@@ -93,7 +103,9 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
     }
     throw;
   }
-  paused_ = options.start_paused;
+}
+
+void ArcherPrefetchHandle::StartWorkers() {
   for (auto& dev : devices_) {
     DeviceState* raw = dev.get();
     dev->worker = std::thread([this, raw] {

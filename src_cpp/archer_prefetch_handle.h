@@ -224,6 +224,13 @@ class ArcherPrefetchHandle {
   };
   using Clock = std::chrono::steady_clock;
 
+  // The constructor's steps: every check of the options (kInvalidArgument
+  // before anything is built), each device's cache and arena (all freed
+  // again if one fails), then one worker thread per device.
+  void CheckOptions(const HandleOptions& options) const;
+  void BuildDevices(const HandleOptions& options);
+  void StartWorkers();
+
   void WorkerLoop(DeviceState* dev);
   // Its steps (copy_worker.cpp).
   void FailUnstartedLocked(DeviceState* dev, Entry* e, const std::string& error);
@@ -233,6 +240,11 @@ class ArcherPrefetchHandle {
                              std::unique_lock<std::mutex>& lk);
   void CopyEntryLocked(DeviceState* dev, Entry* e,
                        std::unique_lock<std::mutex>& lk);
+  // The end of an entry's copy: resident (in flight while `token` is
+  // pending), or back on the host with `error`; wakes acquirers.
+  void FinishCopyLocked(DeviceState* dev, Entry* e, CopyToken token,
+                        const std::string& error,
+                        std::unique_lock<std::mutex>& lk);
   bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events,
                          bool* refused = nullptr);
   // A resident entry leaves the cache: policy, slot, in-flight list, tokens.

@@ -306,6 +306,13 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     }
   }
   dev->copying_bytes -= e->bytes;
+  FinishCopyLocked(dev, e, token, error, lk);
+}
+
+void ArcherPrefetchHandle::FinishCopyLocked(DeviceState* dev, Entry* e,
+                                            CopyToken token,
+                                            const std::string& error,
+                                            std::unique_lock<std::mutex>& lk) {
   if (!error.empty()) {
     if (token != kTokenDone) {
       lk.unlock();
