@@ -125,6 +125,30 @@ class OffloadedMoEBlock(nn.Module):
 
 
 
+def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts) -> None:
+    """offload_moe_experts' checks that need no engine: what was found in
+    the model and the options that go with it."""
+    if any(b.controller is not None for b in generic):
+        raise ValueError("this model's OffloadedMoEBlocks are already attached to a controller; offload a "
+                         "model once (close the controller and build the model again to change the budget)")
+    if not hf_blocks and not generic:
+        raise ValueError(
+            "no MoE block found: expected transformers-5 *Experts modules (gate_up_proj/down_proj) "
+            "or OffloadedMoEBlock instances"
+        )
+    if hf_blocks and generic:
+        raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
+    if sync_free not in (None, True, False):
+        raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
+    if sync_free and generic:
+        raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
+    if process_group is None and (expert_placement != "balanced" or activation_counts is not None):
+        raise ValueError("expert_placement and activation_counts need a process_group")
+    if process_group is not None and generic:
+        raise NotImplementedError("expert parallel (process_group) supports transformers MoE blocks only, not "
+                                  "OffloadedMoEBlock")
+
+
 def offload_moe_experts(
     model: nn.Module,
     *,
@@ -182,27 +206,9 @@ def offload_moe_experts(
     the routing first."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
-    if any(b.controller is not None for b in generic):
-        raise ValueError("this model's OffloadedMoEBlocks are already attached to a controller; offload a "
-                         "model once (close the controller and build the model again to change the budget)")
-    if not hf_blocks and not generic:
-        raise ValueError(
-            "no MoE block found: expected transformers-5 *Experts modules (gate_up_proj/down_proj) "
-            "or OffloadedMoEBlock instances"
-        )
-    if hf_blocks and generic:
-        raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
-    if sync_free not in (None, True, False):
-        raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
-    if sync_free and generic:
-        raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
-    if process_group is None and (expert_placement != "balanced" or activation_counts is not None):
-        raise ValueError("expert_placement and activation_counts need a process_group")
+    _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts)
     ep = None
     if process_group is not None:
-        if generic:
-            raise NotImplementedError("expert parallel (process_group) supports transformers MoE blocks only, not "
-                                      "OffloadedMoEBlock")
         from prefetch.expert_parallel import setup_expert_parallel
 
         top_k = getattr(hf_blocks[0][2], "top_k", None) or getattr(model.config, "num_experts_per_tok", 1)
