@@ -57,7 +57,7 @@ for step in $steps; do
           [ "$side" = old ] && dir=$(cd "$OLD_TREE" && pwd)
           (cd "$dir" && PYTHONPATH="$dir" python3 bench/issuance.py --backend cuda --warmup 20 --iterations 200 \
             --json "$out/ab_bm2_${side}_$i.json" >"$out/ab_bm2_${side}_$i.txt" 2>&1)
-          (cd "$dir" && PYTHONPATH="$dir" python3 bench/bandwidth.py --sizes-mib 4 9.4 64 \
+          (cd "$dir" && PYTHONPATH="$dir" python3 bench/bandwidth.py --sizes-mib 9.4 64 \
             --json "$out/ab_bw_${side}_$i.json" >"$out/ab_bw_${side}_$i.txt" 2>&1)
           echo "$side $i: $(grep -E '^(batched|cpp)' "$out/ab_bm2_${side}_$i.txt" | tr -s ' ' | tr '\n' ';')"
           grep -E '^ +[0-9]' "$out/ab_bw_${side}_$i.txt"
