@@ -214,7 +214,8 @@ class ExpertsOffload:
         if self._local is not None:
             # Other ranks' experts get weight 0 but are still read: point them
             # at one of this rank's host rows (real weights: 0 x a finite
-            # value is 0; a cache slot could be mid-copy or never written).
+            # value is 0; a slot not pinned could be mid-copy or never
+            # written), or at a pinned slot (_forward_sync_free).
             own = self._host_rows[self._local]
             if not own.size or (own < 0).any():
                 raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
@@ -247,6 +248,13 @@ class ExpertsOffload:
             self._slot_row += self.universe.arena_row0
             np.copyto(rows, self._host_rows)
             np.copyto(rows, self._slot_row, where=pinned)
+            if self._local is not None:
+                # Other ranks' experts (weight 0) are still read: from the
+                # slot of an expert this call pinned where there is one (HBM,
+                # held until this layer's kernel has run), not over PCIe.
+                held = np.flatnonzero(pinned)
+                if held.shape[0]:
+                    rows[~self._local] = self._slot_row[held[0]]
             if self._cuda:
                 self._rowmap_dev.copy_(self._rowmap_host, non_blocking=True)
                 if self._rowmap_event is None:
