@@ -316,18 +316,26 @@ cdef class PrefetchHandle(_HandleBase):
         with nogil:
             self._c.EnqueuePrefetch(tid, band)
 
-    def cancel(self, tensor_ids):
-        """Removes queued ids (not copying or resident ones, and not ids an
-        acquirer waits for). Returns how many were removed."""
+    cdef size_t _drop(self, tensor_ids, bint evict) except? 0:
+        """cancel (evict False) or evict of `tensor_ids`: one GIL-free call;
+        returns how many ids it dropped."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]
-        cdef size_t removed = 0
+        cdef size_t dropped = 0
         if n == 0:
             return 0
         with nogil:
-            removed = self._c.Cancel(&ids[0], n)
-        return removed
+            if evict:
+                dropped = self._c.Evict(&ids[0], n)
+            else:
+                dropped = self._c.Cancel(&ids[0], n)
+        return dropped
+
+    def cancel(self, tensor_ids):
+        """Removes queued ids (not copying or resident ones, and not ids an
+        acquirer waits for). Returns how many were removed."""
+        return self._drop(tensor_ids, False)
 
     def cancel_at_or_below(self, band):
         """Removes every queued id at `band` or less urgent (band >= `band`).
@@ -351,15 +359,7 @@ cdef class PrefetchHandle(_HandleBase):
     def evict(self, tensor_ids):
         """Drops resident ids from the cache (not acquired ones, nor ones a
         stream still reads). Returns how many were evicted."""
-        self._check_open()
-        cdef const int64_t[::1] ids = as_id_array(tensor_ids)
-        cdef size_t n = ids.shape[0]
-        cdef size_t evicted = 0
-        if n == 0:
-            return 0
-        with nogil:
-            evicted = self._c.Evict(&ids[0], n)
-        return evicted
+        return self._drop(tensor_ids, True)
 
     def hint_next_use(self, tensor_ids, when, *, now=None):
         """Says when each id will next be read, on the caller's own clock
