@@ -86,7 +86,7 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
   }
   CheckNotForked();
   {
-    std::unique_lock<std::mutex> lk(mu_);
+    MutexLock lk(mu_);
     CheckUsableLocked();
     ValidateIdsLocked(a.release_ids, a.n_release);
     ValidateIdsLocked(a.cancel_ids, a.n_cancel);
@@ -183,7 +183,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
   }
   if (n == 0) return;
   CheckNotForked();
-  std::unique_lock<std::mutex> lk(mu_);
+  MutexLock lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
   CheckFitsLocked(ids, n);
@@ -197,7 +197,7 @@ void ArcherPrefetchHandle::Acquire(const int64_t* ids, size_t n,
 void ArcherPrefetchHandle::AcquireLocked(const int64_t* ids, size_t n,
                                          const uintptr_t* streams,
                                          double timeout_s, SlotInfo* slots,
-                                         std::unique_lock<std::mutex>& lk) {
+                                         MutexLock& lk) {
   TickAcquireClockLocked();
   std::vector<uint64_t> error_seq(n);
   const uint64_t wake_mask = PinAndQueueMissesLocked(ids, n, error_seq.data());
@@ -269,7 +269,7 @@ uint64_t ArcherPrefetchHandle::PinAndQueueMissesLocked(const int64_t* ids,
 // memcpy itself and stays on the worker, so `timeout` bounds the wait.
 // Drops and retakes `lk` while issuing (CopyEntryLocked).
 void ArcherPrefetchHandle::IssueOwnCopiesLocked(const int64_t* ids, size_t n,
-                                                std::unique_lock<std::mutex>& lk) {
+                                                MutexLock& lk) {
   if (!backend_->IsAsync() || paused_) return;
   for (size_t i = 0; i < n && !stop_; ++i) {
     Entry* e = LookupLocked(ids[i]);
@@ -289,7 +289,7 @@ void ArcherPrefetchHandle::IssueOwnCopiesLocked(const int64_t* ids, size_t n,
 // every id, ends this active call and throws.
 void ArcherPrefetchHandle::WaitUntilResidentLocked(
     const int64_t* ids, size_t n, const uint64_t* error_seq, double timeout_s,
-    std::unique_lock<std::mutex>& lk) {
+    MutexLock& lk) {
   const auto deadline =
       Clock::now() + std::chrono::duration_cast<Clock::duration>(
                          std::chrono::duration<double>(timeout_s));
@@ -341,7 +341,7 @@ void ArcherPrefetchHandle::WaitUntilResidentLocked(
 void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
                                               const uintptr_t* streams,
                                               SlotInfo* slots,
-                                              std::unique_lock<std::mutex>& lk) {
+                                              MutexLock& lk) {
   const bool async = backend_->IsAsync();
   std::vector<CopyToken> cpu_waits;
   std::string stream_error;
@@ -405,7 +405,7 @@ void ArcherPrefetchHandle::Release(const int64_t* ids, size_t n,
                                    const uintptr_t* streams) {
   if (n == 0) return;
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
   ReleaseLocked(ids, n, streams);

@@ -116,7 +116,7 @@ void ArcherPrefetchHandle::StartWorkers() {
       try {
         WorkerLoop(raw);
       } catch (...) {
-        std::lock_guard<std::mutex> lk(mu_);
+        MutexGuard lk(mu_);
         raw->worker_failed = true;
         ready_cv_.notify_all();
       }
@@ -224,7 +224,7 @@ void ArcherPrefetchHandle::UnpinOneLocked(Entry* e) {
 
 uint64_t ArcherPrefetchHandle::LastBatchNs() const {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   return stats_.last_batch_ns;
 }
 
@@ -268,7 +268,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
   }
   CheckPriority(priority);
   CheckNotForked();
-  std::unique_lock<std::mutex> lk(mu_);
+  MutexLock lk(mu_);
   CheckUsableLocked();
   ResolveIdsLocked(ids, n);  // all-or-nothing: throws before any change
   uint64_t enqueued = 0, upgraded = 0, touched = 0;
@@ -335,7 +335,7 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
 
 size_t ArcherPrefetchHandle::Cancel(const int64_t* ids, size_t n) {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   ValidateIdsLocked(ids, n);
   return CancelLocked(ids, n);
@@ -360,7 +360,7 @@ size_t ArcherPrefetchHandle::CancelLocked(const int64_t* ids, size_t n) {
 size_t ArcherPrefetchHandle::CancelAtOrBelow(int band) {
   CheckPriority(band);
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   size_t removed = 0;
   for (auto& dev : devices_) {
@@ -381,7 +381,7 @@ size_t ArcherPrefetchHandle::CancelAtOrBelow(int band) {
 
 size_t ArcherPrefetchHandle::Evict(const int64_t* ids, size_t n) {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   ResolveIdsLocked(ids, n);
   size_t evicted = 0;
@@ -405,7 +405,7 @@ size_t ArcherPrefetchHandle::Evict(const int64_t* ids, size_t n) {
 void ArcherPrefetchHandle::HintNextUse(const int64_t* ids, const int64_t* when,
                                        size_t n, int64_t now, bool set_now) {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   CheckHintsLocked(ids, when, n, now, set_now);
   HintLocked(ids, when, n, now, set_now);
@@ -429,7 +429,7 @@ void ArcherPrefetchHandle::HintLocked(const int64_t* ids, const int64_t* when,
 }
 
 int64_t ArcherPrefetchHandle::HintClock() const {
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   return hint_clock_;
 }
 
@@ -438,7 +438,7 @@ int64_t ArcherPrefetchHandle::HintClock() const {
 std::vector<std::pair<int, int64_t>> ArcherPrefetchHandle::QueueSnapshot(
     int device) const {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   CheckDevice(device);
   std::vector<std::pair<int, int64_t>> out;
@@ -449,7 +449,7 @@ std::vector<std::pair<int, int64_t>> ArcherPrefetchHandle::QueueSnapshot(
 
 std::vector<int64_t> ArcherPrefetchHandle::ResidentSnapshot(int device) const {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   CheckDevice(device);
   std::vector<int64_t> out;
@@ -463,7 +463,7 @@ std::vector<int64_t> ArcherPrefetchHandle::ResidentSnapshot(int device) const {
 
 void ArcherPrefetchHandle::DebugHoldCopies(int device, uintptr_t stream) {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   CheckDevice(device);
   backend_->HoldCopiesUntil(device, stream);
@@ -471,14 +471,14 @@ void ArcherPrefetchHandle::DebugHoldCopies(int device, uintptr_t stream) {
 
 void ArcherPrefetchHandle::Pause() {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   paused_ = true;
 }
 
 void ArcherPrefetchHandle::Resume() {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   paused_ = false;
   for (auto& dev : devices_) dev->work_cv.notify_one();
@@ -487,7 +487,7 @@ void ArcherPrefetchHandle::Resume() {
 
 Stats ArcherPrefetchHandle::GetStats() const {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   Stats s = stats_;
   for (const auto& dev : devices_) {
     s.queue_depth += dev->queue.size();
@@ -513,7 +513,7 @@ void ArcherPrefetchHandle::Close() {
     return;
   }
   {
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexGuard lk(mu_);
     if (closed_) return;
     closed_ = true;
     stop_ = true;
@@ -528,7 +528,7 @@ void ArcherPrefetchHandle::Close() {
   for (auto& dev : devices_) {
     if (dev->worker.joinable()) dev->worker.join();
   }
-  std::unique_lock<std::mutex> lk(mu_);
+  MutexLock lk(mu_);
   idle_cv_.wait(lk, [this] { return active_calls_ == 0; });
   FreeEverythingLocked();
 }

@@ -40,6 +40,7 @@
 #include "errors.h"
 #include "stats.h"
 #include "task_queue.h"
+#include "thread_annotations.h"
 
 namespace prefetch {
 
@@ -211,7 +212,7 @@ class ArcherPrefetchHandle {
     TaskQueue queue;                     // pending copies
     std::unique_ptr<DeviceCache> cache;  // arena + eviction policy
     bool owns_arena = false;             // arena came from the backend
-    std::condition_variable work_cv;     // wakes the worker
+    CondVar work_cv;                     // wakes the worker
     bool worker_waiting = false;         // worker sleeps on work_cv
     bool worker_needs_room = false;      // ...because no slot could be freed
     bool worker_failed = false;          // worker died of an unexpected error
@@ -235,16 +236,16 @@ class ArcherPrefetchHandle {
   // Its steps (copy_worker.cpp).
   void FailUnstartedLocked(DeviceState* dev, Entry* e, const std::string& error);
   bool WaitForRoomInFlightLocked(DeviceState* dev, Entry* e,
-                                 std::unique_lock<std::mutex>& lk);
+                                 MutexLock& lk);
   void WaitForFreeSlotLocked(DeviceState* dev, bool wait_for_events,
-                             std::unique_lock<std::mutex>& lk);
+                             MutexLock& lk);
   void CopyEntryLocked(DeviceState* dev, Entry* e,
-                       std::unique_lock<std::mutex>& lk);
+                       MutexLock& lk);
   // The end of an entry's copy: resident (in flight while `token` is
   // pending), or back on the host with `error`; wakes acquirers.
   void FinishCopyLocked(DeviceState* dev, Entry* e, CopyToken token,
                         const std::string& error,
-                        std::unique_lock<std::mutex>& lk);
+                        MutexLock& lk);
   bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events,
                          bool* refused = nullptr);
   // A resident entry leaves the cache: policy, slot, in-flight list, tokens.
@@ -278,18 +279,18 @@ class ArcherPrefetchHandle {
   // calls it directly. Drops and retakes `lk` (own copies, CPU waits).
   void AcquireLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
                      double timeout_s, SlotInfo* slots,
-                     std::unique_lock<std::mutex>& lk);
+                     MutexLock& lk);
   // Its steps (acquire_release.cpp says what each does).
   uint64_t PinAndQueueMissesLocked(const int64_t* ids, size_t n,
                                    uint64_t* error_seq);
   void IssueOwnCopiesLocked(const int64_t* ids, size_t n,
-                            std::unique_lock<std::mutex>& lk);
+                            MutexLock& lk);
   void WaitUntilResidentLocked(const int64_t* ids, size_t n,
                                const uint64_t* error_seq, double timeout_s,
-                               std::unique_lock<std::mutex>& lk);
+                               MutexLock& lk);
   void HandOutSlotsLocked(const int64_t* ids, size_t n,
                           const uintptr_t* streams, SlotInfo* slots,
-                          std::unique_lock<std::mutex>& lk);
+                          MutexLock& lk);
   void EndActiveCallLocked();  // --active_calls_, wakes Close at zero
   void TickAcquireClockLocked();  // ++acquire_calls_ and every policy's clock
   // Step's pin_ids and use_ids (Note [Pins without waiting]).
@@ -325,9 +326,9 @@ class ArcherPrefetchHandle {
   const bool poison_freed_slots_;
   const long owner_pid_;  // process that built the handle (fork detection)
 
-  mutable std::mutex mu_;  // Note [One lock]
-  std::condition_variable ready_cv_;  // entry became resident/failed; close
-  std::condition_variable idle_cv_;   // active_calls_ dropped to zero
+  mutable Mutex mu_;  // Note [One lock]
+  CondVar ready_cv_;  // entry became resident/failed; close
+  CondVar idle_cv_;   // active_calls_ dropped to zero
   std::vector<std::unique_ptr<DeviceState>> devices_;
   // Registry pages: page p holds the entries of ids [p << kPageBits,
   // (p + 1) << kPageBits) inline, so a lookup is two dependent loads and

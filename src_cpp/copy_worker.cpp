@@ -152,7 +152,7 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
   } catch (const std::exception& ex) {
     bind_error = ex.what();
   }
-  std::unique_lock<std::mutex> lk(mu_);
+  MutexLock lk(mu_);
   while (!stop_) {
     if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
     if (paused_ || dev->queue.empty()) {
@@ -206,7 +206,7 @@ void ArcherPrefetchHandle::FailUnstartedLocked(DeviceState* dev, Entry* e,
 // in flight, an urgent one first), false if `e` may go now. Drops and
 // retakes `lk` while it waits.
 bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
-    DeviceState* dev, Entry* e, std::unique_lock<std::mutex>& lk) {
+    DeviceState* dev, Entry* e, MutexLock& lk) {
   const bool held_back =
       e->band != kOnDemandBand && !SpeculationAllowedLocked(dev);
   if (held_back && dev->inflight.empty()) {
@@ -245,7 +245,7 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
 // unregister or close. GPU-side uses complete without a notification, so
 // with `wait_for_events` poll every 100 us.
 void ArcherPrefetchHandle::WaitForFreeSlotLocked(
-    DeviceState* dev, bool wait_for_events, std::unique_lock<std::mutex>& lk) {
+    DeviceState* dev, bool wait_for_events, MutexLock& lk) {
   dev->worker_waiting = true;
   dev->worker_needs_room = true;
   if (wait_for_events) {
@@ -258,7 +258,7 @@ void ArcherPrefetchHandle::WaitForFreeSlotLocked(
 }
 
 void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
-                                           std::unique_lock<std::mutex>& lk) {
+                                           MutexLock& lk) {
   e->state = EntryState::kCopying;
   dev->copying_bytes += e->bytes;
   const bool urgent = e->band == kOnDemandBand;
@@ -312,7 +312,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
 void ArcherPrefetchHandle::FinishCopyLocked(DeviceState* dev, Entry* e,
                                             CopyToken token,
                                             const std::string& error,
-                                            std::unique_lock<std::mutex>& lk) {
+                                            MutexLock& lk) {
   if (!error.empty()) {
     if (token != kTokenDone) {
       lk.unlock();

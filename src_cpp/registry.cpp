@@ -71,7 +71,7 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
                                           size_t n_parts) {
   {
     CheckNotForked();
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexGuard lk(mu_);
     CheckUsableLocked();
     CheckRegistrationLocked(id, total_bytes, device);
     for (size_t p = 0; p < n_parts; ++p) {
@@ -105,7 +105,7 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
   } catch (const std::exception& e) {
     failure = e.what();
   }
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   --active_calls_;
   if (active_calls_ == 0) idle_cv_.notify_all();
   if (!failure.empty()) throw PrefetchError(failure_kind, failure);
@@ -122,7 +122,7 @@ void ArcherPrefetchHandle::RegisterTensor(int64_t id, size_t total_bytes,
 void ArcherPrefetchHandle::RegisterExternal(int64_t id, const void* host_ptr,
                                             size_t bytes, int device) {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   CheckUsableLocked();
   if (host_ptr == nullptr) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
@@ -138,7 +138,7 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
   size_t bytes = 0;
   {
     CheckNotForked();
-    std::lock_guard<std::mutex> lk(mu_);
+    MutexGuard lk(mu_);
     CheckUsableLocked();
     Entry* e = LookupLocked(id);
     if (e == nullptr) {
@@ -176,7 +176,7 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
 
 bool ArcherPrefetchHandle::IsRegistered(int64_t id) const {
   CheckNotForked();
-  std::lock_guard<std::mutex> lk(mu_);
+  MutexGuard lk(mu_);
   return !closed_ && LookupLocked(id) != nullptr;
 }
 
