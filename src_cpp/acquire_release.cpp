@@ -371,7 +371,7 @@ void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
     EndActiveCallLocked();
     throw PrefetchError(ErrorKind::kCopyFailed, stream_error);
   }
-  lk.unlock();
+  DropLock(lk);
   // Pinned entries keep their tokens (Note [Completion tokens]).
   std::string wait_error;
   for (CopyToken t : cpu_waits) {
@@ -381,7 +381,7 @@ void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
       if (wait_error.empty()) wait_error = ex.what();
     }
   }
-  lk.lock();
+  RetakeLock(lk);
   EndActiveCallLocked();
   if (!wait_error.empty()) {
     UnpinLocked(ids, n);

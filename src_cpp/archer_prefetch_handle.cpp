@@ -529,7 +529,8 @@ void ArcherPrefetchHandle::Close() {
     if (dev->worker.joinable()) dev->worker.join();
   }
   MutexLock lk(mu_);
-  idle_cv_.wait(lk, [this] { return active_calls_ == 0; });
+  // The wait calls its predicate with mu_ held; clang checks a lambda on its own.
+  idle_cv_.wait(lk, [this]() REQUIRES(mu_) { return active_calls_ == 0; });
   FreeEverythingLocked();
 }
 

@@ -12,6 +12,14 @@
 // the batched enqueue takes it exactly once. Workers never hold it while
 // copying bytes, and never call into Python. Public methods never call other
 // public methods; helpers named *Locked REQUIRE mu_.
+// Clang checks this (Note [Checked lock discipline] in thread_annotations.h):
+// the members mu_ guards are GUARDED_BY(mu_), every *Locked helper is
+// REQUIRES(mu_) and the public methods that take it EXCLUDES(mu_). A helper
+// that drops and retakes the lock says so in its comment; it does so through
+// DropLock/RetakeLock, so the analysis knows mu_ is not held in between.
+// The state of DeviceState, Entry, TaskQueue and DeviceCache is guarded by
+// mu_ too, but clang cannot name the handle's mutex from those types: it is
+// checked only through the REQUIRES of the functions that touch it.
 //
 // Note [Acquire pins]
 // Acquire increments Entry::pins before it waits, so an entry an acquirer is
@@ -131,30 +139,31 @@ class ArcherPrefetchHandle {
   // zero) into engine-owned host memory under `id`. REQUIRES: id unused,
   // 0 <= id <= kMaxTensorId, 0 < total_bytes <= the device's budget.
   void RegisterTensor(int64_t id, size_t total_bytes, int device,
-                      const HostPart* parts, size_t n_parts);
+                      const HostPart* parts, size_t n_parts) EXCLUDES(mu_);
   // Registers caller-owned host memory as `id` without copying it. The
   // caller keeps it alive and unchanged until the id is unregistered or the
   // handle closed; for DMA backends it must be page-locked (e.g. a torch
   // tensor made with pin_memory=True) or copies fall back to slow paths.
   void RegisterExternal(int64_t id, const void* host_ptr, size_t bytes,
-                        int device);
+                        int device) EXCLUDES(mu_);
   // Forgets `id` and frees its memory. REQUIRES: not acquired, not copying.
-  void UnregisterTensor(int64_t id);
-  bool IsRegistered(int64_t id) const;
+  void UnregisterTensor(int64_t id) EXCLUDES(mu_);
+  bool IsRegistered(int64_t id) const EXCLUDES(mu_);
 
   // Prefetch at `priority` (0..kNumBands-1). All ids are validated first:
   // one unknown id throws kUnknownId and nothing is enqueued.
-  void EnqueuePrefetch(int64_t id, int priority);
-  void EnqueuePrefetchTensors(const int64_t* ids, size_t n, int priority);
+  void EnqueuePrefetch(int64_t id, int priority) EXCLUDES(mu_);
+  void EnqueuePrefetchTensors(const int64_t* ids, size_t n, int priority)
+      EXCLUDES(mu_);
 
   // Removes queued ids that no acquirer waits for; returns how many.
-  size_t Cancel(const int64_t* ids, size_t n);
+  size_t Cancel(const int64_t* ids, size_t n) EXCLUDES(mu_);
   // Removes every queued id in bands >= band (no acquirer waiting).
-  size_t CancelAtOrBelow(int band);
+  size_t CancelAtOrBelow(int band) EXCLUDES(mu_);
 
   // Evicts the listed ids that are resident, unpinned and no longer used on
   // any stream (others are left alone); returns how many were evicted.
-  size_t Evict(const int64_t* ids, size_t n);
+  size_t Evict(const int64_t* ids, size_t n) EXCLUDES(mu_);
 
   // Next-use hints (Note [Next-use eviction] in eviction_policy.h): id i is next
   // read at `when[i]` on the caller's clock (kNoNextUse: unknown), and, with
@@ -162,8 +171,8 @@ class ArcherPrefetchHandle {
   // hints; others keep them. All-or-nothing: an unknown id, a negative time
   // or a clock going backwards throws and changes nothing.
   void HintNextUse(const int64_t* ids, const int64_t* when, size_t n,
-                   int64_t now, bool set_now);
-  int64_t HintClock() const;
+                   int64_t now, bool set_now) EXCLUDES(mu_);
+  int64_t HintClock() const EXCLUDES(mu_);
 
   // Waits until every id is resident and pins it. `streams` (nullptr, or one
   // per device, kNoStream = none; 0 is the legacy default stream, a real
@@ -173,40 +182,45 @@ class ArcherPrefetchHandle {
   // CPU waits for the copy. Writes where each id lives to slots[i].
   // All-or-nothing: on timeout, copy failure or close, nothing stays pinned.
   void Acquire(const int64_t* ids, size_t n, const uintptr_t* streams,
-               double timeout_s, SlotInfo* slots);
+               double timeout_s, SlotInfo* slots) EXCLUDES(mu_);
   // Unpins. With a stream for the id's device, the slot is not reused before
   // the work queued on that stream so far has completed: one event per
   // device stream per call (Note [One token per release]). All-or-nothing.
-  void Release(const int64_t* ids, size_t n, const uintptr_t* streams);
+  void Release(const int64_t* ids, size_t n, const uintptr_t* streams)
+      EXCLUDES(mu_);
 
   // One MoE layer's whole conversation with the engine in one call (Note
   // [One call per layer]): release the previous layer's ids, cancel guesses
   // that turned out wrong, take next-use hints, acquire this layer's ids and
   // queue the predicted ones at `prefetch_band`. Every argument is checked
   // before anything changes; then the steps run in that order.
-  void Step(const StepArgs& args);
+  void Step(const StepArgs& args) EXCLUDES(mu_);
 
   // Inspection (tests, debugging): queued ids of a device, most urgent band
   // first and FIFO within a band, as (band, id) pairs; resident ids of a
   // device in eviction order (next victim first).
-  std::vector<std::pair<int, int64_t>> QueueSnapshot(int device) const;
-  std::vector<int64_t> ResidentSnapshot(int device) const;
+  std::vector<std::pair<int, int64_t>> QueueSnapshot(int device) const
+      EXCLUDES(mu_);
+  std::vector<int64_t> ResidentSnapshot(int device) const EXCLUDES(mu_);
 
   // Tests: stall the device's copies on the GPU until `stream`'s work so far
   // completes (CUDA backend only).
-  void DebugHoldCopies(int device, uintptr_t stream);
+  void DebugHoldCopies(int device, uintptr_t stream) EXCLUDES(mu_);
 
-  void Pause();
-  void Resume();
-  Stats GetStats() const;
+  void Pause() EXCLUDES(mu_);
+  void Resume() EXCLUDES(mu_);
+  Stats GetStats() const EXCLUDES(mu_);
   // The engine's own duration of the last batched enqueue, without copying
   // the whole Stats (BM2's cpp-internal figure).
-  uint64_t LastBatchNs() const;
+  uint64_t LastBatchNs() const EXCLUDES(mu_);
   // Cancels the queue, wakes waiters with kClosed, joins workers, frees
   // memory. Bounded by one copy chunk per worker; idempotent.
-  void Close();
+  void Close() EXCLUDES(mu_);
 
  private:
+  // Every field but `index`, the `cache` pointer and `worker` (set at
+  // construction; Close joins `worker`) is guarded by mu_, and so is what
+  // `queue` and `*cache` hold: clang cannot check it (Note [One lock]).
   struct DeviceState {
     int index = 0;                       // device ordinal
     TaskQueue queue;                     // pending copies
@@ -232,91 +246,149 @@ class ArcherPrefetchHandle {
   void BuildDevices(const HandleOptions& options);
   void StartWorkers();
 
-  void WorkerLoop(DeviceState* dev);
+  // `lk` holds mu_ and came from the caller: drop it (for a copy, a CPU
+  // wait) and take it back. Named functions rather than lk.unlock() and
+  // lk.lock() because clang's analysis cannot tie a lock passed by
+  // reference to mu_; through these it knows mu_ is not held in between.
+  // Their own bodies are the one unchecked step.
+  void DropLock(MutexLock& lk) RELEASE(mu_) NO_THREAD_SAFETY_ANALYSIS {
+    lk.unlock();
+  }
+  void RetakeLock(MutexLock& lk) ACQUIRE(mu_) NO_THREAD_SAFETY_ANALYSIS {
+    lk.lock();
+  }
+
+  // A device's copy worker: takes mu_, and holds it except while it waits on
+  // work_cv and while its helpers drop it.
+  void WorkerLoop(DeviceState* dev) EXCLUDES(mu_);
   // Its steps (copy_worker.cpp).
-  void FailUnstartedLocked(DeviceState* dev, Entry* e, const std::string& error);
-  bool WaitForRoomInFlightLocked(DeviceState* dev, Entry* e,
-                                 MutexLock& lk);
+  // The worker could not start: the queued entry `e` fails with `error`.
+  void FailUnstartedLocked(DeviceState* dev, Entry* e, const std::string& error)
+      REQUIRES(mu_);
+  // Holds speculation back and every copy to max_bytes_in_flight; returns
+  // true if it waited (the caller re-checks everything). Drops and retakes
+  // mu_ through `lk` while it waits, on work_cv or for a copy in flight.
+  bool WaitForRoomInFlightLocked(DeviceState* dev, Entry* e, MutexLock& lk)
+      REQUIRES(mu_);
+  // No slot can be freed: waits on work_cv (dropping mu_ inside the wait)
+  // for a release, an unregister, close, or 100 us with `wait_for_events`.
   void WaitForFreeSlotLocked(DeviceState* dev, bool wait_for_events,
-                             MutexLock& lk);
-  void CopyEntryLocked(DeviceState* dev, Entry* e,
-                       MutexLock& lk);
+                             MutexLock& lk) REQUIRES(mu_);
+  // Copies `e` (out of the queue, its slot reserved by ReserveSlotLocked)
+  // into its slot chunk by chunk on one lane, then FinishCopyLocked. Drops
+  // mu_ around each chunk's backend call and retakes it (DropLock/
+  // RetakeLock): other threads run in between, so anything the caller read
+  // before the call must be read again. Between the chunks of a speculative
+  // copy it issues a queued on-demand entry first (one level of recursion).
+  // Called by the worker and by acquirers issuing their own misses.
+  void CopyEntryLocked(DeviceState* dev, Entry* e, MutexLock& lk)
+      REQUIRES(mu_);
   // The end of an entry's copy: resident (in flight while `token` is
-  // pending), or back on the host with `error`; wakes acquirers.
+  // pending), or back on the host with `error`; wakes acquirers. On an
+  // error with chunks already issued, drops mu_ while it waits for them.
   void FinishCopyLocked(DeviceState* dev, Entry* e, CopyToken token,
-                        const std::string& error,
-                        MutexLock& lk);
+                        const std::string& error, MutexLock& lk)
+      REQUIRES(mu_);
+  // Finds `e` a slot of e->bytes in dev's cache (e->slot_offset,
+  // e->slot_bytes), evicting the policy's evictable victims one by one
+  // until one fits. An unpinned speculative `e` evicts no entry needed no
+  // later than itself (Note [Speculation never hurts]). Returns true with
+  // the slot reserved: the caller copies into it or frees it. Returns false
+  // with no slot when no victim can go; victims evicted on the way stay
+  // evicted. Then *wait_for_events says an unpinned victim waits only on
+  // GPU work (poll for it), and *refused, when given, that admission
+  // refused a victim. Never drops mu_; only queries tokens, never waits.
   bool ReserveSlotLocked(DeviceState* dev, Entry* e, bool* wait_for_events,
-                         bool* refused = nullptr);
+                         bool* refused = nullptr) REQUIRES(mu_);
   // A resident entry leaves the cache: policy, slot, in-flight list, tokens.
-  void DropSlotLocked(DeviceState* dev, Entry* e);
+  void DropSlotLocked(DeviceState* dev, Entry* e) REQUIRES(mu_);
   // DropSlotLocked, counted as an eviction (and as waste if never acquired).
-  void EvictLocked(DeviceState* dev, Entry* e);
-  void RetireInflightLocked(DeviceState* dev);
-  void DropInflightLocked(DeviceState* dev, Entry* e);
-  void WakeWorkersLocked(uint64_t device_mask);
+  void EvictLocked(DeviceState* dev, Entry* e) REQUIRES(mu_);
+  // Takes every entry whose copy has completed (`ready` queried done) off
+  // dev->inflight, in any order, and its bytes off inflight_bytes and
+  // inflight_urgent_bytes. The entries stay resident and keep their tokens.
+  // Never drops mu_; only queries tokens, never waits.
+  void RetireInflightLocked(DeviceState* dev) REQUIRES(mu_);
+  // Takes `e` off dev->inflight if it is there (evicted or unregistered).
+  void DropInflightLocked(DeviceState* dev, Entry* e) REQUIRES(mu_);
+  // Notifies the worker of each device in `device_mask` (bit d: device d)
+  // that sleeps on work_cv, unless paused (Resume wakes them all). A worker
+  // that is awake re-checks its queue under mu_ before it sleeps, so it
+  // needs no notify; a sleeping one cannot miss this one, since it set
+  // worker_waiting under mu_. Call it after queueing the work.
+  void WakeWorkersLocked(uint64_t device_mask) REQUIRES(mu_);
 
   void CheckNotForked() const;
-  void CheckUsableLocked() const;
+  void CheckUsableLocked() const REQUIRES(mu_);
   void CheckDevice(int device) const;  // kInvalidArgument: no such device
   static void CheckPriority(int priority);
-  Entry* LookupLocked(int64_t id) const;
-  void ValidateIdsLocked(const int64_t* ids, size_t n) const;
+  Entry* LookupLocked(int64_t id) const REQUIRES(mu_);
+  void ValidateIdsLocked(const int64_t* ids, size_t n) const REQUIRES(mu_);
   // Throws unless `id` can be registered with `bytes` on `device`.
-  void CheckRegistrationLocked(int64_t id, size_t bytes, int device) const;
+  void CheckRegistrationLocked(int64_t id, size_t bytes, int device) const
+      REQUIRES(mu_);
   // Adds a registry entry (throws kOutOfMemory without changing anything).
   void InsertEntryLocked(int64_t id, void* host, size_t bytes, int device,
-                         bool owns_host);
+                         bool owns_host) REQUIRES(mu_);
   // Validates and stores the entries in batch_scratch_.
-  void ResolveIdsLocked(const int64_t* ids, size_t n);
-  void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const;
-  void UnpinLocked(const int64_t* ids, size_t n);
+  void ResolveIdsLocked(const int64_t* ids, size_t n) REQUIRES(mu_);
+  void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const
+      REQUIRES(mu_);
+  void UnpinLocked(const int64_t* ids, size_t n) REQUIRES(mu_);
   // Throws kInvalidArgument if the distinct ids of one device need more
   // slot bytes together than its budget (they could never be held at once).
-  void CheckFitsLocked(const int64_t* ids, size_t n) const;
-  void ReleaseLocked(const int64_t* ids, size_t n, const uintptr_t* streams);
+  void CheckFitsLocked(const int64_t* ids, size_t n) const REQUIRES(mu_);
+  void ReleaseLocked(const int64_t* ids, size_t n, const uintptr_t* streams)
+      REQUIRES(mu_);
   // Acquire once its ids are checked (valid, fitting), under `lk`; Step
-  // calls it directly. Drops and retakes `lk` (own copies, CPU waits).
+  // calls it directly. Drops and retakes mu_ through `lk` (own copies, CPU
+  // waits) and waits on ready_cv_.
   void AcquireLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
-                     double timeout_s, SlotInfo* slots,
-                     MutexLock& lk);
+                     double timeout_s, SlotInfo* slots, MutexLock& lk)
+      REQUIRES(mu_);
   // Its steps (acquire_release.cpp says what each does).
   uint64_t PinAndQueueMissesLocked(const int64_t* ids, size_t n,
-                                   uint64_t* error_seq);
-  void IssueOwnCopiesLocked(const int64_t* ids, size_t n,
-                            MutexLock& lk);
+                                   uint64_t* error_seq) REQUIRES(mu_);
+  // Drops and retakes mu_ through `lk` (CopyEntryLocked).
+  void IssueOwnCopiesLocked(const int64_t* ids, size_t n, MutexLock& lk)
+      REQUIRES(mu_);
+  // Waits on ready_cv_ (dropping mu_ inside each wait).
   void WaitUntilResidentLocked(const int64_t* ids, size_t n,
                                const uint64_t* error_seq, double timeout_s,
-                               MutexLock& lk);
+                               MutexLock& lk) REQUIRES(mu_);
+  // Drops mu_ through `lk` while the CPU waits for copies, then retakes it.
   void HandOutSlotsLocked(const int64_t* ids, size_t n,
                           const uintptr_t* streams, SlotInfo* slots,
-                          MutexLock& lk);
-  void EndActiveCallLocked();  // --active_calls_, wakes Close at zero
-  void TickAcquireClockLocked();  // ++acquire_calls_ and every policy's clock
+                          MutexLock& lk) REQUIRES(mu_);
+  // --active_calls_, wakes Close at zero
+  void EndActiveCallLocked() REQUIRES(mu_);
+  // ++acquire_calls_ and every policy's clock
+  void TickAcquireClockLocked() REQUIRES(mu_);
   // Step's pin_ids and use_ids (Note [Pins without waiting]).
   void PinResidentLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
-                         int64_t* offsets);
-  void UseLocked(const int64_t* ids, size_t n);
+                         int64_t* offsets) REQUIRES(mu_);
+  void UseLocked(const int64_t* ids, size_t n) REQUIRES(mu_);
   // Cancel and HintNextUse once their arguments are checked (CancelLocked
   // counts what it removed and returns it).
-  size_t CancelLocked(const int64_t* ids, size_t n);
+  size_t CancelLocked(const int64_t* ids, size_t n) REQUIRES(mu_);
   void HintLocked(const int64_t* ids, const int64_t* when, size_t n,
-                  int64_t now, bool set_now);
+                  int64_t now, bool set_now) REQUIRES(mu_);
   // Throws unless the hint arguments are valid (HintNextUse's rules).
   void CheckHintsLocked(const int64_t* ids, const int64_t* when, size_t n,
-                        int64_t now, bool set_now) const;
+                        int64_t now, bool set_now) const REQUIRES(mu_);
   // A speculative (band > 0) copy may start on this device now: no
   // on-demand copy in flight, and speculative bytes in flight under the cap
   // (Note [Speculation never hurts]). Reads the in-flight gauges as they
   // are: the caller retires finished copies first (RetireInflightLocked).
-  bool SpeculationAllowedLocked(const DeviceState* dev) const;
+  bool SpeculationAllowedLocked(const DeviceState* dev) const REQUIRES(mu_);
   // Pin-count changes that keep pinned_entries_ exact.
-  void PinLocked(Entry* e);
-  void UnpinOneLocked(Entry* e);
-  void FreeEverythingLocked();
+  void PinLocked(Entry* e) REQUIRES(mu_);
+  void UnpinOneLocked(Entry* e) REQUIRES(mu_);
+  void FreeEverythingLocked() REQUIRES(mu_);
   // Returns a slot to the cache, poisoning it first when asked to.
-  void FreeSlotLocked(DeviceState* dev, Entry* e);
+  void FreeSlotLocked(DeviceState* dev, Entry* e) REQUIRES(mu_);
 
+  // Set at construction, read-only after: no lock.
   const std::unique_ptr<CopyBackend> backend_;
   const size_t copy_chunk_bytes_;
   const size_t max_bytes_in_flight_;
@@ -329,25 +401,30 @@ class ArcherPrefetchHandle {
   mutable Mutex mu_;  // Note [One lock]
   CondVar ready_cv_;  // entry became resident/failed; close
   CondVar idle_cv_;   // active_calls_ dropped to zero
+  // Filled by BuildDevices (construction), never resized after, so reading
+  // the vector needs no lock; what each DeviceState holds does.
   std::vector<std::unique_ptr<DeviceState>> devices_;
   // Registry pages: page p holds the entries of ids [p << kPageBits,
   // (p + 1) << kPageBits) inline, so a lookup is two dependent loads and
   // neighbouring ids share cache lines. A free slot has id == -1.
   static constexpr int kPageBits = 10;
   static constexpr size_t kPageSize = size_t{1} << kPageBits;
-  std::vector<std::unique_ptr<Entry[]>> pages_;
+  std::vector<std::unique_ptr<Entry[]>> pages_ GUARDED_BY(mu_);
   // Entries of the batched call being validated (reused, grows only).
-  std::vector<Entry*> batch_scratch_;
-  size_t registered_ = 0;        // entries in the registry
-  size_t pinned_entries_ = 0;    // entries with pins > 0
-  size_t registered_bytes_ = 0;  // their bytes
-  bool paused_ = false;
-  bool stop_ = false;     // workers must exit
-  bool closed_ = false;   // Close() started
-  int active_calls_ = 0;  // calls that may drop mu_ midway (Close waits)
-  int64_t hint_clock_ = std::numeric_limits<int64_t>::min();  // HintNextUse
-  uint64_t acquire_calls_ = 0;  // Acquire calls so far: Entry::want_at's clock
-  Stats stats_;           // counters; gauges are filled by GetStats
+  std::vector<Entry*> batch_scratch_ GUARDED_BY(mu_);
+  size_t registered_ GUARDED_BY(mu_) = 0;        // entries in the registry
+  size_t pinned_entries_ GUARDED_BY(mu_) = 0;    // entries with pins > 0
+  size_t registered_bytes_ GUARDED_BY(mu_) = 0;  // their bytes
+  bool paused_ GUARDED_BY(mu_) = false;
+  bool stop_ GUARDED_BY(mu_) = false;     // workers must exit
+  bool closed_ GUARDED_BY(mu_) = false;   // Close() started
+  // Calls that may drop mu_ midway (Close waits).
+  int active_calls_ GUARDED_BY(mu_) = 0;
+  // HintNextUse's clock.
+  int64_t hint_clock_ GUARDED_BY(mu_) = std::numeric_limits<int64_t>::min();
+  // Acquire calls so far: Entry::want_at's clock.
+  uint64_t acquire_calls_ GUARDED_BY(mu_) = 0;
+  Stats stats_ GUARDED_BY(mu_);  // counters; gauges are filled by GetStats
 };
 
 }  // namespace prefetch

@@ -230,13 +230,13 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
     }
   }
   const CopyToken oldest = first->ready;
-  lk.unlock();
+  DropLock(lk);
   try {
     backend_->Wait(oldest);
   } catch (...) {
     // A failed wait surfaces to the acquirer of that entry.
   }
-  lk.lock();
+  RetakeLock(lk);
   RetireInflightLocked(dev);
   return true;
 }
@@ -272,7 +272,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
   size_t done = 0;
   while (done < e->bytes) {
     const size_t chunk = std::min(copy_chunk_bytes_, e->bytes - done);
-    lk.unlock();
+    DropLock(lk);
     const Clock::time_point start = Clock::now();
     try {
       const CopyToken t =
@@ -287,7 +287,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     }
     const double seconds =
         std::chrono::duration<double>(Clock::now() - start).count();
-    lk.lock();
+    RetakeLock(lk);
     stats_.copy_seconds += seconds;
     if (!error.empty()) break;
     done += chunk;
@@ -315,12 +315,12 @@ void ArcherPrefetchHandle::FinishCopyLocked(DeviceState* dev, Entry* e,
                                             MutexLock& lk) {
   if (!error.empty()) {
     if (token != kTokenDone) {
-      lk.unlock();
+      DropLock(lk);
       try {
         backend_->Wait(token);  // chunks already issued still target the slot
       } catch (...) {
       }
-      lk.lock();
+      RetakeLock(lk);
       backend_->ReleaseToken(token);
     }
     FreeSlotLocked(dev, e);
