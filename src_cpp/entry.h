@@ -62,4 +62,20 @@ struct alignas(64) Entry {
   std::string error;                 // last copy failure, raised on acquire
 };
 
+// An Entry is on two intrusive lists at once, each through its own pair of
+// links: a TaskQueue band (q_prev, q_next) and its eviction policy's list
+// (policy_prev, policy_next). Appending `e` after `last` is the same for
+// both.
+template <Entry* Entry::*Prev, Entry* Entry::*Next>
+inline void LinkLast(Entry* e, Entry*& first, Entry*& last) {
+  e->*Next = nullptr;
+  e->*Prev = last;
+  if (last != nullptr) {
+    last->*Next = e;
+  } else {
+    first = e;
+  }
+  last = e;
+}
+
 }  // namespace prefetch

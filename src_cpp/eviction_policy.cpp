@@ -6,16 +6,7 @@
 
 namespace prefetch {
 
-void EntryList::PushNewest(Entry* e) {
-  e->policy_next = nullptr;
-  e->policy_prev = newest;
-  if (newest != nullptr) {
-    newest->policy_next = e;
-  } else {
-    oldest = e;
-  }
-  newest = e;
-}
+void EntryList::PushNewest(Entry* e) { LinkLast<&Entry::policy_prev, &Entry::policy_next>(e, oldest, newest); }
 
 void EntryList::Unlink(Entry* e) {
   if (e->policy_prev != nullptr) {
@@ -71,18 +62,22 @@ void CyclicPolicy::OnUse(Entry* e) {
   used_.PushNewest(e);
 }
 
-// Note [Cyclic eviction]: stale fresh oldest first, then used newest first,
-// then fresh oldest first (CyclicPolicy::Walk).
-Entry* CyclicPolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
-  return Walk([&](Entry* e) { return evictable(e, ctx); });
+template <class Policy>
+Entry* WalkedPolicy<Policy>::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
+  return static_cast<Policy*>(this)->Walk([&](Entry* e) { return evictable(e, ctx); });
 }
 
-void CyclicPolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
-  Walk([&](Entry* e) {
+template <class Policy>
+void WalkedPolicy<Policy>::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
+  static_cast<const Policy*>(this)->Walk([&](Entry* e) {
     fn(e, ctx);
     return false;
   });
 }
+
+// Note [Cyclic eviction]: stale fresh oldest first, then used newest first,
+// then fresh oldest first (CyclicPolicy::Walk).
+template class WalkedPolicy<CyclicPolicy>;
 
 void NextUsePolicy::Link(Entry* e) {
   e->policy_stamp = ++seq_;
@@ -114,17 +109,9 @@ void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
   Place(e);  // a hint is not a use: the touch sequence stays
 }
 
-// Note [Next-use eviction]: no valid hint first, then farthest next use.
-Entry* NextUsePolicy::PickVictim(bool (*evictable)(Entry*, void*), void* ctx) {
-  return Walk([&](Entry* e) { return evictable(e, ctx); });
-}
-
-void NextUsePolicy::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
-  Walk([&](Entry* e) {
-    fn(e, ctx);
-    return false;
-  });
-}
+// Note [Next-use eviction]: no valid hint first, then farthest next use
+// (NextUsePolicy::Walk).
+template class WalkedPolicy<NextUsePolicy>;
 
 void CheckEvictionPolicyName(const std::string& name) {
   if (name != "lru" && name != "cyclic" && name != "next-use") {

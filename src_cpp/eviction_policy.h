@@ -40,6 +40,17 @@ class EvictionPolicy {
   virtual Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) = 0;
 };
 
+// A policy whose victim order is written once, as its `Walk(visit)`: visit
+// the entries in that order until visit(e) returns true, and return that
+// entry (or nullptr). PickVictim and ForEach are that walk (defined and
+// instantiated in eviction_policy.cpp for the cyclic and next-use policies).
+template <class Policy>
+class WalkedPolicy : public EvictionPolicy {
+ public:
+  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) final;
+  void ForEach(void (*fn)(Entry*, void*), void* ctx) const final;
+};
+
 // A doubly linked list through Entry::policy_prev/policy_next.
 struct EntryList {
   Entry* oldest = nullptr;
@@ -92,7 +103,7 @@ class LruPolicy final : public EvictionPolicy {
 // cycle.
 // Victim order with a cycle: stale fresh, out-of-cycle used (oldest first),
 // in-cycle used (newest first), fresh.
-class CyclicPolicy final : public EvictionPolicy {
+class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
  public:
   CyclicPolicy(uint64_t stale_after, uint64_t cycle)
       : stale_after_(stale_after), cycle_(cycle) {}
@@ -102,10 +113,9 @@ class CyclicPolicy final : public EvictionPolicy {
   void OnUse(Entry* e) override;
   void OnRemove(Entry* e) override;
   void OnAcquireCall() override { ++clock_; }
-  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
-  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
 
  private:
+  friend class WalkedPolicy<CyclicPolicy>;
   bool Stale(const Entry* e) const { return clock_ - e->policy_stamp > stale_after_; }
   bool OutOfCycle(const Entry* e) const {
     return cycle_ != 0 && clock_ - e->policy_stamp > cycle_;
@@ -154,7 +164,7 @@ class CyclicPolicy final : public EvictionPolicy {
 // before its prefetch. Entries sit in a std::set ordered by (next_use, a
 // touch sequence); if that set cannot grow (no memory) an entry goes to an
 // unordered overflow list that is evicted first, never an exception.
-class NextUsePolicy final : public EvictionPolicy {
+class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
  public:
   const char* Name() const override { return "next-use"; }
   void OnInsert(Entry* e) override { Link(e); }
@@ -163,10 +173,9 @@ class NextUsePolicy final : public EvictionPolicy {
   void OnRemove(Entry* e) override;
   void OnHint(Entry* e, int64_t next_use) override;
   void OnClock(int64_t now) override { now_ = now; }
-  Entry* PickVictim(bool (*evictable)(Entry*, void*), void* ctx) override;
-  void ForEach(void (*fn)(Entry*, void*), void* ctx) const override;
 
  private:
+  friend class WalkedPolicy<NextUsePolicy>;
   struct Key {
     int64_t next_use;
     uint64_t seq;  // touch order; unique

@@ -34,14 +34,7 @@ class TaskQueue {
     Entry* last = nullptr;
     size_t count = 0;
     void Append(Entry* e) {
-      e->q_next = nullptr;
-      e->q_prev = last;
-      if (last != nullptr) {
-        last->q_next = e;
-      } else {
-        first = e;
-      }
-      last = e;
+      LinkLast<&Entry::q_prev, &Entry::q_next>(e, first, last);
       ++count;
     }
   };
@@ -72,14 +65,7 @@ class TaskQueue {
 
 inline void TaskQueue::PushBack(Entry* e, int band) {
   e->band = static_cast<uint8_t>(band);
-  e->q_next = nullptr;
-  e->q_prev = tail_[band];
-  if (tail_[band] != nullptr) {
-    tail_[band]->q_next = e;
-  } else {
-    head_[band] = e;
-  }
-  tail_[band] = e;
+  LinkLast<&Entry::q_prev, &Entry::q_next>(e, head_[band], tail_[band]);
   nonempty_mask_ |= 1u << band;
   ++size_;
 }
