@@ -173,7 +173,8 @@ cdef class _HandleBase:
     def set_faults(self, **settings):
         """Fault backend only: change injected faults while running.
         copy_delay_us, fail_every_nth_copy (a PrefetchError), throw_every_nth_copy
-        (a non-std C++ exception), alloc_delay_us, fail_every_nth_alloc; 0 = off."""
+        (a non-std C++ exception), alloc_delay_us, fail_every_nth_alloc,
+        report_async, fail_every_nth_record (a release's stream token); 0 = off."""
         self._check_open()
         if self._faults.get() == NULL:
             raise RuntimeError("set_faults needs backend='fault'")

@@ -132,6 +132,7 @@ struct FaultConfig {
   std::atomic<int64_t> alloc_delay_us{0};       // sleep inside AllocateHost
   std::atomic<int64_t> fail_every_nth_alloc{0}; // kOutOfMemory on the Nth
   std::atomic<int64_t> report_async{0};  // 1: claim IsAsync (caller-runs paths)
+  std::atomic<int64_t> fail_every_nth_record{0};  // kCopyFailed on the Nth RecordOnStream
   std::atomic<int64_t> copies{0};               // Copy calls seen
   std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
   std::atomic<int64_t> copy_failures{0};        // injected copy failures
@@ -165,10 +166,7 @@ class FaultBackend final : public CompletedCopiesBackend {
   }
   CopyToken Copy(int device, void* dst, const void* src, size_t bytes,
                  bool urgent, int lane, bool want_token) override;
-  CopyToken RecordOnStream(int, uintptr_t) override {
-    ++config_->stream_records;
-    return kTokenDone;
-  }
+  CopyToken RecordOnStream(int device, uintptr_t stream) override;
   void Fill(int device, void* dst, size_t bytes, uint8_t value) override {
     host_.Fill(device, dst, bytes, value);
   }

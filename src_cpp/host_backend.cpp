@@ -75,6 +75,7 @@ void FaultConfig::Set(const std::string& name, int64_t value) {
   else if (name == "alloc_delay_us") alloc_delay_us = value;
   else if (name == "fail_every_nth_alloc") fail_every_nth_alloc = value;
   else if (name == "report_async") report_async = value;
+  else if (name == "fail_every_nth_record") fail_every_nth_record = value;
   else
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "unknown fault setting '" + name + "'");
@@ -87,6 +88,7 @@ int64_t FaultConfig::Get(const std::string& name) const {
   if (name == "alloc_delay_us") return alloc_delay_us;
   if (name == "fail_every_nth_alloc") return fail_every_nth_alloc;
   if (name == "report_async") return report_async;
+  if (name == "fail_every_nth_record") return fail_every_nth_record;
   if (name == "copies") return copies;
   if (name == "allocs") return allocs;
   if (name == "copy_failures") return copy_failures;
@@ -125,6 +127,18 @@ CopyToken FaultBackend::Copy(int device, void* dst, const void* src,
                             ")");
   }
   return host_.Copy(device, dst, src, bytes, urgent, lane, want_token);
+}
+
+CopyToken FaultBackend::RecordOnStream(int device, uintptr_t stream) {
+  (void)device;
+  (void)stream;
+  const int64_t call = ++config_->stream_records;
+  if (NthCall(config_->fail_every_nth_record, call)) {
+    throw PrefetchError(ErrorKind::kCopyFailed,
+                        "injected stream record failure (call " +
+                            std::to_string(call) + ")");
+  }
+  return kTokenDone;
 }
 
 std::unique_ptr<CopyBackend> MakeFaultBackend(

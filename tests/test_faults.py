@@ -183,3 +183,25 @@ def test_stream_zero_is_a_real_stream():
         h.acquire([1], stream={0: 0}, timeout=10)
         h.release([1], stream={0: 0})
         assert h.fault_counts()["stream_records"] == 2
+
+
+def test_failed_stream_record_leaves_the_release_undone():
+    # Note [One token per release]: a release records its stream tokens
+    # before it unpins anything, so a record that fails (here the second
+    # one: device 1's, after device 0's) raises and changes nothing: every id
+    # stays pinned, and the same release then succeeds.
+    with fault_handle(device_budget_bytes=[64 * 1024, 64 * 1024], faults={"report_async": 1}) as h:
+        for tid, device in ((0, 0), (1, 0), (2, 1), (3, 1)):
+            h.register(tid, content(tid, 0, SIZE), device=device)
+        streams = {0: 11, 1: 12}
+        h.acquire([0, 1, 2, 3], stream=streams, timeout=10)
+        h.set_faults(fail_every_nth_record=2)
+        with pytest.raises(prefetch.CopyFailedError, match="injected stream record failure"):
+            h.release([0, 1, 2, 3], stream=streams)
+        assert h.fault_counts()["stream_records"] == 2
+        assert h.stats()["pinned_count"] == 4
+        assert h.evict([0, 1, 2, 3]) == 0  # still pinned: none can go
+        h.set_faults(fail_every_nth_record=0)
+        h.release([0, 1, 2, 3], stream=streams)
+        assert h.stats()["pinned_count"] == 0
+        assert h.evict([0, 1, 2, 3]) == 4
