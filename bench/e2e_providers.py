@@ -12,7 +12,7 @@ engine's arena, the by-hand LRU's slots), maps the routed experts to slot
 numbers, sends those to the device in one copy (the resident reference
 maps on the device, from `routed`), and gathers with one index_select per
 weight. No tensor op per expert: the per-expert host work left is each
-provider's own bookkeeping (the engine's on_routed and pins, the by-hand
+provider's own bookkeeping (the engine's one call per layer, route_and_acquire, the by-hand
 LRU's Python dict)."""
 from __future__ import annotations
 
@@ -146,8 +146,8 @@ class EngineProvider:
         self._index = [SlotIndex(self.torch, dev, dec.spec["experts"]) for dev in dec.devs]
 
     def acquire(self, layer, x, experts):
-        self.ctl.on_routed(layer, x, experts)
-        got = self.ctl.prefetcher.acquire_experts(layer, experts, stream=self.dec.stream(layer))
+        routed, where = self.ctl.route_and_acquire(layer, x, experts, stream=self.dec.stream(layer))
+        got = self.ctl.prefetcher.weights_in_slots(self._tids[layer][routed], where)
         return [(w["gate_up"], w["down"]) for w in got]
 
     def _views(self, device: int):
@@ -171,13 +171,11 @@ class EngineProvider:
         slot_bytes is its slot, and an offset off that grid (a handle that
         holds tensors of another size) is refused. The device needs no
         check: a layer's experts are registered on the layer's device."""
-        self.ctl.on_routed(layer, x, experts)
         stream = self.dec.stream(layer)
-        ids = self._tids[layer][experts]
-        where = self.handle.acquire_slots(ids, stream=stream)
+        _, where = self.ctl.route_and_acquire(layer, x, experts, stream=stream)
         slots, off_grid = np.divmod(where[:, 0], self.dec.slot_bytes)
         if off_grid.any():
-            self.handle.release(ids, stream=stream)
+            self.ctl.release_held(stream)
             raise RuntimeError(f"layer {layer}: an expert's cache slot is not on the grid of "
                                f"{self.dec.slot_bytes}-byte slots (offsets {where[:, 0].tolist()}): "
                                "the handle holds tensors of another size")
@@ -187,7 +185,10 @@ class EngineProvider:
         return gate_up.index_select(0, index), down.index_select(0, index)
 
     def release(self, layer, experts):
-        self.handle.release(self._tids[layer][experts], stream=self.dec.stream(layer))
+        """The next layer's engine call releases this layer's experts (one
+        call per layer); the last layer releases its own here."""
+        if layer == self.dec.spec["layers"] - 1:
+            self.ctl.release_held(self.dec.stream(layer))
 
     def stats(self):
         s = self.handle.stats()

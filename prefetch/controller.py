@@ -478,9 +478,10 @@ class OffloadController:
             self.engine_ns += time.perf_counter_ns() - t0
 
     def on_routed(self, layer: int, hidden, experts) -> None:
-        """For callers that route on the host themselves (OffloadedMoEBlock,
-        BM5): layer `layer` chose `experts`; score, record, and queue the
-        predictor's guesses in one engine call. The caller acquires."""
+        """For callers that route on the host and acquire by themselves:
+        layer `layer` chose `experts`; score, record, and queue the
+        predictor's guesses in one engine call. The caller acquires (a
+        second call; `route_and_acquire` does both in one)."""
         self.begin_layer(layer)
         _, guesses = self.read_back(self.predict(layer, hidden))
         routed = _distinct(experts, self.num_experts)
@@ -492,6 +493,22 @@ class OffloadController:
                 self.exchange(layer, _EMPTY, guesses, hints)
             finally:
                 self._held = held
+
+    def route_and_acquire(self, layer: int, hidden, experts, *, stream=None,
+                          timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> tuple[np.ndarray, np.ndarray]:
+        """For callers that route on the host themselves (OffloadedMoEBlock,
+        BM5): layer `layer` chose `experts`. Scores and records the routing
+        and makes the layer's one engine call (`exchange`): release what the
+        last call acquired (its compute is queued by now), acquire `experts`
+        (held until the next call or `release_held`; the last layer of a
+        forward calls that), queue the predictor's guesses and hints.
+        Returns (the sorted distinct experts, acquire's (offset, device) rows
+        for them in that order)."""
+        self.begin_layer(layer)
+        _, guesses = self.read_back(self.predict(layer, hidden))
+        routed = _distinct(experts, self.num_experts)
+        guesses, hints = self.observe(layer, routed, guesses)
+        return routed, self.exchange(layer, routed, guesses, hints, stream=stream, timeout=timeout)
 
     def new_sequence(self) -> None:
         """Call between requests: resets the step counter and lets a learning

@@ -282,7 +282,14 @@ class ExpertPrefetcher:
         so they see whatever bytes the slot holds now); only experts that
         moved get new ones. Saves the ~3 tensor ops per weight that building
         views costs, which on a slow host is most of an acquire."""
-        where = self.engine.acquire_slots(ids, stream=stream, timeout=timeout)
+        return self.weights_in_slots(ids, self.engine.acquire_slots(ids, stream=stream, timeout=timeout))
+
+    def weights_in_slots(self, ids: np.ndarray, where: np.ndarray) -> list[dict]:
+        """Per tensor id of `ids` (acquired, with their (offset, device) rows
+        `where`, as acquire_slots or PrefetchHandle.step returns them), a
+        dict of weight name to a view of its cache slot (valid until
+        release). Views are kept per slot: an expert found where it was
+        last time gets the same ones again."""
         experts = []
         cache = self._views
         for tid, offset, device in zip(ids.tolist(), where[:, 0].tolist(), where[:, 1].tolist()):

@@ -108,19 +108,24 @@ class OffloadedMoEBlock(nn.Module):
         if self.normalize:
             top_w = top_w / top_w.sum(dim=-1, keepdim=True)
         top_w = top_w.to(h.dtype)
-        experts = sorted(set(top_i.flatten().tolist()))
-        self.controller.on_routed(self.layer, h, experts)
+        ctl = self.controller
         stream = _acquire_stream(h)
-        pf = self.controller.prefetcher
-        weights = pf.acquire_experts(self.layer, experts, stream=stream)
+        # One engine call: the last block's experts released, this block's
+        # acquired (held until the next block's call; the last block
+        # releases), the predictor's guesses queued.
+        experts, where = ctl.route_and_acquire(self.layer, h, top_i.flatten().unique().cpu(), stream=stream)
         out = torch.zeros_like(h)
         try:
-            for expert_idx, w in zip(experts, weights):
+            weights = ctl.prefetcher.weights_in_slots(ctl.ids(self.layer, experts), where)
+            for expert_idx, w in zip(experts.tolist(), weights):
                 token_idx, pos = torch.where(top_i == expert_idx)
                 y = torch.func.functional_call(self._template, w, (h[token_idx],))
                 out.index_add_(0, token_idx, (y * top_w[token_idx, pos, None]).to(out.dtype))
-        finally:
-            pf.release_experts(self.layer, experts, stream=stream)
+        except BaseException:
+            ctl.release_held(stream)
+            raise
+        if self.layer == ctl.num_layers - 1:
+            ctl.release_held(stream)
         return out.reshape(shape)
 
 

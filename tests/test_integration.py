@@ -399,17 +399,24 @@ def test_generic_block_matches_reference():
         layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), list(clone), 2))
     ctl = offload_moe_experts(layers_off, device_budget_bytes=7 * 4 * (3 * 16 * 24) + 4096, backend="host",
                               predictor=NextLayerGatePredictor())
+    real = ctl.handle
+    ctl.handle = counting = CountingHandle(real)
     try:
         x = torch.randn(3, 2, 16)
-        for _ in range(3):
+        for forward in range(1, 4):
             a, b = x, x
             for ref_layer, off_layer in zip(layers_ref, layers_off):
                 a = a + ref_layer(a)
                 b = b + off_layer(b)
             assert torch.equal(a, b)
+            # One engine call per block (release the last block's, acquire
+            # this one's, queue the guesses); the last block releases its own.
+            assert counting.calls == {"step": 4 * forward, "release": forward, "other": 0}
+            assert real.stats()["pinned_count"] == 0
             x = torch.randn(3, 2, 16)
-        assert ctl.handle.stats()["evictions"] > 0
+        assert real.stats()["evictions"] > 0
     finally:
+        ctl.handle = real
         ctl.close()
 
 
