@@ -20,6 +20,7 @@ __all__ = [
     "OutOfMemoryError",
     "StateError",
     "BackendUnavailableError",
+    "CheckpointError",
 ]
 
 
@@ -63,6 +64,13 @@ class StateError(PrefetchError, RuntimeError):
 
 class BackendUnavailableError(PrefetchError, RuntimeError):
     """The copy backend cannot run on this machine (no CUDA driver, ...)."""
+
+
+class CheckpointError(PrefetchError, ValueError):
+    """A checkpoint file or folder that is not what it claims: a malformed
+    safetensors header, a shard missing or outside the folder, a file
+    changed since it was indexed, a short read (prefetch.checkpoint). Raised
+    by Python, not by the engine: no ErrorKind."""
 
 
 # In the order of prefetch::ErrorKind (src_cpp/errors.h): the binding maps a
