@@ -356,6 +356,8 @@ class OffloadController:
                 fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
                     np.concatenate(extra))
         hints = self._late_hints
+        if hints and self.local is not None:
+            _, hints = self._only_local({}, hints)  # expert parallel: this rank's experts only
         hint_ids, hint_when = self._hint_arrays(hints)
         if self._held is not None and stream != self._held_stream:
             self.release_held()

@@ -132,6 +132,23 @@ def scenario_tokens_and_errors(rank, group):
                                               "report": ctl.report()}
         finally:
             ctl.close()
+    # The oracle's next-use hints on sync-free steps: only this rank's
+    # experts reach its engine (the others are not registered here).
+    from prefetch.integration import OraclePredictor
+    model = build(top4_config(), dtype=torch.bfloat16, experts_implementation="batched_mm")
+    ctl = _offload(model, group, 8, sync_free=True, record_trace=True)
+    try:
+        greedy(model, prompt(model.config, 2), steps=6)
+        trace = ctl.trace
+    finally:
+        ctl.close()
+    model = build(top4_config(), dtype=torch.bfloat16, experts_implementation="batched_mm")
+    ctl = _offload(model, group, 8, sync_free=True, predictor=OraclePredictor(trace),
+                   handle_options={"eviction_policy": "next-use"})
+    try:
+        out["oracle_seq"], _ = greedy(model, prompt(model.config, 2), steps=6)
+    finally:
+        ctl.close()
     # One engine call per layer and rank: a slice's worth of slots, no pieces.
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="grouped_mm")
@@ -321,6 +338,7 @@ def test_two_ranks_match_one_process(tmp_path):
             assert run["sync_free"] is (sync_free is not False)
             if impl == "grouped_mm":  # needs the routing on the host: never read from host memory
                 assert run["report"]["zero_copy_reads"] == 0
+        assert torch.equal(g["oracle_seq"], refs["batched_mm"][0])
         forced = g["top4"][("batched_mm", True)]["report"]
         # Read from host memory on the first steps (8 slots for this rank's
         # 12 experts), and only this rank's experts count.
