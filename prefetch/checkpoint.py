@@ -168,7 +168,10 @@ def index_checkpoint(folder) -> dict:
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map object")
-        shards = {name: _shard_path(folder, name) for name in sorted(set(weight_map.values()), key=str)}
+        shards = {}
+        for name in weight_map.values():  # checked before any use as a key
+            if not (isinstance(name, str) and name in shards):
+                shards[name] = _shard_path(folder, name)
     else:
         names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
         if not names:

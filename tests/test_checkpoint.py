@@ -123,6 +123,7 @@ def test_index_files_are_checked(tmp_path):
         ({"weight_map": {"w": "../a.safetensors"}}, "not a plain file name"),
         ({"weight_map": {"w": "/etc/passwd"}}, "not a plain file name"),
         ({"weight_map": {"w": 3}}, "not a plain file name"),
+        ({"weight_map": {"w": ["a.safetensors"]}}, "not a plain file name"),
         ({"weight_map": {"w": "b.safetensors"}}, "'b.safetensors' named by .* is missing"),
         ({"weight_map": {"w": "a.safetensors", "v": "a.safetensors"}}, "'v' mapped to 'a.safetensors'"),
         ({"weights": {}}, "no weight_map"),
