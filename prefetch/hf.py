@@ -406,6 +406,7 @@ class ExpertsOffload:
         multiply by 0. Returns
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
+        self._pair_weights = None  # nothing left from a call that raised
         if name in _PER_PAIR:  # every rank takes this form, whatever its pieces
             hidden_states, top_k_index, top_k_weights = self._pairs(hidden_states, top_k_index, top_k_weights)
         mine = experts[self._local[experts]]
