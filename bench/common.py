@@ -127,3 +127,24 @@ def raw_h2d_gbps(torch, nbytes_each: int, device=0, count: int = 64) -> float:
     del src, dst
     return gbps
 
+
+def finish_panel(ax, title: str, xlabel: str, ylabel: str) -> None:
+    """A latency panel's title, axis labels, log scale and grid (BM5's and
+    BM6's plots)."""
+    ax.set_title(title)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.set_yscale("log")
+    ax.grid(alpha=0.3)
+
+
+def save_panels(fig, axes, path: str) -> None:
+    """The legend on the last panel, then the figure as a PNG at `path` (its
+    folder made if missing), and the figure closed."""
+    import matplotlib.pyplot as plt
+
+    axes[0][-1].legend(fontsize=7)
+    fig.tight_layout()
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    fig.savefig(path, dpi=120)
+    plt.close(fig)

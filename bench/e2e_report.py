@@ -9,7 +9,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt  # noqa: E402
+from bench.common import finish_panel, fmt, save_panels  # noqa: E402
 from bench.e2e_decoder import POLICIES  # noqa: E402
 from bench.e2e_providers import make_provider  # noqa: E402
 
@@ -80,15 +80,8 @@ def plot_latency(rows, path):
         floors = sorted({(r["cache_share"], r["floor_ms"]) for r in sub if r.get("floor_ms")})
         if floors:
             ax.plot([f[0] * 100 for f in floors], [f[1] for f in floors], "k--", label="max(compute, IO floor)")
-        ax.set_title(f"{model}, batch {batch}")
-        ax.set_xlabel("GPU cache share of expert bytes (%)")
-        ax.set_ylabel("step latency p50 (ms)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        finish_panel(ax, f"{model}, batch {batch}", "GPU cache share of expert bytes (%)", "step latency p50 (ms)")
+    save_panels(fig, axes, path)
 
 
 def format_table(rows) -> str:

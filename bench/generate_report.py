@@ -7,7 +7,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt  # noqa: E402
+from bench.common import finish_panel, fmt, save_panels  # noqa: E402
 from bench.generate_modes import ENGINE_ROWS, FIGURES, SHARE_ROWS  # noqa: E402
 
 
@@ -94,15 +94,7 @@ def plot(rows, path) -> str | None:
         floors = sorted({(r["share"] * 100, r["floor_ms"]) for r in sub if r.get("floor_ms") and r["share"]})
         if floors:
             ax.plot([f[0] for f in floors], [f[1] for f in floors], "k--", alpha=0.5, label="max(resident, IO floor)")
-        ax.set_title(f"{model}, batch {batch}")
-        ax.set_xlabel("device cache share of expert bytes (%)")
-        ax.set_ylabel("decode ms/token (p50)")
-        ax.set_yscale("log")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
-    fig.tight_layout()
-    directory = os.path.dirname(os.path.abspath(path))
-    os.makedirs(directory, exist_ok=True)
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
+        finish_panel(ax, f"{model}, batch {batch}", "device cache share of expert bytes (%)",
+                     "decode ms/token (p50)")
+    save_panels(fig, axes, path)
     return None
