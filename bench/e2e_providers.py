@@ -139,15 +139,12 @@ class EngineProvider:
                 buffer, layout = dec.pool_host[dec.pool_index(layer, e)]
                 self.ctl.prefetcher.register_packed(layer, e, buffer, layout, device=dec.layer_dev[layer])
 
-        # Per layer, expert -> tensor id (the prefetcher's ids, looked up once).
-        self._tids = [self.ctl.prefetcher.tensor_ids(layer, range(dec.spec["experts"]))
-                      for layer in range(dec.spec["layers"])]
         self._slot_views = {}  # device -> (gate_up [slots, 2I, H], down [slots, H, I])
         self._index = [SlotIndex(self.torch, dev, dec.spec["experts"]) for dev in dec.devs]
 
     def acquire(self, layer, x, experts):
         routed, where = self.ctl.route_and_acquire(layer, x, experts, stream=self.dec.stream(layer))
-        got = self.ctl.prefetcher.weights_in_slots(self._tids[layer][routed], where)
+        got = self.ctl.prefetcher.weights_in_slots(self.ctl.ids(layer, routed), where)
         return [(w["gate_up"], w["down"]) for w in got]
 
     def _views(self, device: int):
