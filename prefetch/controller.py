@@ -479,15 +479,22 @@ class OffloadController:
             self.handle.release(held, stream=stream if stream is not None else self._held_stream)
             self.engine_ns += time.perf_counter_ns() - t0
 
+    def _host_routed(self, layer: int, hidden, experts):
+        """A routing made on the host: moves the clock, reads the predictor's
+        device guesses back, scores and records `experts`. Returns (sorted
+        distinct experts, guesses, hints)."""
+        self.begin_layer(layer)
+        _, guesses = self.read_back(self.predict(layer, hidden))
+        routed = _distinct(experts, self.num_experts)
+        guesses, hints = self.observe(layer, routed, guesses)
+        return routed, guesses, hints
+
     def on_routed(self, layer: int, hidden, experts) -> None:
         """For callers that route on the host and acquire by themselves:
         layer `layer` chose `experts`; score, record, and queue the
         predictor's guesses in one engine call. The caller acquires (a
         second call; `route_and_acquire` does both in one)."""
-        self.begin_layer(layer)
-        _, guesses = self.read_back(self.predict(layer, hidden))
-        routed = _distinct(experts, self.num_experts)
-        guesses, hints = self.observe(layer, routed, guesses)
+        _, guesses, hints = self._host_routed(layer, hidden, experts)
         if guesses or hints or layer in self._queued_guess:
             held = self._held
             self._held = None  # on_routed acquires nothing and releases nothing
@@ -506,10 +513,7 @@ class OffloadController:
         forward calls that), queue the predictor's guesses and hints.
         Returns (the sorted distinct experts, acquire's (offset, device) rows
         for them in that order)."""
-        self.begin_layer(layer)
-        _, guesses = self.read_back(self.predict(layer, hidden))
-        routed = _distinct(experts, self.num_experts)
-        guesses, hints = self.observe(layer, routed, guesses)
+        routed, guesses, hints = self._host_routed(layer, hidden, experts)
         return routed, self.exchange(layer, routed, guesses, hints, stream=stream, timeout=timeout)
 
     def new_sequence(self) -> None:
