@@ -73,6 +73,17 @@ def _no_repeats(pairs):
     return out
 
 
+def _json(raw: bytes, where: str, what: str):
+    """`raw` as UTF-8 JSON without repeated keys; CheckpointError naming
+    `where` (and `what` for bytes that are not JSON) otherwise."""
+    try:
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeats)
+    except CheckpointError as err:
+        raise CheckpointError(f"{where}: {err}") from None
+    except (UnicodeDecodeError, ValueError, RecursionError) as err:
+        raise CheckpointError(f"{where}: {what}: {err}") from None
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
@@ -119,12 +130,7 @@ def read_safetensors_header(path) -> dict:
         raise CheckpointError(f"{path}: cannot read: {err}") from err
     if len(raw) != size:
         raise CheckpointError(f"{path}: short read of the header ({len(raw)} of {size} bytes)")
-    try:
-        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeats)
-    except CheckpointError as err:
-        raise CheckpointError(f"{path}: {err}") from None
-    except (UnicodeDecodeError, ValueError, RecursionError) as err:
-        raise CheckpointError(f"{path}: the header is not JSON: {err}") from None
+    header = _json(raw, path, "the header is not JSON")
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: the header is not a JSON object")
     meta = header.pop("__metadata__", {})
@@ -160,11 +166,10 @@ def index_checkpoint(folder) -> dict:
     if os.path.exists(index):
         try:
             with open(index, "rb") as f:
-                doc = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_repeats)
-        except CheckpointError as err:
-            raise CheckpointError(f"{index}: {err}") from None
-        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as err:
+                raw = f.read()
+        except OSError as err:
             raise CheckpointError(f"{index}: not a readable JSON index: {err}") from None
+        doc = _json(raw, index, "not a readable JSON index")
         weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index}: no weight_map object")
