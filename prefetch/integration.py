@@ -126,6 +126,7 @@ class OffloadedMoEBlock(nn.Module):
             raise
         if self.layer == ctl.num_layers - 1:
             ctl.release_held(stream)
+        ctl.speculate()  # the compute is queued: guesses and hints now (Note [Speculation after launch])
         return out.reshape(shape)
 
 

@@ -613,6 +613,115 @@ def test_oracle_hints_make_next_use_eviction_approach_belady():
         OraclePredictor(trace, distance=0)
 
 
+class HostListPredictor:
+    """Guesses the next layer's experts from a fixed table, as host lists,
+    without saying so (no host_guesses): the controller must treat it as a
+    predictor whose guesses it cannot defer."""
+
+    def __init__(self, table):
+        self.table = table
+
+    def predict(self, controller, step, layer, hidden):
+        nxt = layer + 1
+        return {nxt: self.table[nxt]} if nxt < controller.num_layers else {}
+
+    def observe(self, controller, step, layer, experts):
+        return None
+
+
+def oracle_controller(trace, capacity, predictor=None, record_trace=True):
+    handle = prefetch.PrefetchHandle(device_budget_bytes=capacity * 256, backend="host", eviction_policy="next-use")
+    ctl = OffloadController(handle, num_layers=trace.num_layers, num_experts=trace.num_experts, top_k=2,
+                            predictor=predictor or OraclePredictor(trace, distance=2), record_trace=record_trace)
+    for layer in range(trace.num_layers):
+        for e in range(trace.num_experts):
+            ctl.prefetcher.register_expert(layer, e, {"w": torch.full((64,), layer * 100 + e, dtype=torch.int32)})
+    return ctl
+
+
+def decode_host_routed(ctl, trace, speculate: bool):
+    """route_and_acquire per layer as OffloadedMoEBlock calls it, checking the
+    bytes; `speculate` calls speculate() after each layer (as the block
+    does once its compute is queued), else the next call runs it."""
+    for step in trace.steps:
+        for layer, experts in enumerate(step):
+            routed, where = ctl.route_and_acquire(layer, None, list(experts), timeout=10)
+            got = ctl.prefetcher.weights_in_slots(ctl.ids(layer, routed), where)
+            for e, w in zip(routed.tolist(), got):
+                assert torch.equal(w["w"], torch.full((64,), layer * 100 + e, dtype=torch.int32))
+            if layer == trace.num_layers - 1:
+                ctl.release_held()
+            if speculate:
+                ctl.speculate()
+            wait_drained(ctl.handle)
+
+
+def test_host_routed_speculation_runs_after_the_acquire():
+    # Note [Speculation after launch]: with host guesses (the oracle) the
+    # acquire is made alone and the guesses and hints are sent by
+    # speculate(); nothing is lost when the caller never calls it.
+    gen = torch.Generator().manual_seed(11)
+    layers, experts = 4, 8
+    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
+             for _ in range(12)]
+    trace = RoutingTrace(layers, experts, steps)
+    ctl = oracle_controller(trace, capacity=12)
+    try:
+        ctl.route_and_acquire(0, None, steps[0][0], timeout=10)
+        s = ctl.handle.stats()
+        assert s["enqueued"] == 0 and s["on_demand"] == len(steps[0][0])  # the acquire only
+        ctl.speculate()
+        guessed = len(steps[0][1]) + len(steps[0][2])  # distance 2
+        assert ctl.handle.stats()["enqueued"] == guessed
+        ctl.speculate()  # nothing left to do: no second call
+        assert ctl.handle.stats()["enqueued"] == guessed
+        ctl.release_held()
+    finally:
+        ctl.close()
+    copies = {}
+    for speculate in (True, False):
+        ctl = oracle_controller(trace, capacity=12)
+        try:
+            decode_host_routed(ctl, trace, speculate)
+            r = ctl.report()  # runs the last layer's deferred part
+            assert ctl.trace.steps == [[list(e) for e in step] for step in steps]
+            assert r["prediction_precision"] == 1.0 and r["prediction_recall"] == 1.0
+            # every layer but the request's first was guessed, and scored
+            assert ctl.actual_total == sum(len(e) for step in steps for e in step) - len(steps[0][0])
+            copies[speculate] = ctl.handle.stats()["copies"]
+        finally:
+            ctl.close()
+    assert copies[True] == copies[False]
+    assert belady_misses(trace, 12) <= copies[True]
+
+
+def test_host_routed_speculation_is_not_deferred_for_other_predictors():
+    # A predictor that does not say its guesses are host data might read the
+    # hidden state: its guesses go with the acquire, in the same call.
+    trace = RoutingTrace(3, 6, [[[0, 1], [2, 3], [4, 5]]])
+    ctl = oracle_controller(trace, capacity=8, predictor=HostListPredictor({1: [2, 3], 2: [4, 5]}))
+    real = ctl.handle
+    ctl.handle = counting = CountingHandle(real)
+    try:
+        ctl.route_and_acquire(0, None, [0, 1], timeout=10)
+        assert real.stats()["enqueued"] == 2 and counting.calls["step"] == 1
+        ctl.speculate()
+        assert counting.calls["step"] == 1
+        ctl.release_held()
+    finally:
+        ctl.handle = real
+        ctl.close()
+
+
+def test_close_records_a_deferred_routing():
+    trace = RoutingTrace(2, 4, [[[0, 1], [2, 3]]])
+    ctl = oracle_controller(trace, capacity=6)
+    ctl.route_and_acquire(0, None, [1, 0], timeout=10)
+    ctl.release_held()
+    ctl.close()
+    assert ctl.trace.steps == [[[0, 1], []]]  # layer 1 never routed
+
+
 def test_host_experts_are_reused_by_a_second_offload():
     cfg = family_configs()["olmoe"]
     ref = build(cfg, experts_implementation="grouped_mm")
