@@ -125,9 +125,12 @@ class EngineProvider:
 
         self.torch = dec.torch
         self.dec = dec
+        options = {"eviction_policy": eviction, **(handle_options or {})}
+        if options["eviction_policy"] == "cyclic":
+            # As offload_moe_experts sets it: one acquire per layer and step.
+            options.setdefault("cycle_acquires", dec.spec["layers"])
         self.handle = prefetch.PrefetchHandle(device_budget_bytes=dec.device_budgets(budget),
-                                              backend="cuda" if dec.cuda else "host", eviction_policy=eviction,
-                                              **(handle_options or {}))
+                                              backend="cuda" if dec.cuda else "host", **options)
         # The gate of layer L+1 reads layer L's hidden state: across a device
         # boundary it is moved first.
         routers = [lambda x, layer=layer: x.to(dec.router[layer].device) @ dec.router[layer].T
@@ -170,11 +173,13 @@ class EngineProvider:
         check: a layer's experts are registered on the layer's device."""
         stream = self.dec.stream(layer)
         _, where = self.ctl.route_and_acquire(layer, x, experts, stream=stream)
-        slots, off_grid = np.divmod(where[:, 0], self.dec.slot_bytes)
-        if off_grid.any():
+        slot_bytes = self.dec.slot_bytes
+        offsets = where[:, 0].tolist()  # a few ints: Python is cheaper than two numpy calls here
+        slots = [o // slot_bytes for o in offsets]
+        if any(o % slot_bytes for o in offsets):
             self.ctl.release_held(stream)
             raise RuntimeError(f"layer {layer}: an expert's cache slot is not on the grid of "
-                               f"{self.dec.slot_bytes}-byte slots (offsets {where[:, 0].tolist()}): "
+                               f"{slot_bytes}-byte slots (offsets {offsets}): "
                                "the handle holds tensors of another size")
         d = self.dec.layer_dev[layer]
         gate_up, down = self._views(d)
@@ -183,9 +188,12 @@ class EngineProvider:
 
     def release(self, layer, experts):
         """The next layer's engine call releases this layer's experts (one
-        call per layer); the last layer releases its own here."""
+        call per layer); the last layer releases its own here. The layer's
+        compute is queued by now: the predictor's part of the layer runs
+        here (Note [Speculation after launch] in prefetch/controller.py)."""
         if layer == self.dec.spec["layers"] - 1:
             self.ctl.release_held(self.dec.stream(layer))
+        self.ctl.speculate()
 
     def stats(self):
         s = self.handle.stats()
