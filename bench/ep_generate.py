@@ -33,6 +33,13 @@ Rounding: the batched_mm and grouped_mm implementations all-reduce per
 for any top-k (Note [Expert parallel]; the CPU test checks top-4 in bf16);
 first_mismatch says where tokens differ if they ever do.
 
+--profile DIR: after each offloaded row's measured generate, every rank
+runs --profile-tokens more under torch.profiler and writes its ops table
+and Chrome trace to DIR; the row gets, per rank and token, the GPU's busy
+time (union of its kernels and copies), and device time in NCCL kernels
+(which includes waiting for the other rank), in host-to-device copies and
+in other kernels: where a rank's step goes that the host clock cannot split.
+
 --smoke-cpu: gloo, tiny Qwen3-MoE and OLMoE configs in float32 on the CPU,
 host backend: checks the logic, measures nothing.
 """
@@ -128,12 +135,56 @@ def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw,
         # (waits for the GPU), the rest of our host work.
         for key in ("engine_ns", "sync_ns", "host_ns"):
             figures[key.replace("_ns", "_us_per_layer")] = delta[key] / layers / 1e3 if layers else None
+        if args.profile:
+            tag = f"{'ep' if group is not None else '1gpu'}_b{prompts['measured'].shape[0]}_s{budget}"
+            figures["profile"] = profile_decode(torch, model, prompts["measured"], args.profile_tokens, sync,
+                                                os.path.join(args.profile, f"{tag}_rank{_rank(group)}"))
     finally:
         ctl.close()
         state.restore()
         gc.collect()
     figures.update(_decode_ms(timer.times))
     return figures, ids, host
+
+
+def _rank(group) -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if group is not None else 0
+
+
+def profile_decode(torch, model, ids, tokens: int, sync, path: str) -> dict:
+    """A generate of `tokens` more tokens under torch.profiler, after the
+    measured one (the profiler's own cost stays out of the figures). Writes
+    `path`.txt (ops by device time) and `path`.json (the Chrome trace).
+    Returns, per generated token: wall ms, the GPU's busy ms (union of its
+    kernels and copies), and device ms in NCCL kernels (their time includes
+    waiting for the other ranks), in host-to-device copies, and in every
+    other kernel."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _, t0, t1 = generate(torch, model, ids, tokens, sync)
+    spans, by_kind = [], {"nccl": 0.0, "h2d": 0.0, "other": 0.0}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
+            continue
+        spans.append((ev.time_range.start, ev.time_range.end))
+        name = ev.name.lower()
+        kind = "nccl" if "nccl" in name else "h2d" if "htod" in name.replace(" ", "") else "other"
+        by_kind[kind] += ev.time_range.elapsed_us()
+    busy, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            busy += b - max(a, end)
+            end = b
+    with open(path + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
+    prof.export_chrome_trace(path + ".json")
+    per = 1e3 * tokens
+    return {"tokens": tokens, "wall_ms_per_token": (t1 - t0) * 1e3 / tokens, "gpu_busy_ms_per_token": busy / per,
+            **{f"{k}_ms_per_token": v / per for k, v in by_kind.items()}}
 
 
 # OffloadController counters read before and after the measured generate.
@@ -215,8 +266,8 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
                    "x_1gpu": (figures["p50_ms"] / single[(batch, share)]
                               if single.get((batch, share)) and figures["p50_ms"] else None)}
             for key in ("hit_rate", "bytes_copied", "registered", "allreduce_us_per_layer", "zero_copy_reads",
-                        "engine_us_per_layer", "sync_us_per_layer", "host_us_per_layer"):
-                row[f"{key}_per_rank"] = [f[key] for f in per_rank]
+                        "engine_us_per_layer", "sync_us_per_layer", "host_us_per_layer", "profile"):
+                row[f"{key}_per_rank"] = [f.get(key) for f in per_rank]
             rows.append(row)
     del host, model, state
     gc.collect()
@@ -249,6 +300,11 @@ def main(argv=None) -> int:
     parser.add_argument("--timeout-s", type=float, default=1800,
                         help="process group timeout: the other ranks wait this long while rank 0 runs alone")
     parser.add_argument("--json")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each row's measured generate, profile --profile-tokens more on every rank "
+                             "(torch.profiler: ops table and Chrome trace per rank in DIR; GPU busy, NCCL and "
+                             "copy time per token in the row)")
+    parser.add_argument("--profile-tokens", type=int, default=8)
     parser.add_argument("--smoke-cpu", action="store_true", help="gloo, tiny configs in float32 on the CPU")
     args = parser.parse_args(argv)
     smoke = args.smoke_cpu

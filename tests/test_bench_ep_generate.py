@@ -22,7 +22,8 @@ def test_ep_smoke_under_torchrun(tmp_path):
     path = tmp_path / "bm7.json"
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-           os.path.join(ROOT, "bench", "ep_generate.py"), "--smoke-cpu", "--timeout-s", "60", "--json", str(path)]
+           os.path.join(ROOT, "bench", "ep_generate.py"), "--smoke-cpu", "--timeout-s", "60", "--json", str(path),
+           "--profile", str(tmp_path / "prof"), "--profile-tokens", "2"]
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -53,3 +54,8 @@ def test_ep_smoke_under_torchrun(tmp_path):
             single = next(s for s in rows if s["mode"] == "1-gpu" and (s["model"], s["batch"], s["share"])
                           == (r["model"], r["batch"], r["share"]))
             assert 2 * r["budget_bytes_per_rank"] == single["budget_bytes_per_rank"]
+            # --profile: every rank profiled 2 tokens of this row (no GPU here: no device time)
+            for rank, prof in enumerate(r["profile_per_rank"]):
+                assert prof["tokens"] == 2 and prof["wall_ms_per_token"] > 0 and prof["gpu_busy_ms_per_token"] == 0
+                stem = tmp_path / "prof" / f"ep_b{r['batch']}_s{r['budget_bytes_per_rank']}_rank{rank}"
+                assert (stem.with_suffix(".json")).stat().st_size > 0 and "Name" in stem.with_suffix(".txt").read_text()
