@@ -22,8 +22,9 @@ bf16 weights, same seed). Per model:
      1-gpu row's at the same share.
 
 Each row: a warm-up generate on another prompt, then the measured generate
-of --new-tokens tokens (min = max, no eos). Figures (rank 0's clock,
-torch.cuda.synchronize before each reading): p50_ms / p90_ms of decode
+of --new-tokens tokens (min = max, no eos). Figures (rank 0's clock, read
+after --timer-sync's wait: device, the default, torch.cuda.synchronize;
+stream, the compute stream only): p50_ms / p90_ms of decode
 ms/token (the prefill step excluded), tokens_equal / first_mismatch against
 the resident tokens, x_1gpu = ep p50 / 1-gpu p50; per rank: hit_rate
 (decode), bytes copied, experts registered, all-reduce us per layer.
@@ -83,6 +84,7 @@ from bench.generate_model import (  # noqa: E402
     StepTimer,
     build_model,
     generate,
+    make_sync,
 )
 
 SMOKE = ("smoke-qwen3-moe", "smoke-olmoe")
@@ -97,7 +99,7 @@ def first_mismatch(a, b):
     return int(differ[0]) if differ.numel() else None
 
 
-def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw, host=None):
+def run_row(torch, model, state, prompts, args, sync, timer_sync, budget, group, backend_kw, host=None):
     """Offloads, warms up, runs the measured generate, restores the model.
     Returns (figures of this rank, generated ids, the HostExperts to reuse)."""
     import prefetch
@@ -105,7 +107,8 @@ def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw,
 
     predictor = NextLayerGatePredictor() if args.predictor == "gate" else None
     ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor, process_group=group,
-                                       host_experts=host, progress=False, **backend_kw)
+                                       host_experts=host, progress=False, sync_free=_SYNC_FREE[args.sync_free],
+                                       **backend_kw)
     marks = {}
     try:
         generate(torch, model, prompts["warm"], args.warmup_tokens, sync)
@@ -116,7 +119,7 @@ def run_row(torch, model, state, prompts, args, sync, budget, group, backend_kw,
             marks["stats"] = ctl.handle.stats()
             marks.update({key: getattr(ctl, key) for key in _COUNTERS})
 
-        timer = StepTimer(sync, on_first=first)
+        timer = StepTimer(timer_sync, on_first=first)
         ids, _, _ = generate(torch, model, prompts["measured"], args.new_tokens, sync, timer)
         ctl.flush()
         end = ctl.handle.stats()
@@ -187,6 +190,9 @@ def profile_decode(torch, model, ids, tokens: int, sync, path: str) -> dict:
             **{f"{k}_ms_per_token": v / per for k, v in by_kind.items()}}
 
 
+# --sync-free: offload_moe_experts' sync_free argument.
+_SYNC_FREE = {"auto": None, "on": True, "off": False}
+
 # OffloadController counters read before and after the measured generate.
 _COUNTERS = ("layers_run", "comm_ns", "engine_ns", "sync_ns", "host_ns", "pinned_hits", "zero_copy_reads")
 
@@ -211,7 +217,8 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
     family, shape = (SMOKE_MODELS if args.smoke_cpu else MODELS)[name]
     model = build_model(torch, family, shape, args.vocab, device, dtype)
     state = ModelState(model)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = make_sync(torch, cuda)
+    timer_sync = make_sync(torch, cuda, args.timer_sync)
     backend_kw = {} if cuda else {"backend": "host"}
     mine = int((partition_experts(state.num_layers, state.num_experts, world) == rank).sum())
     slice_bytes = mine * state.expert_bytes
@@ -229,7 +236,7 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
         for batch in args.batches:
             p = prompts(batch)
             generate(torch, model, p["warm"], args.warmup_tokens, sync)
-            timer = StepTimer(sync)
+            timer = StepTimer(timer_sync)
             reference[batch], _, _ = generate(torch, model, p["measured"], args.new_tokens, sync, timer)
             rows.append({**base, "batch": batch, "share": None, "mode": "resident", "ranks": 1,
                          **_decode_ms(timer.times)})
@@ -237,7 +244,8 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
                 continue
             for share in args.shares:
                 budget = int(share * state.total_bytes)
-                figures, ids, host = run_row(torch, model, state, p, args, sync, budget, None, backend_kw, host)
+                figures, ids, host = run_row(torch, model, state, p, args, sync, timer_sync, budget, None, backend_kw,
+                                             host)
                 single[(batch, share)] = figures["p50_ms"]
                 rows.append({**base, "batch": batch, "share": share, "mode": "1-gpu", "ranks": 1,
                              "budget_bytes_per_rank": budget, "tokens_equal": bool(torch.equal(ids, reference[batch])),
@@ -250,8 +258,8 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
         p = prompts(batch)
         for share in args.shares:
             budget = int(share * slice_bytes)
-            figures, ids, host = run_row(torch, model, state, p, args, sync, budget, dist.group.WORLD, backend_kw,
-                                         host)
+            figures, ids, host = run_row(torch, model, state, p, args, sync, timer_sync, budget, dist.group.WORLD,
+                                         backend_kw, host)
             gathered = [None] * world
             dist.all_gather_object(gathered, {"figures": figures, "ids": ids.cpu()})
             if rank != 0:
@@ -305,6 +313,11 @@ def main(argv=None) -> int:
                              "(torch.profiler: ops table and Chrome trace per rank in DIR; GPU busy, NCCL and "
                              "copy time per token in the row)")
     parser.add_argument("--profile-tokens", type=int, default=8)
+    parser.add_argument("--sync-free", choices=list(_SYNC_FREE), default="auto",
+                        help="offload_moe_experts(sync_free=None|True|False) for the 1-gpu and ep rows")
+    parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
+                        help="what the per-token clock waits for: every stream of the GPU (the engine's copies "
+                             "too) or the compute stream only (what a caller reading tokens waits for)")
     parser.add_argument("--smoke-cpu", action="store_true", help="gloo, tiny configs in float32 on the CPU")
     args = parser.parse_args(argv)
     smoke = args.smoke_cpu
@@ -352,7 +365,7 @@ def main(argv=None) -> int:
                       "world_size": world, "backend": dist.get_backend(),
                       "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "predictor",
                                                                 "new_tokens", "warmup_tokens", "prompt_tokens",
-                                                                "vocab", "no_single")},
+                                                                "vocab", "no_single", "sync_free", "timer_sync")},
                       "transformers": transformers.__version__,
                       "notes": ["random weights; vocab reduced to --vocab",
                                 "ep budget per rank = share x the rank's slice; 1-gpu budget = share x all experts",

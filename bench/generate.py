@@ -61,8 +61,10 @@ Rows (share = device cache budget / all expert bytes; share-free rows have none)
 
 Figures per row:
   p50_ms, p90_ms    decode ms/token: time between consecutive logits calls of
-                    the measured generate (torch.cuda.synchronize before each
-                    reading), the prefill step excluded
+                    the measured generate, each read after --timer-sync's
+                    wait (device, the default: torch.cuda.synchronize, every
+                    stream, the engine's background copies too; stream: the
+                    compute stream only), the prefill step excluded
   tokens_equal      generated ids equal to the resident row's (accelerate:
                     its first --accelerate-tokens)
   hit_rate, bytes_moved, copies
@@ -163,6 +165,7 @@ class Block:
     def __init__(self, torch, model, state, batch, args, cuda, device, sync):
         self.torch, self.model, self.state, self.batch = torch, model, state, batch
         self.args, self.cuda, self.device, self.sync = args, cuda, device, sync
+        self.timer_sync = make_sync(torch, cuda, args.timer_sync)  # the per-token clock's wait
         vocab = model.config.vocab_size
 
         def prompt(seed, length):
@@ -228,7 +231,7 @@ def repeat_p50s(block: Block, mode, new_tokens: int) -> list:
     first one's); x_adjacent compares medians of the repeats."""
     runs = []
     for _ in range(max(0, block.args.repeats - 1)):
-        again = StepTimer(block.sync)
+        again = StepTimer(block.timer_sync)
         generate(block.torch, block.model, block.prompt, new_tokens, block.sync, again)
         mode.new_sequence()
         steps = [b - a for a, b in zip(again.times, again.times[1:])]
@@ -249,7 +252,7 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
         marks["counters"] = mode.counters()
         marks["calls"] = recorder.mark() if recorder else None
 
-    timer = StepTimer(sync, on_first=first, on_step=mode.on_step)
+    timer = StepTimer(block.timer_sync, on_first=first, on_step=mode.on_step)
     mode.start_measuring()
     before = mode.counters()
     ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
@@ -479,7 +482,7 @@ def resident_p50_now(block: Block):
         block.state.check()
     except RuntimeError:
         return None
-    timer = StepTimer(block.sync)
+    timer = StepTimer(block.timer_sync)
     generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
     decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
     return statistics.median(decode) * 1e3 if decode else None
@@ -500,7 +503,7 @@ def restore_check(block: Block, name) -> dict:
         out["restore_check"] = False
         out["restore_reason"] = str(exc)
         return out
-    timer = StepTimer(block.sync)
+    timer = StepTimer(block.timer_sync)
     ids, _, _ = generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
     decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
     out["restore_check"] = bool(block.torch.equal(ids, block.reference))
@@ -529,6 +532,10 @@ def main(argv=None) -> int:
     parser.add_argument("--repeats", type=int, default=1,
                         help="measured generates per row, and resident generates right after it; x_adjacent is "
                              "the ratio of their medians (the host's speed drifts over seconds)")
+    parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
+                        help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
+                             "background copies too) or the compute stream only (what a caller reading tokens "
+                             "waits for)")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny configs on the CPU in float32: checks the logic, measures nothing")
     args = parser.parse_args(argv)
@@ -561,7 +568,8 @@ def main(argv=None) -> int:
     report = {"benchmark": "BM6 generate", "machine": machine_info(), "smoke_cpu": smoke,
               "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "rows", "new_tokens",
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
-                                                        "accelerate_tokens", "vocab", "mpl_capacity", "budget_s")},
+                                                        "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
+                                                        "timer_sync", "repeats")},
               "transformers": transformers.__version__,
               "notes": [f"vocab reduced to {args.vocab} (the real models' are 50304 and 151936)",
                         "random weights; routing is the random model's, not a trained one's"],

@@ -125,15 +125,24 @@ class ModelState:
 # ------------------------------------------------------------- generation
 
 
-def make_sync(torch, cuda: bool):
-    if cuda:
-        return torch.cuda.synchronize
-    return lambda: None
+def make_sync(torch, cuda: bool, scope: str = "device"):
+    """A wait for the GPU: "device" waits for every stream (the engine's
+    copy streams too, speculative copies included); "stream" waits for the
+    current stream only, the compute the next token needs, which is what a
+    caller reading each token (a streamer) waits for."""
+    if scope not in ("device", "stream"):
+        raise ValueError(f"scope must be 'device' or 'stream', not {scope!r}")
+    if not cuda:
+        return lambda: None
+    if scope == "stream":
+        return lambda: torch.cuda.current_stream().synchronize()
+    return torch.cuda.synchronize
 
 
 class StepTimer:
-    """A logits processor that reads the clock (after a device sync) once per
-    generated token; `on_first` runs at the first call (the prefill's logits)."""
+    """A logits processor that reads the clock (after `sync`, a make_sync)
+    once per generated token; `on_first` runs at the first call (the
+    prefill's logits)."""
 
     def __init__(self, sync, on_first=None, on_step=None):
         self.sync = sync
