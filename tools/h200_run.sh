@@ -106,7 +106,7 @@ for step in $steps; do
     bm7)
       # Expert parallel over the GPUs of this machine (BM7_ARGS: models, batches, shares).
       timeout "${BM7_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "${BM7_RANKS:-2}" bench/ep_generate.py \
-        ${BM7_ARGS:-} --json "$out/bm7.json" 2>"$out/bm7.log" | tee "$out/bm7.txt" || status=1 ;;
+        ${BM7_ARGS:-} --json "$out/bm7${BM7_TAG:-}.json" 2>"$out/bm7${BM7_TAG:-}.log" | tee "$out/bm7${BM7_TAG:-}.txt" || status=1 ;;
     e2etraces)
       # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run).
       for t in ${TRACES:-traces/*.json}; do
