@@ -645,10 +645,12 @@ def _routed_experts(routed: np.ndarray, num_experts: int) -> np.ndarray:
 def _distinct(experts, num_experts: int) -> np.ndarray:
     """Sorted distinct expert ids of a host sequence, numpy array or CPU
     tensor, as int64."""
+    if type(experts) is np.ndarray and experts.ndim == 1 and experts.dtype.kind in "iu" and experts.shape[0] <= 64:
+        experts = experts.tolist()
     if type(experts) is list and len(experts) <= 64:
-        # A short host list (a layer's routing at small batch): sorting a set
-        # costs a fraction of the array path's five numpy calls, and this
-        # runs on the critical path of every host-routed layer.
+        # A short host list or integer array (a layer's routing at small
+        # batch, a predictor's guess): sorting a set costs a fraction of the
+        # array path's five numpy calls, and this runs once per layer or more.
         distinct = sorted({int(e) for e in experts})
         if distinct and (distinct[0] < 0 or distinct[-1] >= num_experts):
             raise ValueError(f"expert ids must be in 0..{num_experts - 1}")

@@ -23,7 +23,6 @@ returns host sequences only.
 """
 from __future__ import annotations
 
-import bisect
 from typing import Protocol
 
 import numpy as np
@@ -131,9 +130,17 @@ class OraclePredictor:
     so a handle made with ``eviction_policy="next-use"`` evicts by Belady's
     rule. ``hints=None`` (default) gives them only to such a handle (other
     policies ignore hints, so they would cost host time for nothing); True or
-    False forces it."""
+    False forces it.
 
-    host_guesses = True  # predict returns host lists (the sync-free decode path uses them)
+    The trace is turned into arrays once: per (step, layer) its experts, and
+    per layer every read sorted by (expert, step). A layer's predict and
+    observe are then a few
+    array operations, not a Python loop over its experts: they run once per
+    MoE layer of every token (BM6 with the oracle on OLMoE shapes, H200,
+    before the tables: 172 us of host time per layer against 92 without a
+    predictor)."""
+
+    host_guesses = True  # predict returns host arrays (the sync-free decode path uses them)
 
     def __init__(self, trace, distance: int = 1, hints: bool | None = None):
         if distance < 1:
@@ -141,14 +148,20 @@ class OraclePredictor:
         self.trace = trace
         self.distance = distance
         self.hints = hints
-        # layer -> expert -> the steps that read it, ascending
-        self._steps_of: list[dict[int, list[int]]] = [{} for _ in range(trace.num_layers)]
-        for s, step in enumerate(trace.steps):
-            for layer, experts in enumerate(step):
-                for e in experts:
-                    self._steps_of[layer].setdefault(int(e), []).append(s)
+        steps, layers = len(trace.steps), trace.num_layers
+        self._experts = [[np.asarray(trace.steps[s][la], dtype=np.int64) for la in range(layers)]
+                         for s in range(steps)]
+        # Per layer, every read as the key expert * stride + step, sorted: the
+        # next read of e after step s is the first key above e * stride + s,
+        # if it is still e's (memory: one int64 per read of the trace).
+        # A sentinel past every key ends each array, so a search never runs off it.
+        self._stride = steps + 1
+        end = np.array([np.iinfo(np.int64).max], dtype=np.int64)
+        self._reads = [np.concatenate([np.sort(np.concatenate(
+            [self._experts[s][layer] * self._stride + s for s in range(steps)] or [end[:0]])), end])
+            for layer in range(layers)]
         self._routed = None  # (step, layer, experts, clock) of the last routing
-        self._hints: list = []  # (layer, experts, one time or a list) not yet returned
+        self._hints: list = []  # (layer, experts, one time or an array) not yet returned
 
     def _sends_hints(self, controller) -> bool:
         if self.hints is None:
@@ -163,8 +176,10 @@ class OraclePredictor:
             if target >= controller.num_layers:
                 target -= controller.num_layers
                 target_step += 1
-            experts = self.trace.experts(target_step, target)
-            if experts:
+            if not 0 <= target_step < len(self._experts) or target >= len(self._experts[target_step]):
+                continue
+            experts = self._experts[target_step][target]
+            if experts.shape[0]:
                 out[target] = experts
                 if hints:  # read d layers from now
                     self._hints.append((target, experts, controller.clock + d))
@@ -175,11 +190,11 @@ class OraclePredictor:
             self._hints.clear()
             return None
         now = controller.clock
-        experts = [int(e) for e in experts]
+        experts = np.asarray(experts, dtype=np.int64)
         # The experts routed now are read now: their hint moves on only once
         # the next layer routes (they are released by then), or a prefetch
         # for the next layer could evict them before their acquire.
-        out = self._next_reads(controller, *self._routed) if self._routed is not None else []
+        out = [self._next_reads(controller, *self._routed)] if self._routed is not None else []
         out.append((layer, experts, now))
         out.extend(self._hints)  # later layers' reads, from this layer's predict
         self._hints = []
@@ -187,12 +202,14 @@ class OraclePredictor:
         return out
 
     def _next_reads(self, controller, step, layer, experts, at):
-        """[(layer, experts, times)]: the next read of experts read at clock
+        """(layer, experts, times): the next read of experts read at clock
         `at` (step, layer); NO_NEXT_USE = never again in the trace."""
-        steps_of = self._steps_of[layer] if layer < len(self._steps_of) else {}
-        times = []
-        for e in experts:
-            steps = steps_of.get(int(e), ())
-            i = bisect.bisect_right(steps, step)
-            times.append(at + (steps[i] - step) * controller.num_layers if i < len(steps) else NO_NEXT_USE)
-        return [(layer, experts, times)]
+        stride = self._stride
+        if layer >= len(self._reads) or not 0 <= step < stride - 1:
+            return layer, experts, np.full(experts.shape[0], NO_NEXT_USE, dtype=np.int64)
+        reads = self._reads[layer]
+        key = experts * stride + step
+        # The first key above (e, step): e's next read if it is still e's,
+        # that is if it lies less than a stride (minus step) above.
+        ahead = reads[np.searchsorted(reads, key, side="right")] - key
+        return layer, experts, np.where(ahead < stride - step, ahead * controller.num_layers + at, NO_NEXT_USE)

@@ -1,0 +1,74 @@
+"""OraclePredictor against a brute-force reading of its trace: the experts
+it predicts and the next-use times of its hints (Belady's rule for the
+engine's "next-use" policy rests on them)."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from prefetch._engine import NO_NEXT_USE
+
+from prefetch.integration import OraclePredictor, RoutingTrace
+
+
+class _Handle:
+    eviction_policy = "next-use"
+
+
+class _Controller:
+    def __init__(self, num_layers):
+        self.handle = _Handle()
+        self.num_layers = num_layers
+        self.clock = -1
+
+
+def _next_step(steps, layer, expert, after):
+    return next((t for t in range(after + 1, len(steps)) if expert in steps[t][layer]), None)
+
+
+traces = st.integers(1, 4).flatmap(lambda layers: st.integers(1, 7).flatmap(lambda experts: st.tuples(
+    st.just(layers), st.just(experts),
+    st.lists(st.lists(st.sets(st.integers(0, experts - 1), max_size=3), min_size=layers, max_size=layers),
+             min_size=1, max_size=8))))
+
+
+@settings(max_examples=150, deadline=None)
+@given(traces, st.integers(1, 3))
+def test_oracle_predictions_and_hints_match_the_trace(spec, distance):
+    layers, experts, raw = spec
+    distance = min(distance, layers)  # a guess reaches at most one step ahead
+    steps = [[sorted(e) for e in step] for step in raw]
+    oracle = OraclePredictor(RoutingTrace(layers, experts, steps), distance=distance)
+    ctl = _Controller(layers)
+    last = None  # (step, layer, experts, clock) routed before this layer
+    for step in range(len(steps) + 1):  # one step past the trace: nothing predicted, no next use
+        for layer in range(layers):
+            ctl.clock += 1
+            guesses = oracle.predict(ctl, step, layer, None)
+            want = {}
+            for d in range(1, distance + 1):
+                target, target_step = (layer + d) % layers, step + (layer + d) // layers
+                if target_step < len(steps) and steps[target_step][target]:
+                    want.setdefault(target, steps[target_step][target])
+            assert {t: g.tolist() for t, g in guesses.items()} == want
+            routed = np.array(steps[step][layer] if step < len(steps) else [0], dtype=np.int64)
+            hints = oracle.observe(ctl, step, layer, routed)
+            if last is not None:  # the previous routing's next reads come first
+                s0, l0, e0, at = last
+                lyr, ex, when = hints[0]
+                assert lyr == l0 and ex.tolist() == e0
+                for e, w in zip(e0, when.tolist()):
+                    nxt = _next_step(steps, l0, e, s0)
+                    assert w == (NO_NEXT_USE if nxt is None else at + (nxt - s0) * layers)
+            assert (layer, routed.tolist(), ctl.clock) in [(h[0], list(h[1]), h[2]) for h in hints if np.isscalar(h[2])]
+            last = (step, layer, routed.tolist(), ctl.clock)
+
+
+def test_oracle_without_hints_returns_none():
+    oracle = OraclePredictor(RoutingTrace(2, 4, [[[0], [1]]]), hints=False)
+    ctl = _Controller(2)
+    assert oracle.predict(ctl, 0, 0, None)[1].tolist() == [1]
+    assert oracle.observe(ctl, 0, 0, np.array([0])) is None
+    with pytest.raises(ValueError, match="distance"):
+        OraclePredictor(RoutingTrace(2, 4, [[[0], [1]]]), distance=0)
