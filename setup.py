@@ -1,5 +1,7 @@
-"""Builds the one extension, prefetch._engine: the Cython binding plus the
-C++ engine in src_cpp/. Metadata lives in pyproject.toml.
+"""Builds two extensions: prefetch._engine, the Cython binding plus the C++
+engine in src_cpp/, and prefetch._disk, the disk reader (disk_reader.cpp and
+disk_io.cpp there; the engine does not use it yet). Metadata lives in
+pyproject.toml.
 
 PREFETCH_DEBUG=1 turns Cython's bounds and wraparound checks back on and
 builds the C++ with -O0 -g. PREFETCH_SANITIZE=address|thread adds the
@@ -28,8 +30,11 @@ COMPILER_DIRECTIVES = {
     "embedsignature.format": "python",
 }
 
-# The engine's C++ sources, one per line: also read by tests/test_cpp_stress.py.
-ENGINE_SOURCES = Path(__file__).with_name("src_cpp").joinpath("SOURCES").read_text().split()
+# The C++ sources, one per line: also read by tests/test_cpp_stress.py and
+# tools/thread_safety_check.py. The disk reader's go into prefetch._disk.
+SOURCES = Path(__file__).with_name("src_cpp").joinpath("SOURCES").read_text().split()
+DISK_SOURCES = ["src_cpp/disk_reader.cpp", "src_cpp/disk_io.cpp"]
+ENGINE_SOURCES = [s for s in SOURCES if s not in DISK_SOURCES]
 
 compile_args = ["-std=c++17", "-Wall", "-Wno-unused-function"]
 link_args = ["-pthread"]
@@ -53,20 +58,28 @@ extension = Extension(
     extra_link_args=link_args,
     libraries=["dl"],
 )
-
+disk_extension = Extension(
+    "prefetch._disk",
+    sources=["prefetch/_disk.pyx", *DISK_SOURCES],
+    include_dirs=["src_cpp", "prefetch"],
+    language="c++",
+    extra_compile_args=compile_args,
+    extra_link_args=link_args,
+)
 
 
 class BuildExtSaysSo(build_ext):
-    """build_ext that says what it is doing: compiling the engine takes about
-    35 s on 2 cores, which otherwise looks like a hang (pip shows this line
-    with -v; its own output says 'Building ... for prefetch')."""
+    """build_ext that says what it is doing: compiling takes about 35 s on 2
+    cores, which otherwise looks like a hang (pip shows this line with -v;
+    its own output says 'Building ... for prefetch')."""
 
     def run(self):
         flavour = f", PREFETCH_SANITIZE={SANITIZE}" if SANITIZE else (", debug" if DEBUG else "")
-        print(f"prefetch: building the C++ engine and the Cython binding ({len(extension.sources)} sources"
+        sources = len(extension.sources) + len(disk_extension.sources)
+        print(f"prefetch: building the C++ engine, the disk reader and their Cython bindings ({sources} sources"
               f"{flavour}; compiling takes about 35 s on 2 cores)", file=sys.stderr, flush=True)
         super().run()
 
 
-setup(ext_modules=cythonize([extension], compiler_directives=COMPILER_DIRECTIVES),
+setup(ext_modules=cythonize([extension, disk_extension], compiler_directives=COMPILER_DIRECTIVES),
       cmdclass={"build_ext": BuildExtSaysSo})

@@ -2,7 +2,10 @@
 
 ``PrefetchHandle`` is the C++ engine (registry, per-device caches, priority
 queue, copy workers); ``ExpertPrefetcher`` maps (layer, expert) pairs onto it.
+``DiskReader`` reads byte ranges of files with O_DIRECT into caller-owned
+buffers (standalone: the engine does not read from disk yet).
 """
+from prefetch._disk import DiskReader, aligned_empty
 from prefetch._engine import (
     DEFAULT_ACQUIRE_TIMEOUT_S,
     DEFAULT_PRIORITY,
@@ -19,6 +22,7 @@ from prefetch.errors import (
     BackendUnavailableError,
     CheckpointError,
     CopyFailedError,
+    DiskReadError,
     HandleClosedError,
     InvalidArgumentError,
     OutOfMemoryError,
@@ -44,6 +48,7 @@ __all__ = [
     "BackendUnavailableError",
     "CheckpointError",
     "CopyFailedError",
+    "DiskReadError",
     "HandleClosedError",
     "InvalidArgumentError",
     "OutOfMemoryError",
@@ -56,8 +61,10 @@ __all__ = [
     "NO_NEXT_USE",
     "NUM_BANDS",
     "SLOT_ALIGNMENT",
+    "DiskReader",
     "ExpertPrefetcher",
     "PrefetchHandle",
+    "aligned_empty",
     "as_id_array",
     "offload_moe_experts",
     "pack_expert",

@@ -9,10 +9,7 @@ from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.vector cimport vector
 
-
-cdef extern from "_errors.h":
-    void prefetch_raise_py_error()
-    void prefetch_set_error_type(int kind, object type)
+from prefetch._errors cimport prefetch_raise_py_error, prefetch_set_error_type
 
 
 cdef extern from "copy_backend.h" namespace "prefetch" nogil:

@@ -1,9 +1,10 @@
 """The exceptions prefetch raises.
 
 Every error of the engine is a ``PrefetchError``; each subclass also derives
-from the builtin exception prefetch raised before the family existed
-(ValueError, KeyError, TimeoutError, MemoryError, RuntimeError), so existing
-``except`` clauses keep working, while a caller can now tell, say, a failed
+from a builtin: the one prefetch raised before the family existed
+(ValueError, KeyError, TimeoutError, MemoryError, RuntimeError), or OSError
+for the disk reader's I/O errors, so ``except`` clauses written for the
+builtins keep working, while a caller can now tell, say, a failed
 copy from a closed handle without reading the message (pyarrow's
 ``ArrowInvalid(ValueError, ArrowException)`` is the model). docs/errors.md
 lists which call raises which.
@@ -21,6 +22,7 @@ __all__ = [
     "StateError",
     "BackendUnavailableError",
     "CheckpointError",
+    "DiskReadError",
 ]
 
 
@@ -73,6 +75,14 @@ class CheckpointError(PrefetchError, ValueError):
     by Python, not by the engine: no ErrorKind."""
 
 
+class DiskReadError(PrefetchError, OSError):
+    """A file the disk reader (prefetch.DiskReader) could not open or read:
+    a missing file, a failed read (``errno`` set, EIO and the like), a short
+    read, a file changed, replaced or removed since it was opened. Only that
+    read fails; the reader keeps serving the others. ``errno`` is None when
+    no system call failed (a short read, a changed file)."""
+
+
 # In the order of prefetch::ErrorKind (src_cpp/errors.h): the binding maps a
 # kind to the class at its index.
 BY_KIND = (
@@ -85,4 +95,5 @@ BY_KIND = (
     OutOfMemoryError,
     StateError,
     BackendUnavailableError,
+    DiskReadError,
 )

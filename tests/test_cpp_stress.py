@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SOURCES = (ROOT / "src_cpp" / "SOURCES").read_text().split()  # the engine sources setup.py builds
+SOURCES = (ROOT / "src_cpp" / "SOURCES").read_text().split()  # the C++ sources setup.py builds
 
 
 @pytest.fixture(scope="module")

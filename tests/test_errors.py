@@ -19,6 +19,7 @@ def test_each_class_is_a_prefetch_error_and_its_builtin():
         errors.OutOfMemoryError: MemoryError,
         errors.StateError: RuntimeError,
         errors.BackendUnavailableError: RuntimeError,
+        errors.DiskReadError: OSError,
     }
     assert set(builtin) == set(errors.BY_KIND)
     for cls, base in builtin.items():

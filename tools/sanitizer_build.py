@@ -10,7 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
-IGNORE = shutil.ignore_patterns(".git", ".tox", "build", "*.so", "*.egg-info", "__pycache__", ".whl", "_engine.cpp")
+IGNORE = shutil.ignore_patterns(".git", ".tox", "build", "*.so", "*.egg-info", "__pycache__", ".whl", "_engine.cpp",
+                                "_disk.cpp")
 
 
 def main() -> int:

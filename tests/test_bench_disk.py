@@ -1,0 +1,25 @@
+"""bench/disk.py --smoke-cpu: the disk bench runs end to end on tiny files
+(raw preadv, DiskReader at each thread count, the byte check), and reports
+the GPU row as null with its reason where there is no CUDA."""
+import json
+
+from bench import disk
+
+
+def test_disk_bench_smoke(tmp_path, capsys):
+    out = tmp_path / "disk.json"
+    assert disk.main(["--smoke-cpu", "--dir", str(tmp_path), "--json", str(out)]) == 0
+    assert "smoke ok" in capsys.readouterr().out
+    report = json.loads(out.read_text())
+    result = report["result"]
+    assert report["config"]["smoke_cpu"] and result["byte_exact"]
+    assert [row["threads"] for row in result["reader"]] == report["config"]["threads"]
+    for row in result["reader"]:
+        assert row["gbps"] > 0 and row["over_raw"] > 0 and len(row["samples_gbps"]) == report["config"]["reps"]
+    assert isinstance(result["direct"], bool) and result["page_cache"]
+    gpu = result["gpu"]
+    if disk.gpu_reason() is None:
+        assert gpu["gbps"] > 0 and gpu["reason"] is None
+    else:
+        assert gpu["gbps"] is None and gpu["over_raw"] is None and gpu["reason"] == disk.gpu_reason()
+    assert list(tmp_path.iterdir()) == [out]  # the bench's files are gone
