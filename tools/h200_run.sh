@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare (OLD_TREE=folder)
-# overlap e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# overlap disk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -117,6 +117,9 @@ for step in $steps; do
       done ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
+    disk)
+      # DiskReader against a plain O_DIRECT loop on this machine's disk, and into the GPU (DISK_ARGS: sizes).
+      python3 bench/disk.py --dir "${DISK_DIR:-$PWD}" ${DISK_ARGS:-} --json "$out/disk.json" 2>&1 | tee "$out/disk.txt" ;;
     *) echo "unknown step $step"; status=1 ;;
   esac
   # Pack after every step: a run cut short still brings back what it made.
