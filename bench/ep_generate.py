@@ -190,6 +190,20 @@ def profile_decode(torch, model, ids, tokens: int, sync, path: str) -> dict:
             **{f"{k}_ms_per_token": v / per for k, v in by_kind.items()}}
 
 
+def pin_cpus() -> list:
+    """Restricts this process to its local rank's share of the CPUs it may
+    run on (contiguous blocks of equal size, in CPU order), so the ranks of
+    one host do not share cores; returns that CPU list."""
+    cpus = sorted(os.sched_getaffinity(0))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    if len(cpus) < ranks:
+        raise SystemExit(f"--pin-cpus: {len(cpus)} CPUs for {ranks} ranks on this host")
+    mine = cpus[local * len(cpus) // ranks:(local + 1) * len(cpus) // ranks]
+    os.sched_setaffinity(0, mine)
+    return mine
+
+
 # --sync-free: offload_moe_experts' sync_free argument.
 _SYNC_FREE = {"auto": None, "on": True, "off": False}
 
@@ -318,6 +332,9 @@ def main(argv=None) -> int:
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (the engine's copies "
                              "too) or the compute stream only (what a caller reading tokens waits for)")
+    parser.add_argument("--pin-cpus", action="store_true",
+                        help="each rank runs on its own contiguous share of this host's CPUs (default: the OS "
+                             "places the processes)")
     parser.add_argument("--smoke-cpu", action="store_true", help="gloo, tiny configs in float32 on the CPU")
     args = parser.parse_args(argv)
     smoke = args.smoke_cpu
@@ -335,6 +352,8 @@ def main(argv=None) -> int:
         parser.error("--shares must be in (0, 1]")
     if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
         parser.error("run under torchrun, e.g. torchrun --standalone --nproc-per-node 2 bench/ep_generate.py")
+
+    cpus = pin_cpus() if args.pin_cpus else sorted(os.sched_getaffinity(0))
 
     import torch
     import torch.distributed as dist
@@ -360,12 +379,15 @@ def main(argv=None) -> int:
         rows = []
         for name in args.models:
             run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows)
+        cpus_per_rank = [None] * world
+        dist.all_gather_object(cpus_per_rank, cpus)
         if rank == 0:
             report = {"benchmark": "BM7 expert-parallel generate", "machine": machine_info(), "smoke_cpu": smoke,
-                      "world_size": world, "backend": dist.get_backend(),
+                      "world_size": world, "backend": dist.get_backend(), "cpus_per_rank": cpus_per_rank,
                       "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "predictor",
                                                                 "new_tokens", "warmup_tokens", "prompt_tokens",
-                                                                "vocab", "no_single", "sync_free", "timer_sync")},
+                                                                "vocab", "no_single", "sync_free", "timer_sync",
+                                                                "pin_cpus")},
                       "transformers": transformers.__version__,
                       "notes": ["random weights; vocab reduced to --vocab",
                                 "ep budget per rank = share x the rank's slice; 1-gpu budget = share x all experts",

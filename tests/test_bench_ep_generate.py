@@ -24,6 +24,8 @@ def test_ep_smoke_under_torchrun(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "bench", "ep_generate.py"), "--smoke-cpu", "--timeout-s", "60", "--json", str(path),
            "--profile", str(tmp_path / "prof"), "--profile-tokens", "2"]
+    pinned = len(os.sched_getaffinity(0)) >= 2  # --pin-cpus needs a CPU per rank
+    cmd += ["--pin-cpus"] if pinned else []
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
     try:
@@ -35,6 +37,11 @@ def test_ep_smoke_under_torchrun(tmp_path):
     assert proc.returncode == 0, out[-4000:]
     report = json.loads(path.read_text())
     assert report["world_size"] == 2 and report["backend"] == "gloo" and report["smoke_cpu"]
+    # --pin-cpus: each rank on its own share of the CPUs this test may use
+    cpus = report["cpus_per_rank"]
+    assert report["config"]["pin_cpus"] is pinned and all(cpus)
+    if pinned:
+        assert not set(cpus[0]) & set(cpus[1]) and set(cpus[0]) | set(cpus[1]) <= os.sched_getaffinity(0)
     rows = report["rows"]
     want = {(m, b, s, mode) for m in ("smoke-qwen3-moe", "smoke-olmoe") for b in (1, 8) for s in (0.25, 0.5)
             for mode in ("1-gpu", "ep")}

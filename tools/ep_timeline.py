@@ -3,7 +3,7 @@ prints, per all-reduce, when each rank's host issued it and how long each
 rank's NCCL kernel ran (it spins until the other rank's arrives), plus each
 rank's host time between consecutive all-reduces (one MoE layer).
 
-    python tools/ep_timeline.py DIR/ep_b1_s1610612736_rank0.json DIR/ep_b1_s1610612736_rank1.json [--first 40 --count 32]
+    python tools/ep_timeline.py DIR/ep_b1_S_rank0.json DIR/ep_b1_S_rank1.json [--first 40] [--count 32]
 
 The ranks are processes on one host; the profiler's timestamps share its
 clock, so the columns compare directly."""
