@@ -23,7 +23,9 @@ Routing comes from the model itself (inputs are fixed per step, so every
 policy sees the same routing), or from --trace-in (a routing trace, see
 docs/trace_format.md), which then overrides the router's choice.
 
-Policies, one run each (fresh cache, same inputs):
+Policies, one run each per round (fresh cache, same inputs; --repeats
+rounds, each running every policy in turn after an all-resident run of its
+own):
   all-resident     every expert on the GPU: the compute-only step
   on-demand        engine, no prediction: misses are fetched at band 0
   next-layer-gate  engine + router of layer L+1 applied to layer L's input
@@ -40,7 +42,10 @@ Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
 bandwidth measured in the same run (before and after each model's runs, the
-faster of the two). Runs past --budget-s are reported null.
+faster of the two). Runs past --budget-s are reported null. With
+--repeats: p50_ms is the median of the rounds' p50s (p50_runs_ms), and
+x_adjacent the median of each round's p50 over its all-resident p50
+(resident_runs_ms): the host's speed drifts over a block.
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
 in src_cpp/eviction_policy.h). --devices N splits the layers into N contiguous
 runs, one per GPU, with the cache budget split by layers; the IO floor is then
@@ -98,6 +103,34 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
             provider.close()
 
 
+def record_round(row, lat, delta, compute_p50, floor_s, res_round):
+    """One round's run of a policy (latencies in s, counters) into its row:
+    p50_ms is the median of the rounds' p50s, x_adjacent the median of each
+    round's p50 over that round's all-resident p50; hit rate, bytes and
+    prediction scores are the first round's (every round replays the same
+    steps from a fresh cache)."""
+    p50 = statistics.median(lat)
+    row["p50_runs_ms"].append(p50 * 1e3)
+    row["resident_runs_ms"].append(statistics.median(res_round) * 1e3)
+    row["p50_ms"] = statistics.median(row["p50_runs_ms"])
+    row["x_adjacent"] = statistics.median(a / b for a, b in zip(row["p50_runs_ms"], row["resident_runs_ms"]))
+    if len(row["p50_runs_ms"]) > 1:
+        row["p90_ms"] = statistics.median([row["p90_ms"], percentile(lat, 0.9) * 1e3])
+        return
+    total_s = sum(lat)
+    acquired = (delta.get("hits") or 0) + (delta.get("misses") or 0)
+    row.update({
+        "p90_ms": percentile(lat, 0.9) * 1e3,
+        "stall_ms": (p50 - compute_p50) * 1e3,
+        "hit_rate": delta["hits"] / acquired if acquired else None,
+        "bytes_moved": delta.get("bytes"),
+        "achieved_gbps": (delta.get("bytes") or 0) / total_s / 1e9 if total_s else None,
+        "precision": delta.get("precision"),
+        "recall": delta.get("recall"),
+    })
+    row["over_floor"] = row["p50_ms"] / floor_s / 1e3
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
@@ -109,6 +142,8 @@ def main(argv=None) -> int:
     parser.add_argument("--train", type=int, default=3, help="past requests the trace predictor learns from")
     parser.add_argument("--pool", type=int, default=48, help="distinct random experts behind all (layer, expert)")
     parser.add_argument("--budget-s", type=float, default=420, help="stop starting runs after this many seconds")
+    parser.add_argument("--repeats", type=int, default=1,
+                        help="rounds: each runs every policy once in turn, after an all-resident run of its own")
     parser.add_argument("--trace-in", help="routing trace to replay (overrides the router)")
     parser.add_argument("--trace-from", type=int, default=0,
                         help="first step of --trace-in to replay (1 skips a recorded prompt step)")
@@ -124,6 +159,8 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny shapes on the CPU with the host backend: checks the logic, measures nothing")
     args = parser.parse_args(argv)
+    if args.repeats < 1:
+        parser.error("--repeats must be >= 1")
 
     import torch
 
@@ -186,6 +223,7 @@ def main(argv=None) -> int:
                     belady_bytes.append(misses * dec.expert_bytes / args.steps)
                 io_floor_s = io_floor(belady_bytes, raw_each)
                 floor_s = max(compute_p50, io_floor_s)
+                cells = []
                 for policy in args.policies:
                     row = {"model": name, "batch": batch, "cache_share": share, "policy": policy,
                            "devices": args.devices, "eviction": policy_eviction(policy, args.eviction),
@@ -194,33 +232,36 @@ def main(argv=None) -> int:
                            "raw_h2d_gbps": raw, "raw_h2d_gbps_each": raw_each,
                            "belady_bytes_per_step_each": belady_bytes,
                            "experts_per_layer_mean": statistics.mean(used),
-                           "p50_ms": None, "p90_ms": None}
+                           "p50_ms": None, "p90_ms": None, "p50_runs_ms": [], "resident_runs_ms": []}
                     batch_rows.append(row)
-                    if time.monotonic() - started > args.budget_s:
-                        row["note"] = "not measured: time budget spent"
-                        rows.append(row)
-                        continue
-                    if policy == "all-resident":
-                        lat, delta = lat_res, {"hits": None, "misses": None, "bytes": 0}
-                    else:
-                        lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
-                                                   forced=forced, eviction=args.eviction)
-                    total_s = sum(lat)
-                    acquired = (delta.get("hits") or 0) + (delta.get("misses") or 0)
-                    row.update({
-                        "p50_ms": statistics.median(lat) * 1e3,
-                        "p90_ms": percentile(lat, 0.9) * 1e3,
-                        "stall_ms": (statistics.median(lat) - compute_p50) * 1e3,
-                        "hit_rate": delta["hits"] / acquired if acquired else None,
-                        "bytes_moved": delta.get("bytes"),
-                        "achieved_gbps": (delta.get("bytes") or 0) / total_s / 1e9 if total_s else None,
-                        "precision": delta.get("precision"),
-                        "recall": delta.get("recall"),
-                        "over_floor": statistics.median(lat) / floor_s,
-                    })
                     rows.append(row)
-                    print(f"  {name} b{batch} {share:.0%} {policy:<16} p50 {row['p50_ms']:8.2f} ms "
-                          f"(floor {floor_s * 1e3:7.2f}) hit {fmt(row['hit_rate'])}", file=sys.stderr, flush=True)
+                    cells.append(row)
+                # --repeats rounds, each running every policy once in turn
+                # after an all-resident run of its own (the first round's is
+                # lat_res): the host's speed drifts over a block, so a row is
+                # also compared with the resident run of its round.
+                for rnd in range(args.repeats):
+                    res_round = lat_res
+                    if rnd and time.monotonic() - started > args.budget_s:
+                        for row in cells:
+                            row.setdefault("note", f"time budget spent after {rnd} of {args.repeats} rounds")
+                        break
+                    if rnd:
+                        res_round = run_policy(torch, dec, "all-resident", inputs, args.warmup, 0, forced=forced)[0]
+                    for row in cells:
+                        policy = row["policy"]
+                        if time.monotonic() - started > args.budget_s:
+                            row.setdefault("note", "not measured: time budget spent" if rnd == 0 else
+                                           f"time budget spent after {rnd} of {args.repeats} rounds")
+                            continue
+                        if policy == "all-resident":
+                            lat, delta = res_round, {"hits": None, "misses": None, "bytes": 0}
+                        else:
+                            lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
+                                                       forced=forced, eviction=args.eviction)
+                        record_round(row, lat, delta, compute_p50, floor_s, res_round)
+                        print(f"  {name} b{batch} {share:.0%} {policy:<16} p50 {row['p50_runs_ms'][-1]:8.2f} ms "
+                              f"(floor {floor_s * 1e3:7.2f}) hit {fmt(row['hit_rate'])}", file=sys.stderr, flush=True)
             # Compute-only once more, after the policies: the floor is the
             # faster of the two runs (a transient slowdown of the host is not
             # compute); both are kept in the rows.

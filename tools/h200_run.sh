@@ -111,7 +111,8 @@ for step in $steps; do
       # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run).
       for t in ${TRACES:-traces/*.json}; do
         python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares 0.25 --batches 1 --warmup 2 --steps "${E2E_STEPS:-24}" \
-          --policies all-resident on-demand next-layer-gate oracle torch-by-hand --budget-s 150 \
+          --policies all-resident on-demand next-layer-gate oracle torch-by-hand --budget-s "${TRACES_BUDGET_S:-150}" \
+          --repeats "${TRACES_REPEATS:-1}" \
           --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
       done ;;
