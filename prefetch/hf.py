@@ -43,6 +43,7 @@ import types
 import numpy as np
 import torch
 
+from prefetch.checkpoint_experts import block_names
 from prefetch.controller import OffloadController, _routed_experts
 from prefetch.expert_prefetcher import _align
 from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
@@ -481,15 +482,30 @@ def _weighted_sum(pairs, top_k_weights, dtype):
     return weighted.view(-1, k, pairs.shape[-1]).sum(dim=1).to(dtype)
 
 
+def _model_device(hf_blocks) -> torch.device:
+    """Where the MoE layers compute: their experts' device, or, for experts
+    on the meta device (read from a checkpoint), their routers'."""
+    device = hf_blocks[0][1].gate_up_proj.device
+    if device.type != "meta":
+        return device
+    router = next((p for p in hf_blocks[0][2].parameters() if p.device.type != "meta"), None)
+    if router is None:
+        raise ValueError("the experts and the router of the first MoE layer are on the meta device: put the "
+                         "model's other weights on their device first")
+    return router.device
+
+
 def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,
                      host_experts: HostExperts | None = None, ep=None, sync_free: bool | None = None,
-                     sync_free_max_rows: int = 64) -> OffloadController:
+                     sync_free_max_rows: int = 64, checkpoint=None) -> OffloadController:
     """Registers every expert of `hf_blocks` (from find_hf_moe_blocks) with
     the engine, zero-copy from a HostExperts (made here unless given), and
     attaches an ExpertsOffload to each experts module; its weights are
     replaced by empty tensors. Nothing changes in the model before every
     expert is registered. With `ep` (an ExpertParallel), only this rank's
-    experts are packed and registered."""
+    experts are packed and registered. With `checkpoint` the experts are
+    read from its safetensors shards, not from the modules (which may be on
+    the meta device; the model's device is then its routers')."""
     install_experts_backend()
     first = hf_blocks[0][1]
     num_experts = first.gate_up_proj.shape[0]
@@ -502,14 +518,16 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
     budget = handle.budget_bytes(0)
     if expert_bytes > budget:
         raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({expert_bytes} bytes)")
-    device = first.gate_up_proj.device
+    device = _model_device(hf_blocks)
     if ep is not None and handle.backend == "cuda" and device != torch.device("cuda", 0):
         raise ValueError(f"the engine's cache is on CUDA device 0 of this process, the model on {device}: run one "
                          "process per GPU, each seeing only its own (CUDA_VISIBLE_DEVICES=<local rank>), with the "
                          "model on cuda:0")
     mine = None if ep is None else [ep.local_experts(layer) for layer in range(len(hf_blocks))]
     if host_experts is None:
-        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine)
+        names = block_names(model, hf_blocks) if checkpoint is not None else None
+        host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine,
+                                   checkpoint=checkpoint, block_names=names)
     elif not host_experts.matches(hf_blocks, mine):
         raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
                          "for another rank's slice of the experts")
@@ -525,8 +543,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
             controller.prefetcher.register_packed(layer, int(e), host_experts.expert(layer, int(e)),
                                                   host_experts.layout)
         offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
-                                       host_experts.down_shape, host_experts.dtype, experts.gate_up_proj.device,
-                                       ep=ep))
+                                       host_experts.down_shape, host_experts.dtype, device, ep=ep))
     controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
     # A predictor whose guesses are device tensors (the router of a later
     # layer) guesses only on synced steps: its guesses reach the engine
@@ -546,7 +563,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
             controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes,
                                         adaptive=sync_free is None)
     for (_, experts, _), offload in zip(hf_blocks, offloads):
-        empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=experts.gate_up_proj.device)
+        empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=device)
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
         experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
         experts.__dict__[_OFFLOAD_ATTR] = offload

@@ -18,6 +18,15 @@ __all__ = ["HostExperts", "Universe"]
 _ROW_BYTES = SLOT_ALIGNMENT
 
 
+def report_progress(progress: bool, verb: str, where: str, done: int, total: int, next_report: int) -> int:
+    """Prints how far a long pass over the experts is (every GiB, on passes
+    of 1 GiB or more); returns the byte count of the next report."""
+    if progress and total >= (1 << 30) and (done >= next_report or done == total):
+        print(f"prefetch: {verb} {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts {where}", flush=True)
+        return done + (1 << 30)
+    return next_report
+
+
 def _unregister_host(buffer) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
@@ -35,9 +44,15 @@ class HostExperts:
     expert shapes (another budget or predictor) to skip packing again. The
     buffer lives while any handle registered from it does. `experts` (per
     layer, the expert ids to pack) packs only a subset: an expert-parallel
-    rank's own slice (prefetch/expert_parallel.py)."""
+    rank's own slice (prefetch/expert_parallel.py). `checkpoint` (a folder
+    of safetensors shards, or prefetch.checkpoint.index_checkpoint's dict)
+    reads the experts from there instead of from the modules, whose
+    weights may then be on the meta device (Note [Experts from the
+    checkpoint] in prefetch/checkpoint_experts.py; `block_names`: each MoE
+    block's module path, `reader_threads`: DiskReader threads)."""
 
-    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None):
+    def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None, checkpoint=None,
+                 block_names=None, reader_threads: int = 4):
         first = hf_blocks[0][1]
         self.num_layers = len(hf_blocks)
         self.num_experts = first.gate_up_proj.shape[0]
@@ -74,6 +89,27 @@ class HostExperts:
         self._raw = torch.empty(total + _ROW_BYTES, dtype=torch.uint8)
         shift = -self._raw.data_ptr() % _ROW_BYTES
         self.buffer = self._raw[shift : shift + total]
+        if checkpoint is None:
+            self._pack_modules(hf_blocks, chosen, total, progress)
+        else:
+            from prefetch.checkpoint_experts import fill_from_checkpoint
+
+            if block_names is None or len(block_names) != self.num_layers:
+                raise ValueError("checkpoint needs block_names: the module path of each MoE block")
+            fill_from_checkpoint(self.buffer, self._row, self.stride, self.layout[1].offset, checkpoint, block_names,
+                                 chosen, self.gate_up_shape, self.down_shape, self.dtype, threads=reader_threads,
+                                 progress=progress)
+        self.pinned = False
+        if pin and total:
+            err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self._raw.numel(), 0)
+            if int(getattr(err, "value", err)) != 0:
+                raise MemoryError(f"could not page-lock {total} bytes of host memory for the experts "
+                                  f"(cudaHostRegister error {err})")
+            self.pinned = True
+            weakref.finalize(self, _unregister_host, self._raw)
+
+    def _pack_modules(self, hf_blocks, chosen, total: int, progress: bool) -> None:
+        """Copies the chosen experts' weights from the modules into the buffer."""
         done = 0
         next_report = 1 << 30
         for layer, (_, module, _) in enumerate(hf_blocks):
@@ -94,18 +130,7 @@ class HostExperts:
                     for i, e in enumerate(ex.tolist()):
                         dst[i].copy_(weight.detach()[e])
             done += ex.shape[0] * self.stride
-            if progress and total >= (1 << 30) and (done >= next_report or done == total):
-                print(f"prefetch: packed {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts into host memory",
-                      flush=True)
-                next_report = done + (1 << 30)
-        self.pinned = False
-        if pin and total:
-            err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self._raw.numel(), 0)
-            if int(getattr(err, "value", err)) != 0:
-                raise MemoryError(f"could not page-lock {total} bytes of host memory for the experts "
-                                  f"(cudaHostRegister error {err})")
-            self.pinned = True
-            weakref.finalize(self, _unregister_host, self._raw)
+            next_report = report_progress(progress, "packed", "into host memory", done, total, next_report)
 
     def matches(self, hf_blocks, experts=None) -> bool:
         """Whether this buffer holds the experts of `hf_blocks`' shapes that an

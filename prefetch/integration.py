@@ -169,6 +169,7 @@ def offload_moe_experts(
     expert_placement: str = "balanced",
     activation_counts=None,
     sync_free: bool | None = None,
+    checkpoint=None,
 ) -> OffloadController:
     """Moves every MoE expert of `model` into the engine (page-locked host
     memory on CUDA) and rewires the MoE blocks to acquire their routed
@@ -209,10 +210,24 @@ def offload_moe_experts(
     on the synced steps only (its guesses reach the engine through the
     routing's sync). True insists (ValueError where it cannot run; every
     decode step sync-free); False keeps every layer on the path that reads
-    the routing first."""
+    the routing first.
+
+    `checkpoint` (transformers models): a folder of the model's safetensors
+    shards (or prefetch.checkpoint.index_checkpoint's dict of it); the
+    experts are read from there with O_DIRECT (prefetch.DiskReader) straight
+    into the page-locked host copy, not from the model, whose expert weights
+    may be on the meta device: a model need not hold its experts in memory
+    to be offloaded (Note [Experts from the checkpoint] in
+    prefetch/checkpoint_experts.py). Every expert tensor is checked against
+    the model's shapes and dtype first (CheckpointError); a failed read
+    raises DiskReadError. Not with `host_experts`."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts)
+    if checkpoint is not None and (host_experts is not None or not hf_blocks):
+        raise ValueError("checkpoint= reads a transformers model's experts into a new host copy: not with "
+                         "host_experts=, and not for OffloadedMoEBlock models (their experts are registered from "
+                         "the modules)")
     ep = None
     if process_group is not None:
         from prefetch.expert_parallel import setup_expert_parallel
@@ -228,7 +243,8 @@ def offload_moe_experts(
     try:
         if hf_blocks:
             return offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
-                                    progress=progress, host_experts=host_experts, ep=ep, sync_free=sync_free)
+                                    progress=progress, host_experts=host_experts, ep=ep, sync_free=sync_free,
+                                    checkpoint=checkpoint)
         controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                        top_k=generic[0].top_k, predictor=predictor,
                                        routers=[b.router for b in generic], record_trace=record_trace)

@@ -1,0 +1,142 @@
+"""offload_moe_experts(..., checkpoint=folder): a transformers model's experts
+read from its own safetensors checkpoint (written by save_pretrained, the
+per-expert format HF checkpoints ship) into the packed host copy, the
+model's expert weights left on the meta device. Greedy tokens and logits
+must equal the untouched model's; a checkpoint that does not fit the model
+is refused before anything changes."""
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+import torch
+
+import prefetch
+from prefetch.checkpoint import index_checkpoint
+from prefetch.integration import find_hf_moe_blocks, offload_moe_experts
+
+pytest.importorskip("transformers")
+safetensors_torch = pytest.importorskip("safetensors.torch")
+
+from test_integration import build, expert_bytes, family_configs, greedy  # noqa: E402
+
+
+def experts_on_meta(model):
+    """The model's expert weights replaced by meta tensors of the same shape
+    (nothing to read: an offload that touched them would fail)."""
+    for _, experts, _ in find_hf_moe_blocks(model):
+        for name in ("gate_up_proj", "down_proj"):
+            old = getattr(experts, name)
+            setattr(experts, name, torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"),
+                                                      requires_grad=False))
+    return model
+
+
+def saved(model, folder):
+    model.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "batched_mm"),
+                                         ("mixtral", "eager")])
+def test_experts_from_the_checkpoint_give_the_models_tokens(family, impl, tmp_path):
+    ref = build(family_configs()[family], experts_implementation=impl)
+    folder = saved(ref, tmp_path / "ckpt")
+    model = experts_on_meta(copy.deepcopy(ref))
+    per, num_experts = expert_bytes(ref)
+    # a layer's experts and a few more (a smaller cache runs a layer in
+    # pieces: the same tokens, logits rounded otherwise by the eager loop)
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
+                              checkpoint=folder)
+    try:
+        ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        # the packed copy holds the modules' bytes, expert by expert
+        host = ctl.host_experts
+        _, experts, _ = find_hf_moe_blocks(ref)[-1]
+        layer = len(find_hf_moe_blocks(ref)) - 1
+        gate_up = host.expert(layer, 1)[: experts.gate_up_proj[1].numel() * 4].view(torch.float32)
+        assert torch.equal(gate_up.view(experts.gate_up_proj[1].shape), experts.gate_up_proj[1].detach())
+    finally:
+        ctl.close()
+
+
+def test_sharded_checkpoint_index_and_real_expert_weights(tmp_path):
+    ref = build(family_configs()["olmoe"])
+    ref.save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")  # several shards and their index file
+    assert len([p for p in os.listdir(tmp_path / "ckpt") if p.endswith(".safetensors")]) > 2
+    index = index_checkpoint(tmp_path / "ckpt")
+    model = copy.deepcopy(ref)  # real expert weights this time: they are not read either
+    per, _ = expert_bytes(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=4 * (per + 512), backend="host", checkpoint=index)
+    try:
+        ids = torch.randint(0, ref.config.vocab_size, (1, 4), generator=torch.Generator().manual_seed(4))
+        assert torch.equal(greedy(model, ids)[0], greedy(ref, ids)[0])
+    finally:
+        ctl.close()
+
+
+def _refused(model, checkpoint, match, per):
+    before = [(e.gate_up_proj.shape, e.gate_up_proj.device) for _, e, _ in find_hf_moe_blocks(model)]
+    with pytest.raises(prefetch.CheckpointError, match=match):
+        offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", checkpoint=checkpoint)
+    # nothing changed: the model is not offloaded and its experts are as they were
+    assert not prefetch.integration.offloaded_experts(model)
+    assert [(e.gate_up_proj.shape, e.gate_up_proj.device) for _, e, _ in find_hf_moe_blocks(model)] == before
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused(tmp_path):
+    ref = build(family_configs()["qwen3_moe"])
+    per, _ = expert_bytes(ref)
+    folder = saved(ref, tmp_path / "ok")
+    shard = next(p for p in os.listdir(folder) if p.endswith(".safetensors"))
+    on_disk = safetensors_torch.load_file(os.path.join(folder, shard))
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" in on_disk
+
+    def variant(name, change):
+        d = tmp_path / name
+        d.mkdir()
+        tensors = dict(on_disk)
+        change(tensors)
+        safetensors_torch.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+
+    missing = variant("missing", lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
+    _refused(experts_on_meta(copy.deepcopy(ref)), missing, r"experts\.2\.up_proj\.weight' is not in", per)
+    half = variant("bf16", lambda t: t.update({k: v.to(torch.bfloat16) for k, v in t.items() if "experts" in k}))
+    _refused(experts_on_meta(copy.deepcopy(ref)), half, r"is BF16 .* needs F32", per)
+    down = "model.layers.0.mlp.experts.0.down_proj.weight"
+    shape = variant("shape", lambda t: t.update({down: t[down][:, :-1].contiguous()}))
+    _refused(experts_on_meta(copy.deepcopy(ref)), shape, r"down_proj\.weight' in .* needs F32", per)
+    # a shard rewritten after it was indexed
+    index = index_checkpoint(folder)
+    path = os.path.join(folder, shard)
+    st = os.stat(path)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))
+    _refused(experts_on_meta(copy.deepcopy(ref)), index, "changed since the checkpoint was indexed", per)
+    # a shard removed after it was indexed: the read fails with the OS's error
+    os.remove(path)
+    with pytest.raises(prefetch.DiskReadError, match="No such file"):
+        offload_moe_experts(experts_on_meta(copy.deepcopy(ref)), device_budget_bytes=3 * (per + 512),
+                            backend="host", checkpoint=index)
+    # no expert tensors at all (another model's checkpoint)
+    other = variant("other", lambda t: [t.pop(k) for k in list(t) if "experts" in k])
+    _refused(experts_on_meta(copy.deepcopy(ref)), other, "no expert tensor", per)
+
+
+def test_checkpoint_is_not_taken_with_host_experts(tmp_path):
+    ref = build(family_configs()["olmoe"])
+    per, _ = expert_bytes(ref)
+    folder = saved(ref, tmp_path / "ckpt")
+    first = copy.deepcopy(ref)
+    ctl = offload_moe_experts(first, device_budget_bytes=3 * (per + 512), backend="host")
+    try:
+        with pytest.raises(ValueError, match="not with host_experts"):
+            offload_moe_experts(copy.deepcopy(ref), device_budget_bytes=3 * (per + 512), backend="host",
+                                checkpoint=folder, host_experts=ctl.host_experts)
+    finally:
+        ctl.close()
