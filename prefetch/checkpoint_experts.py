@@ -31,7 +31,7 @@ import torch
 from prefetch.checkpoint import TensorLocation, index_checkpoint
 from prefetch.errors import CheckpointError
 
-__all__ = ["block_names", "expert_locations", "fill_from_checkpoint"]
+__all__ = ["block_names", "expert_locations", "fill_from_checkpoint", "model_device"]
 
 # (gate, up, down) name templates under a decoder layer's prefix.
 TEMPLATES = (
@@ -149,3 +149,14 @@ def block_names(model, hf_blocks) -> list:
     return [names.get(id(block), "") for block, _, _ in hf_blocks]
 
 
+def model_device(hf_blocks) -> torch.device:
+    """Where the MoE layers compute: their experts' device, or, for experts
+    on the meta device (read from a checkpoint), their routers'."""
+    device = hf_blocks[0][1].gate_up_proj.device
+    if device.type != "meta":
+        return device
+    router = next((p for p in hf_blocks[0][2].parameters() if p.device.type != "meta"), None)
+    if router is None:
+        raise ValueError("the experts and the router of the first MoE layer are on the meta device: put the "
+                         "model's other weights on their device first")
+    return router.device

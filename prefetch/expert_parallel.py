@@ -53,6 +53,8 @@ import hashlib
 import numpy as np
 import torch
 
+from prefetch.checkpoint_experts import model_device
+
 __all__ = ["partition_experts", "activation_counts", "ExpertParallel", "setup_expert_parallel"]
 
 PLACEMENTS = ("balanced", "activations")
@@ -185,7 +187,7 @@ def setup_expert_parallel(group, hf_blocks, *, top_k: int, placement: str = "bal
     if rank < 0:
         raise ValueError("this process is not a member of process_group")
     first = hf_blocks[0][1]
-    device = first.gate_up_proj.device
+    device = model_device(hf_blocks)  # the experts may be on meta (read from a checkpoint)
     num_layers, num_experts = len(hf_blocks), first.gate_up_proj.shape[0]
     error = None
     owner = None

@@ -43,7 +43,7 @@ import types
 import numpy as np
 import torch
 
-from prefetch.checkpoint_experts import block_names
+from prefetch.checkpoint_experts import block_names, model_device
 from prefetch.controller import OffloadController, _routed_experts
 from prefetch.expert_prefetcher import _align
 from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
@@ -482,19 +482,6 @@ def _weighted_sum(pairs, top_k_weights, dtype):
     return weighted.view(-1, k, pairs.shape[-1]).sum(dim=1).to(dtype)
 
 
-def _model_device(hf_blocks) -> torch.device:
-    """Where the MoE layers compute: their experts' device, or, for experts
-    on the meta device (read from a checkpoint), their routers'."""
-    device = hf_blocks[0][1].gate_up_proj.device
-    if device.type != "meta":
-        return device
-    router = next((p for p in hf_blocks[0][2].parameters() if p.device.type != "meta"), None)
-    if router is None:
-        raise ValueError("the experts and the router of the first MoE layer are on the meta device: put the "
-                         "model's other weights on their device first")
-    return router.device
-
-
 def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,
                      host_experts: HostExperts | None = None, ep=None, sync_free: bool | None = None,
                      sync_free_max_rows: int = 64, checkpoint=None) -> OffloadController:
@@ -518,7 +505,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
     budget = handle.budget_bytes(0)
     if expert_bytes > budget:
         raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({expert_bytes} bytes)")
-    device = _model_device(hf_blocks)
+    device = model_device(hf_blocks)
     if ep is not None and handle.backend == "cuda" and device != torch.device("cuda", 0):
         raise ValueError(f"the engine's cache is on CUDA device 0 of this process, the model on {device}: run one "
                          "process per GPU, each seeing only its own (CUDA_VISIBLE_DEVICES=<local rank>), with the "

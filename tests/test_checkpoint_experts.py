@@ -140,3 +140,15 @@ def test_checkpoint_is_not_taken_with_host_experts(tmp_path):
                                 checkpoint=folder, host_experts=ctl.host_experts)
     finally:
         ctl.close()
+
+
+def test_a_model_without_any_real_weight_in_its_moe_layer_is_refused(tmp_path):
+    ref = build(family_configs()["olmoe"])
+    per, _ = expert_bytes(ref)
+    folder = saved(ref, tmp_path / "ckpt")
+    model = experts_on_meta(copy.deepcopy(ref))
+    router = find_hf_moe_blocks(model)[0][2]
+    router.weight = torch.nn.Parameter(torch.empty(router.weight.shape, device="meta"), requires_grad=False)
+    with pytest.raises(ValueError, match="meta device"):
+        offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", checkpoint=folder)
+    assert not prefetch.integration.offloaded_experts(model)
