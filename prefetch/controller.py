@@ -16,7 +16,11 @@ import time
 import numpy as np
 
 from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle
+from prefetch.expert_ids import EMPTY as _EMPTY
+from prefetch.expert_ids import distinct as _distinct
+from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import ExpertPrefetcher
+from prefetch.sync_free import SyncFreeDecode
 from prefetch.trace import RoutingTrace
 
 __all__ = ["OffloadController"]
@@ -24,7 +28,7 @@ __all__ = ["OffloadController"]
 _MAX_BAND = 19  # kNumBands - 1
 
 
-class OffloadController:
+class OffloadController(SyncFreeDecode):
     """Owns the engine, the (layer, expert) mapping, the predictor and the
     accounting for one offloaded model."""
 
@@ -269,188 +273,6 @@ class OffloadController:
             self._held_stream = stream
         return where
 
-    # -- sync-free decode (Note [Sync-free decode] in prefetch/host_experts.py)
-
-    def enable_sync_free(self, num_experts: int, expert_bytes: int, adaptive: bool = True) -> None:
-        self.sync_free = True
-        self.sync_free_active = True  # this step's path (Note [Which path a step takes])
-        self._adaptive = adaptive
-        self._engine_counts = None  # (hits, misses) at the start of a synced step
-        self._step_missed = None  # fraction of routed experts the last step missed
-        self.path_switches = 0
-        self.expert_bytes = expert_bytes
-        # Tensor id of every (layer, expert), -1 where not registered here (the
-        # prefetcher's table per layer ends at the last expert it registered).
-        self._all_ids = np.full((self.num_layers, num_experts), -1, dtype=np.int64)
-        for layer in range(self.num_layers):
-            table = self.prefetcher._ids.get(layer, _EMPTY)[:num_experts]
-            self._all_ids[layer, : table.shape[0]] = table
-        # Expert parallel: only this rank's experts are pinned, used and
-        # fetched (the others are not registered here; their id is -1).
-        self._owned = self._all_ids >= 0
-        self._layer_ids = [ids[own] for ids, own in zip(self._all_ids, self._owned)]
-        self._pin_out = [np.full(num_experts, -1, dtype=np.int64) for _ in range(self.num_layers)]
-        # The engine writes the pinned offsets here; it is _pin_out itself
-        # where the rank owns the whole layer.
-        self._pin_buf = [out if own.all() else np.empty(int(own.sum()), dtype=np.int64)
-                         for out, own in zip(self._pin_out, self._owned)]
-        self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
-
-    def choose_path(self) -> bool:
-        """Note [Which path a step takes]
-        Called at layer 0 of a step whose calls could run sync-free. A
-        sync-free step pays for a miss with a read over PCIe by the kernel
-        (as slow as a copy, and then a prefetch of the same bytes for the
-        next step: twice the traffic) but has no sync; a synced step pays a
-        sync per layer but copies each miss once and lets a predictor's
-        guesses land first. So the step goes sync-free while misses are
-        rare: after a step that missed more than 10 % of its routed experts
-        the next steps are synced, and they go back to sync-free once a
-        step misses less than 3 % (measured on the H200, OLMoE: at batch 1
-        and a quarter of the experts cached, 2 % misses and sync-free
-        wins; at batch 8, 30-65 % misses and the synced path wins, 126 ms
-        against 183 per token). sync_free=True skips the choice."""
-        if self._routings:
-            self.read_routings()
-        if not self._adaptive:
-            return True
-        if not self.sync_free_active:
-            counts = self._engine_hits_misses()
-            if self._engine_counts is not None:
-                hits, misses = (c - b for c, b in zip(counts, self._engine_counts))
-                if hits + misses:
-                    self._step_missed = misses / (hits + misses)
-            self._engine_counts = counts
-        missed = self._step_missed
-        if missed is not None:
-            active = missed < 0.03 if not self.sync_free_active else missed <= 0.10
-            if active != self.sync_free_active:
-                self.path_switches += 1
-                self.sync_free_active = active
-                # Synced steps count their misses from here on.
-                self._engine_counts = None if active else self._engine_hits_misses()
-        self._step_missed = None
-        if not self.sync_free_active and (self._use is not None or self._fetch is not None):
-            self.flush()  # the last sync-free step's uses and misses reach the engine now
-        return self.sync_free_active
-
-    def _engine_hits_misses(self) -> tuple[int, int]:
-        s = self.handle.stats()
-        return s["hits"], s["misses"]
-
-    def pin_layer(self, layer: int, hidden, stream) -> tuple[np.ndarray, np.ndarray]:
-        """The sync-free path's one engine call for `layer`: release what the
-        last layer held, report the uses read from the last step's routing
-        and prefetch what it read from host memory (at layer 0; see
-        `read_routings`), queue a host-side predictor's guesses, pin every
-        resident expert of `layer`. Returns (the slot offset of each expert
-        of the layer, -1 where not pinned: read from host memory; the pinned
-        mask)."""
-        if self._routings and layer == 0:
-            self.read_routings()
-        use, fetch = self._use, self._fetch
-        if self._host_guesses:
-            extra = [self._owned_ids(target, g) for target, g in
-                     ((t, _distinct(g, self.num_experts))
-                      for t, g in self.predictor.predict(self, self.step, layer, hidden).items()) if g.shape[0]]
-            if extra:
-                fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
-                    np.concatenate(extra))
-        hints = self._late_hints
-        if hints and self.local is not None:
-            _, hints = self._only_local({}, hints)  # expert parallel: this rank's experts only
-        hint_ids, hint_when = self._hint_arrays(hints)
-        if self._held is not None and stream != self._held_stream:
-            self.release_held()
-        held, self._held = self._held, None
-        out, buf = self._pin_out[layer], self._pin_buf[layer]
-        t0 = time.perf_counter_ns()
-        try:
-            self.handle.step(release=held, pin=self._layer_ids[layer], pin_into=buf, use=use, prefetch=fetch,
-                             band=1, hint_ids=hint_ids, hint_when=hint_when,
-                             now=self.clock if hints else None, stream=stream)
-        except (ValueError, KeyError, TypeError, OverflowError):
-            self._held = held
-            raise
-        finally:
-            self.engine_ns += time.perf_counter_ns() - t0
-        self._use = self._fetch = None
-        self._late_hints = []
-        if buf is not out:
-            out[self._owned[layer]] = buf
-        pinned = out >= 0
-        self._held = self._layer_ids[layer][buf >= 0]
-        self._held_stream = stream
-        return out, pinned
-
-    def _owned_ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """Tensor ids of those of `experts` this rank owns (all of them
-        without expert parallel)."""
-        return self.ids(layer, experts[self._owned[layer][experts]])
-
-    def note_routing(self, layer: int, top_k_index, pinned: np.ndarray) -> None:
-        """Keeps `layer`'s routing (a device tensor: no copy yet) and which
-        experts were pinned; the whole step's routings come back in one copy
-        at the next step's first layer (`read_routings`)."""
-        self._routings.append((layer, self.step, top_k_index, pinned))
-
-    def read_routings(self) -> None:
-        """One device-to-host copy of every routing noted since the last
-        read (by then the GPU has run them: generate reads each new token
-        back), then per layer: trace, scores, predictor; and for the next
-        engine call the uses (every routed expert) and the prefetches (those
-        read from host memory)."""
-        import torch
-
-        routings, self._routings = self._routings, []
-        flat = [r[2].reshape(-1) for r in routings]
-        t0 = time.perf_counter_ns()
-        host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
-        self.sync_ns += time.perf_counter_ns() - t0
-        count = len(routings)
-        sizes = np.fromiter((f.shape[0] for f in flat), dtype=np.int64, count=count)
-        layers = np.fromiter((r[0] for r in routings), dtype=np.int64, count=count)
-        routed = np.zeros((count, self.num_experts), dtype=bool)
-        routed[np.repeat(np.arange(count), sizes), host] = True
-        pinned = np.stack([r[3] for r in routings])
-        owned = routed & self._owned[layers]  # expert parallel: this rank's reads
-        missed = owned & ~pinned
-        hits, misses = int(np.count_nonzero(owned & pinned)), int(np.count_nonzero(missed))
-        self.pinned_hits += hits
-        self.zero_copy_reads += misses
-        if hits + misses:
-            self._step_missed = misses / (hits + misses)
-        ids = self._all_ids[layers]
-        use, fetch = ids[owned], ids[missed]
-        extra = []
-        if self._trace is not None or self.predictor is not None or self._pending:
-            for i, (layer, step, _, _) in enumerate(routings):
-                guesses, hints = self.observe(layer, np.flatnonzero(routed[i]), {}, step=step)
-                if self._late_predict:
-                    extra.extend(self._owned_ids(t, g) for t, g in guesses.items() if g.shape[0])
-                if hints:
-                    self._late_hints.extend(hints)
-        if extra:
-            fetch = np.unique(np.concatenate([fetch, *extra]))
-        self._use = use if self._use is None else np.concatenate([self._use, use])
-        self._fetch = fetch if self._fetch is None else np.unique(np.concatenate([self._fetch, fetch]))
-
-    def flush(self) -> None:
-        """Reads every routing noted on the sync-free path and not read yet,
-        and sends its uses and prefetches to the engine (they would
-        otherwise wait for the next forward). A host-routed layer's
-        deferred speculation runs too."""
-        self.speculate()
-        if self._routings:
-            self.read_routings()
-        if (self._use is not None or self._fetch is not None) and not self.handle.closed:
-            use, fetch, self._use, self._fetch = self._use, self._fetch, None, None
-            t0 = time.perf_counter_ns()
-            try:
-                self.handle.step(use=use, prefetch=fetch, band=1)
-            finally:
-                self.engine_ns += time.perf_counter_ns() - t0
-
     def _hint_arrays(self, hints):
         """(tensor ids, next-use times) of predictor hints [(layer, experts,
         one time or one per expert)], or (None, None) for none."""
@@ -627,41 +449,3 @@ class OffloadController:
         if deferred is not None:  # scored and recorded; nothing more is prefetched
             self.observe(*deferred, {})
         self.handle.close()
-
-
-_EMPTY = np.empty(0, dtype=np.int64)
-
-
-def _routed_experts(routed: np.ndarray, num_experts: int) -> np.ndarray:
-    """Sorted distinct experts of a routing read back from the model: router
-    top-k indices, in 0..num_experts-1 by construction (so no range scan;
-    one past the end still raises IndexError). Half the cost of _distinct,
-    twice a layer on the serving path."""
-    mask = np.zeros(num_experts, dtype=bool)
-    mask[routed] = True
-    return mask.nonzero()[0]
-
-
-def _distinct(experts, num_experts: int) -> np.ndarray:
-    """Sorted distinct expert ids of a host sequence, numpy array or CPU
-    tensor, as int64."""
-    if type(experts) is np.ndarray and experts.ndim == 1 and experts.dtype.kind in "iu" and experts.shape[0] <= 64:
-        experts = experts.tolist()
-    if type(experts) is list and len(experts) <= 64:
-        # A short host list or integer array (a layer's routing at small
-        # batch, a predictor's guess): sorting a set costs a fraction of the
-        # array path's five numpy calls, and this runs once per layer or more.
-        distinct = sorted({int(e) for e in experts})
-        if distinct and (distinct[0] < 0 or distinct[-1] >= num_experts):
-            raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
-        return np.array(distinct, dtype=np.int64)
-    if hasattr(experts, "detach"):  # a torch tensor: on the host, without autograd
-        experts = experts.detach().cpu().numpy()
-    arr = np.asarray(experts, dtype=np.int64).reshape(-1)
-    if arr.shape[0] == 0:
-        return arr
-    if arr.min() < 0 or arr.max() >= num_experts:
-        raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
-    mask = np.zeros(num_experts, dtype=bool)
-    mask[arr] = True
-    return np.flatnonzero(mask)

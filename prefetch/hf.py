@@ -44,7 +44,8 @@ import numpy as np
 import torch
 
 from prefetch.checkpoint_experts import block_names, model_device
-from prefetch.controller import OffloadController, _routed_experts
+from prefetch.controller import OffloadController
+from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import _align
 from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
 

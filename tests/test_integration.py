@@ -787,7 +787,7 @@ def test_distinct_takes_any_tensor():
     # Guesses come back as tensors: on a device (read back once in
     # on_routed), or carrying autograd state; numpy() alone refuses both
     # (BM5's trace replays on the H200 hit the device case, run 18).
-    from prefetch.controller import _distinct
+    from prefetch.expert_ids import distinct as _distinct
 
     assert _distinct(torch.tensor([3.0, 1.0, 3.0], requires_grad=True), 8).tolist() == [1, 3]
     assert _distinct(torch.tensor([[5, 0], [5, 2]]), 8).tolist() == [0, 2, 5]
