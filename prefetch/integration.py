@@ -131,9 +131,15 @@ class OffloadedMoEBlock(nn.Module):
 
 
 
-def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts) -> None:
+def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts,
+                   bad_checkpoint: bool = False) -> None:
     """offload_moe_experts' checks that need no engine: what was found in
-    the model and the options that go with it."""
+    the model and the options that go with it (`bad_checkpoint`: checkpoint
+    given with host_experts, or for a model of OffloadedMoEBlocks)."""
+    if bad_checkpoint:
+        raise ValueError("checkpoint= reads a transformers model's experts into a new host copy: not with "
+                         "host_experts=, and not for OffloadedMoEBlock models (their experts are registered from "
+                         "the modules)")
     if any(b.controller is not None for b in generic):
         raise ValueError("this model's OffloadedMoEBlocks are already attached to a controller; offload a "
                          "model once (close the controller and build the model again to change the budget)")
@@ -212,22 +218,15 @@ def offload_moe_experts(
     decode step sync-free); False keeps every layer on the path that reads
     the routing first.
 
-    `checkpoint` (transformers models): a folder of the model's safetensors
-    shards (or prefetch.checkpoint.index_checkpoint's dict of it); the
-    experts are read from there with O_DIRECT (prefetch.DiskReader) straight
-    into the page-locked host copy, not from the model, whose expert weights
-    may be on the meta device: a model need not hold its experts in memory
-    to be offloaded (Note [Experts from the checkpoint] in
-    prefetch/checkpoint_experts.py). Every expert tensor is checked against
-    the model's shapes and dtype first (CheckpointError); a failed read
-    raises DiskReadError. Not with `host_experts`."""
+    `checkpoint` (transformers models; not with `host_experts`): the
+    model's safetensors folder (or index_checkpoint's dict); the experts
+    are read from there into the page-locked host copy, not from the model,
+    whose expert weights may be on the meta device (Note [Experts from the
+    checkpoint] in prefetch/checkpoint_experts.py)."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
-    _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts)
-    if checkpoint is not None and (host_experts is not None or not hf_blocks):
-        raise ValueError("checkpoint= reads a transformers model's experts into a new host copy: not with "
-                         "host_experts=, and not for OffloadedMoEBlock models (their experts are registered from "
-                         "the modules)")
+    _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts,
+                   checkpoint is not None and (host_experts is not None or not hf_blocks))
     ep = None
     if process_group is not None:
         from prefetch.expert_parallel import setup_expert_parallel
