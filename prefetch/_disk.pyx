@@ -28,14 +28,14 @@ from prefetch._errors cimport prefetch_raise_py_error, prefetch_set_error_type
 
 
 cdef extern from "disk_reader.h" namespace "prefetch" nogil:
-    const size_t kDefaultDirectAlignment
-    const int kMaxDiskReaderThreads
-
     cdef cppclass CDiskFaultOptions "prefetch::DiskFaultOptions":
         int64_t fail_every_nth_read
         int64_t short_every_nth_read
         int64_t refuse_direct_io
         int64_t read_delay_us
+
+    const size_t kDefaultDirectAlignment
+    const int kMaxDiskReaderThreads
 
     cdef cppclass CDiskFileInfo "prefetch::DiskFileInfo":
         string path
@@ -311,11 +311,11 @@ cdef class DiskReader:
     def poll(self, ticket):
         """True when the read has finished (``wait`` will not block)."""
         cdef uint64_t t = _count("ticket", ticket)
-        cdef cbool done
         cdef CDiskReader* r = self._get()
+        cdef cbool done
         with nogil:
             done = r.Poll(t)
-        return done
+        return bool(done)
 
     def cancel(self, ticket):
         """Drops a read and forgets its ticket: True if it had not started,
@@ -382,14 +382,14 @@ cdef class DiskReader:
             if own and not self.closed:
                 self.close_file(file)
 
+    def __repr__(self):
+        state = "closed" if self.closed else "open"
+        return (f"DiskReader(threads={self.threads}, direct_io={self.direct_io}) "
+                f"[{state}]")
+
     def __enter__(self):
         return self
 
     def __exit__(self, *exc):
         self.close()
         return False
-
-    def __repr__(self):
-        state = "closed" if self.closed else "open"
-        return (f"DiskReader(threads={self.threads}, direct_io={self.direct_io}) "
-                f"[{state}]")

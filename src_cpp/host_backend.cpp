@@ -64,38 +64,57 @@ struct InjectedWorkerFault {};  // deliberately not a std::exception
 
 }  // namespace
 
+// Every field by name: the settings first (Set takes only those), then the
+// counters (Get reads both).
+namespace {
+using FaultField = std::atomic<int64_t> FaultConfig::*;
+struct NamedFaultField {
+  const char* name;
+  FaultField field;
+};
+#define PREFETCH_FAULT_FIELD(name) {#name, &FaultConfig::name}
+constexpr NamedFaultField kFaultFields[] = {
+    PREFETCH_FAULT_FIELD(copy_delay_us), PREFETCH_FAULT_FIELD(fail_every_nth_copy),
+    PREFETCH_FAULT_FIELD(throw_every_nth_copy), PREFETCH_FAULT_FIELD(alloc_delay_us),
+    PREFETCH_FAULT_FIELD(fail_every_nth_alloc), PREFETCH_FAULT_FIELD(report_async),
+    PREFETCH_FAULT_FIELD(fail_every_nth_record),  // the settings end here
+    PREFETCH_FAULT_FIELD(copies), PREFETCH_FAULT_FIELD(allocs),
+    PREFETCH_FAULT_FIELD(copy_failures), PREFETCH_FAULT_FIELD(alloc_failures),
+    PREFETCH_FAULT_FIELD(stream_records),
+};
+#undef PREFETCH_FAULT_FIELD
+constexpr size_t kFaultSettings = 7;  // the first entries of kFaultFields
+
+// The field called `name` among the first `count` of kFaultFields, or null.
+FaultField FindFaultField(const std::string& name, size_t count) {
+  for (size_t i = 0; i < count; ++i) {
+    if (name == kFaultFields[i].name) return kFaultFields[i].field;
+  }
+  return nullptr;
+}
+}  // namespace
+
 void FaultConfig::Set(const std::string& name, int64_t value) {
   if (value < 0) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "fault setting " + name + " must be >= 0");
   }
-  if (name == "copy_delay_us") copy_delay_us = value;
-  else if (name == "fail_every_nth_copy") fail_every_nth_copy = value;
-  else if (name == "throw_every_nth_copy") throw_every_nth_copy = value;
-  else if (name == "alloc_delay_us") alloc_delay_us = value;
-  else if (name == "fail_every_nth_alloc") fail_every_nth_alloc = value;
-  else if (name == "report_async") report_async = value;
-  else if (name == "fail_every_nth_record") fail_every_nth_record = value;
-  else
+  const FaultField field = FindFaultField(name, kFaultSettings);
+  if (field == nullptr) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "unknown fault setting '" + name + "'");
+  }
+  (this->*field) = value;
 }
 
 int64_t FaultConfig::Get(const std::string& name) const {
-  if (name == "copy_delay_us") return copy_delay_us;
-  if (name == "fail_every_nth_copy") return fail_every_nth_copy;
-  if (name == "throw_every_nth_copy") return throw_every_nth_copy;
-  if (name == "alloc_delay_us") return alloc_delay_us;
-  if (name == "fail_every_nth_alloc") return fail_every_nth_alloc;
-  if (name == "report_async") return report_async;
-  if (name == "fail_every_nth_record") return fail_every_nth_record;
-  if (name == "copies") return copies;
-  if (name == "allocs") return allocs;
-  if (name == "copy_failures") return copy_failures;
-  if (name == "alloc_failures") return alloc_failures;
-  if (name == "stream_records") return stream_records;
-  throw PrefetchError(ErrorKind::kInvalidArgument,
-                      "unknown fault counter '" + name + "'");
+  const FaultField field =
+      FindFaultField(name, sizeof(kFaultFields) / sizeof(kFaultFields[0]));
+  if (field == nullptr) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "unknown fault counter '" + name + "'");
+  }
+  return (this->*field).load();
 }
 
 void* FaultBackend::AllocateHost(size_t bytes) {
