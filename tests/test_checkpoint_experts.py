@@ -152,3 +152,24 @@ def test_a_model_without_any_real_weight_in_its_moe_layer_is_refused(tmp_path):
     with pytest.raises(ValueError, match="meta device"):
         offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", checkpoint=folder)
     assert not prefetch.integration.offloaded_experts(model)
+
+
+@pytest.mark.gpu
+def test_experts_from_the_checkpoint_on_the_gpu(tmp_path):
+    # The CUDA backend: the host copy read from disk is page-locked after the
+    # reads and the sync-free decode reads it over PCIe; bf16 as served.
+    ref = build(family_configs()["qwen3_moe"], device="cuda", dtype=torch.bfloat16,
+                experts_implementation="batched_mm")
+    folder = saved(ref, tmp_path / "ckpt")
+    model = experts_on_meta(copy.deepcopy(ref))
+    per, num_experts = expert_bytes(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), checkpoint=folder)
+    try:
+        assert ctl.handle.backend == "cuda" and ctl.host_experts.pinned
+        ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3)).cuda()
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+    finally:
+        ctl.close()
