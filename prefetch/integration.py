@@ -206,17 +206,14 @@ def offload_moe_experts(
 
     `sync_free` (transformers models): decode steps run without waiting for
     the routing on the host; an expert not in the cache is read by the GPU
-    straight from page-locked host memory and prefetched for the next step
-    (Note [Sync-free decode] in prefetch/host_experts.py). None (default) turns it on
-    where it can run (batched_mm calls of at most 64 rows; with a process
-    group each rank reads its own experts so, and the per-pair outputs are
-    all-reduced as on the synced path), each step choosing its path from
-    the last step's misses (each rank from its own); a
-    predictor that guesses on the device (NextLayerGatePredictor) guesses
-    on the synced steps only (its guesses reach the engine through the
-    routing's sync). True insists (ValueError where it cannot run; every
-    decode step sync-free); False keeps every layer on the path that reads
-    the routing first.
+    from page-locked host memory and prefetched for the next step (Note
+    [Sync-free decode] in prefetch/host_experts.py). None (default): on
+    where it can run (batched_mm calls of at most 64 rows, each rank of a
+    process group on its own experts), each step choosing its path from
+    the last step's misses (Note [Which path a step takes]); a predictor
+    that guesses on the device guesses on the synced steps only. True
+    insists (ValueError where it cannot run); False keeps every layer on
+    the path that reads the routing first.
 
     `checkpoint` (transformers models; not with `host_experts`): the
     model's safetensors folder (or index_checkpoint's dict); the experts
