@@ -358,7 +358,8 @@ class OffloadController(SyncFreeDecode):
         return p is None or self._late_predict or bool(getattr(p, "host_guesses", False))
 
     def route_and_acquire(self, layer: int, hidden, experts, *, stream=None,
-                          timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> tuple[np.ndarray, np.ndarray]:
+                          timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S, first: int | None = None
+                          ) -> tuple[np.ndarray, np.ndarray]:
         """For callers that route on the host themselves (OffloadedMoEBlock,
         BM5): layer `layer` chose `experts`. Makes the layer's engine call
         (`exchange`): release what the last call acquired (its compute is
@@ -368,16 +369,28 @@ class OffloadController(SyncFreeDecode):
         predictors with host guesses, into `speculate` (Note [Speculation
         after launch]): call that once the layer's compute is queued.
         Returns (the sorted distinct experts, acquire's (offset, device) rows
-        for them in that order)."""
+        for them in that order). `first`: acquire only the first that many of
+        them (a layer larger than the cache); `acquire_more` takes the rest,
+        piece by piece."""
+        if first is not None and first < 1:
+            raise ValueError(f"first must be >= 1, got {first}")
         self.speculate()
         if self._defers_speculation():
             self.begin_layer(layer)
             routed = _distinct(experts, self.num_experts)
-            where = self.exchange(layer, routed, {}, None, stream=stream, timeout=timeout)
+            where = self.exchange(layer, routed[:first], {}, None, stream=stream, timeout=timeout)
             self._deferred = (layer, routed)
             return routed, where
         routed, guesses, hints = self._host_routed(layer, hidden, experts)
-        return routed, self.exchange(layer, routed, guesses, hints, stream=stream, timeout=timeout)
+        return routed, self.exchange(layer, routed[:first], guesses, hints, stream=stream, timeout=timeout)
+
+    def acquire_more(self, layer: int, experts: np.ndarray, *, stream=None,
+                     timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:
+        """The next piece of the layer `route_and_acquire` routed (sorted
+        distinct experts from its result): releases the piece acquired
+        before (its compute is queued by now) and acquires these, in one
+        engine call. Returns their (offset, device) rows."""
+        return self.exchange(layer, experts, {}, None, stream=stream, timeout=timeout)
 
     def speculate(self) -> None:
         """The deferred part of the last `route_and_acquire` (Note

@@ -33,8 +33,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from prefetch._engine import PrefetchHandle
+from prefetch._engine import SLOT_ALIGNMENT, PrefetchHandle
 from prefetch.controller import OffloadController
+from prefetch.expert_prefetcher import expert_layout
 from prefetch.hf import HostExperts, find_hf_moe_blocks, install_experts_backend, offload_hf_model, offloaded_experts
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.trace import RoutingTrace, belady_misses
@@ -87,7 +88,20 @@ class OffloadedMoEBlock(nn.Module):
         self.controller: OffloadController | None = None
         self.layer = -1
 
+    def capacity(self, budget: int) -> int:
+        """How many of this block's experts a cache of `budget` bytes holds
+        at once (0: not one)."""
+        layout = expert_layout(self._experts_cpu[0])
+        slot = -(-(layout[-1].offset + layout[-1].nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        return budget // slot
+
     def attach(self, controller: OffloadController, layer: int) -> None:
+        # As many experts as fit in the budget are acquired at once; a call
+        # routed to more runs in pieces (forward).
+        self._capacity = self.capacity(controller.handle.budget_bytes(0))
+        if self._capacity < 1:
+            raise ValueError(f"device_budget_bytes={controller.handle.budget_bytes(0)} is smaller than one expert "
+                             f"of MoE layer {layer}")
         for expert_id, params in enumerate(self._experts_cpu):
             controller.prefetcher.register_expert(layer, expert_id, params)
         self._experts_cpu = None  # the engine holds the bytes now
@@ -112,15 +126,24 @@ class OffloadedMoEBlock(nn.Module):
         stream = _acquire_stream(h)
         # One engine call: the last block's experts released, this block's
         # acquired (held until the next block's call; the last block
-        # releases), the predictor's guesses queued.
-        experts, where = ctl.route_and_acquire(self.layer, h, top_i.flatten().unique().cpu(), stream=stream)
+        # releases), the predictor's guesses queued. A call routed to more
+        # experts than the cache holds runs in pieces, in expert order as
+        # one call would: each later piece's call releases the piece before,
+        # whose compute is queued by then.
+        cap = self._capacity
+        experts, where = ctl.route_and_acquire(self.layer, h, top_i.flatten().unique().cpu(), stream=stream,
+                                               first=cap)
         out = torch.zeros_like(h)
         try:
-            weights = ctl.prefetcher.weights_in_slots(ctl.ids(self.layer, experts), where)
-            for expert_idx, w in zip(experts.tolist(), weights):
-                token_idx, pos = torch.where(top_i == expert_idx)
-                y = torch.func.functional_call(self._template, w, (h[token_idx],))
-                out.index_add_(0, token_idx, (y * top_w[token_idx, pos, None]).to(out.dtype))
+            for start in range(0, experts.shape[0], cap):
+                piece = experts[start : start + cap]
+                if start:
+                    where = ctl.acquire_more(self.layer, piece, stream=stream)
+                weights = ctl.prefetcher.weights_in_slots(ctl.ids(self.layer, piece), where)
+                for expert_idx, w in zip(piece.tolist(), weights):
+                    token_idx, pos = torch.where(top_i == expert_idx)
+                    y = torch.func.functional_call(self._template, w, (h[token_idx],))
+                    out.index_add_(0, token_idx, (y * top_w[token_idx, pos, None]).to(out.dtype))
         except BaseException:
             ctl.release_held(stream)
             raise
@@ -244,6 +267,10 @@ def offload_moe_experts(
         controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                        top_k=generic[0].top_k, predictor=predictor,
                                        routers=[b.router for b in generic], record_trace=record_trace)
+        small = [layer for layer, block in enumerate(generic) if block.capacity(handle.budget_bytes(0)) < 1]
+        if small:  # refused before any block changes
+            raise ValueError(f"device_budget_bytes={handle.budget_bytes(0)} is smaller than one expert of MoE "
+                             f"layer(s) {small}")
         for layer, block in enumerate(generic):
             block.attach(controller, layer)
         return controller

@@ -793,3 +793,48 @@ def test_distinct_takes_any_tensor():
     assert _distinct(torch.tensor([[5, 0], [5, 2]]), 8).tolist() == [0, 2, 5]
     with pytest.raises(ValueError, match="0..7"):
         _distinct([8], 8)
+
+
+@pytest.mark.parametrize("predictor", [None, "gate", "oracle"])
+def test_generic_block_larger_than_the_cache_runs_in_pieces(predictor):
+    # 64 rows route to all 6 experts of every block; the cache holds 3: each
+    # block runs in two pieces, in expert order, with the same bits.
+    torch.manual_seed(5)
+    layers_ref, layers_off = nn.ModuleList(), nn.ModuleList()
+    for _ in range(3):
+        router = nn.Linear(16, 6, bias=False)
+        experts = nn.ModuleList(TinyExpert(16, 24) for _ in range(6))
+        layers_ref.append(ReferenceBlock(router, experts, 2))
+        layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), list(copy.deepcopy(experts)), 2))
+    trace = RoutingTrace(3, 6, [[list(range(6))] * 3] * 2)
+    chosen = {None: None, "gate": NextLayerGatePredictor(), "oracle": OraclePredictor(trace, distance=2)}[predictor]
+    per = 3 * 16 * 24 * 4
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=3 * per + 1024, backend="host", predictor=chosen,
+                              handle_options={"eviction_policy": "next-use"} if predictor == "oracle" else None,
+                              record_trace=True)
+    real = ctl.handle
+    ctl.handle = counting = CountingHandle(real)
+    try:
+        for forward in range(2):
+            a = b = torch.randn(64, 16)
+            for ref_layer, off_layer in zip(layers_ref, layers_off):
+                a = a + ref_layer(a)
+                b = b + off_layer(b)
+            assert torch.equal(a, b)
+            assert real.stats()["pinned_count"] == 0
+        # two pieces a block; the oracle's guesses and hints go in one more call a block
+        assert counting.calls["step"] == 2 * 3 * 2 + (3 * 2 if predictor == "oracle" else 0)
+        assert ctl.trace.steps == [[list(range(6))] * 3] * 2  # the whole routing, not a piece
+    finally:
+        ctl.handle = real
+        ctl.close()
+
+
+def test_generic_expert_larger_than_the_budget_is_refused_before_anything_changes():
+    blocks = nn.ModuleList(OffloadedMoEBlock(nn.Linear(16, 4, bias=False), [TinyExpert(16, 24) for _ in range(4)], 2)
+                           for _ in range(2))
+    with pytest.raises(ValueError, match="smaller than one expert"):
+        offload_moe_experts(blocks, device_budget_bytes=1024, backend="host")
+    assert all(b.controller is None for b in blocks)  # not attached: can be offloaded with a larger budget
+    ctl = offload_moe_experts(blocks, device_budget_bytes=1 << 20, backend="host")
+    ctl.close()
