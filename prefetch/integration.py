@@ -264,16 +264,23 @@ def offload_moe_experts(
             return offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
                                     progress=progress, host_experts=host_experts, ep=ep, sync_free=sync_free,
                                     checkpoint=checkpoint)
-        controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
-                                       top_k=generic[0].top_k, predictor=predictor,
-                                       routers=[b.router for b in generic], record_trace=record_trace)
-        small = [layer for layer, block in enumerate(generic) if block.capacity(handle.budget_bytes(0)) < 1]
-        if small:  # refused before any block changes
-            raise ValueError(f"device_budget_bytes={handle.budget_bytes(0)} is smaller than one expert of MoE "
-                             f"layer(s) {small}")
-        for layer, block in enumerate(generic):
-            block.attach(controller, layer)
-        return controller
+        return _offload_generic(generic, handle, predictor, record_trace)
     except BaseException:
         handle.close()
         raise
+
+
+def _offload_generic(generic, handle, predictor, record_trace) -> OffloadController:
+    """offload_moe_experts for a model of OffloadedMoEBlocks: one controller,
+    each block attached; a block whose expert does not fit in the budget is
+    refused before any block changes."""
+    small = [layer for layer, block in enumerate(generic) if block.capacity(handle.budget_bytes(0)) < 1]
+    if small:
+        raise ValueError(f"device_budget_bytes={handle.budget_bytes(0)} is smaller than one expert of MoE "
+                         f"layer(s) {small}")
+    controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
+                                   top_k=generic[0].top_k, predictor=predictor,
+                                   routers=[b.router for b in generic], record_trace=record_trace)
+    for layer, block in enumerate(generic):
+        block.attach(controller, layer)
+    return controller

@@ -815,7 +815,7 @@ def test_generic_block_larger_than_the_cache_runs_in_pieces(predictor):
     real = ctl.handle
     ctl.handle = counting = CountingHandle(real)
     try:
-        for forward in range(2):
+        for _ in range(2):
             a = b = torch.randn(64, 16)
             for ref_layer, off_layer in zip(layers_ref, layers_off):
                 a = a + ref_layer(a)
