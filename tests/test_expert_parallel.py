@@ -33,6 +33,7 @@ JOIN_S = 90  # the parent's deadline for a pair of ranks; scenarios take a few s
 FAMILIES = ("qwen3_moe", "olmoe")
 IMPLS = ("eager", "grouped_mm", "batched_mm")
 BATCHES = (1, 2)
+CHECKPOINT_ENV = "PREFETCH_TEST_EP_CHECKPOINT"  # the OLMoE checkpoint folder the "tokens" ranks read
 SKEWED = np.array([[9, 1, 8, 2, 7, 3, 6, 4]] * 3)  # activation counts for the "activations" placement
 
 
@@ -147,6 +148,21 @@ def scenario_tokens_and_errors(rank, group):
                    handle_options={"eviction_policy": "next-use"})
     try:
         out["oracle_seq"], _ = greedy(model, prompt(model.config, 2), steps=6)
+    finally:
+        ctl.close()
+    # Experts from the checkpoint the parent wrote (CHECKPOINT_ENV), the
+    # model's experts on the meta device: each rank reads and holds only its
+    # own slice.
+    from test_checkpoint_experts import experts_on_meta
+
+    cfg = family_configs()["olmoe"]
+    model = experts_on_meta(build(cfg, experts_implementation="batched_mm"))
+    ctl = _offload(model, group, 3, checkpoint=os.environ[CHECKPOINT_ENV])
+    try:
+        seq, _ = greedy(model, prompt(cfg, 2))
+        host = ctl.host_experts
+        out["checkpoint"] = {"seq": seq, "host_bytes": host.buffer.numel(), "stride": host.stride,
+                             "local": ctl.expert_parallel.local.copy()}
     finally:
         ctl.close()
     # One engine call per layer and rank: a slice's worth of slots, no pieces.
@@ -289,7 +305,9 @@ def test_placement_options_need_a_group():
     assert not offloaded_experts(model)
 
 
-def test_two_ranks_match_one_process(tmp_path):
+def test_two_ranks_match_one_process(tmp_path, monkeypatch):
+    build(family_configs()["olmoe"], experts_implementation="batched_mm").save_pretrained(tmp_path / "ckpt")
+    monkeypatch.setenv(CHECKPOINT_ENV, str(tmp_path / "ckpt"))  # spawned ranks inherit it
     results, codes, _ = run_ranks(tmp_path, "tokens")
     for r in range(WORLD):
         assert "error" not in results.get(r, {"error": "no result"}), results[r]["error"][2]
@@ -343,6 +361,13 @@ def test_two_ranks_match_one_process(tmp_path):
         # Read from host memory on the first steps (8 slots for this rank's
         # 12 experts), and only this rank's experts count.
         assert forced["zero_copy_reads"] > 0 and forced["path_switches"] == 0
+
+    cfg = family_configs()["olmoe"]
+    seq_ref, _ = greedy(build(cfg, experts_implementation="batched_mm"), prompt(cfg, 2))
+    for g in got:  # experts read from the checkpoint: each rank's host copy holds its own slice only
+        ckpt = g["checkpoint"]
+        assert torch.equal(ckpt["seq"], seq_ref)
+        assert ckpt["host_bytes"] == ckpt["local"].sum() * ckpt["stride"] == 3 * 4 * ckpt["stride"]
 
     cfg = family_configs()["qwen3_moe"]
     seq_ref, _ = greedy(build(cfg, experts_implementation="grouped_mm"), prompt(cfg, 1), steps=3)
