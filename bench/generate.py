@@ -64,7 +64,9 @@ Figures per row:
                     the measured generate, each read after --timer-sync's
                     wait (device, the default: torch.cuda.synchronize, every
                     stream, the engine's background copies too; stream: the
-                    compute stream only), the prefill step excluded
+                    compute stream only), the prefill step excluded;
+                    with --repeats the median of the generates' p50s
+                    (p50_runs_ms; p90 and the counters are the first's)
   tokens_equal      generated ids equal to the resident row's (accelerate:
                     its first --accelerate-tokens)
   hit_rate, bytes_moved, copies
@@ -278,7 +280,7 @@ def row_figures(m: Measured, out: dict) -> dict:
     p50 = statistics.median(decode) * 1e3 if decode else None
     out["p50_runs_ms"] = ([p50] if p50 is not None else []) + m.runs
     out.update({
-        "p50_ms": p50,
+        "p50_ms": statistics.median(out["p50_runs_ms"]) if out["p50_runs_ms"] else None,
         "p90_ms": percentile(decode, 0.9) * 1e3 if decode else None,
         "decode_tokens": len(decode),
         "prefill_ms": (times[0] - m.t0) * 1e3,
