@@ -149,14 +149,15 @@ def block_names(model, hf_blocks) -> list:
     return [names.get(id(block), "") for block, _, _ in hf_blocks]
 
 
-def model_device(hf_blocks) -> torch.device:
-    """Where the MoE layers compute: their experts' device, or, for experts
-    on the meta device (read from a checkpoint), their routers'."""
-    device = hf_blocks[0][1].gate_up_proj.device
+def model_device(hf_blocks, layer: int = 0) -> torch.device:
+    """Where MoE layer `layer` computes: its experts' device, or, for
+    experts on the meta device (read from a checkpoint), its router's."""
+    _, experts, router = hf_blocks[layer]
+    device = experts.gate_up_proj.device
     if device.type != "meta":
         return device
-    router = next((p for p in hf_blocks[0][2].parameters() if p.device.type != "meta"), None)
-    if router is None:
-        raise ValueError("the experts and the router of the first MoE layer are on the meta device: put the "
+    weight = next((p for p in router.parameters() if p.device.type != "meta"), None)
+    if weight is None:
+        raise ValueError(f"the experts and the router of MoE layer {layer} are on the meta device: put the "
                          "model's other weights on their device first")
-    return router.device
+    return weight.device

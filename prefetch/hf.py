@@ -531,7 +531,8 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
             controller.prefetcher.register_packed(layer, int(e), host_experts.expert(layer, int(e)),
                                                   host_experts.layout)
         offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
-                                       host_experts.down_shape, host_experts.dtype, device, ep=ep))
+                                       host_experts.down_shape, host_experts.dtype, model_device(hf_blocks, layer),
+                                       ep=ep))
     controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
     # A predictor whose guesses are device tensors (the router of a later
     # layer) guesses only on synced steps: its guesses reach the engine
@@ -551,7 +552,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
             controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes,
                                         adaptive=sync_free is None)
     for (_, experts, _), offload in zip(hf_blocks, offloads):
-        empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=device)
+        empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=offload.device)
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
         experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
         experts.__dict__[_OFFLOAD_ATTR] = offload

@@ -149,7 +149,7 @@ def test_a_model_without_any_real_weight_in_its_moe_layer_is_refused(tmp_path):
     model = experts_on_meta(copy.deepcopy(ref))
     router = find_hf_moe_blocks(model)[0][2]
     router.weight = torch.nn.Parameter(torch.empty(router.weight.shape, device="meta"), requires_grad=False)
-    with pytest.raises(ValueError, match="meta device"):
+    with pytest.raises(ValueError, match="on the meta device"):
         offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", checkpoint=folder)
     assert not prefetch.integration.offloaded_experts(model)
 
