@@ -49,23 +49,14 @@ elif SANITIZE == "thread":
 elif SANITIZE:
     raise SystemExit(f"PREFETCH_SANITIZE must be 'address' or 'thread', got {SANITIZE!r}")
 
-extension = Extension(
-    "prefetch._engine",
-    sources=["prefetch/_engine.pyx", *ENGINE_SOURCES],
-    include_dirs=["src_cpp", "prefetch"],
-    language="c++",
-    extra_compile_args=compile_args,
-    extra_link_args=link_args,
-    libraries=["dl"],
-)
-disk_extension = Extension(
-    "prefetch._disk",
-    sources=["prefetch/_disk.pyx", *DISK_SOURCES],
-    include_dirs=["src_cpp", "prefetch"],
-    language="c++",
-    extra_compile_args=compile_args,
-    extra_link_args=link_args,
-)
+def cpp_extension(name: str, sources: list, **extra) -> Extension:
+    """A C++ extension of this package: the flags above, headers from src_cpp/ and prefetch/."""
+    return Extension(name, sources=sources, include_dirs=["src_cpp", "prefetch"], language="c++",
+                     extra_compile_args=compile_args, extra_link_args=link_args, **extra)
+
+
+extension = cpp_extension("prefetch._engine", ["prefetch/_engine.pyx", *ENGINE_SOURCES], libraries=["dl"])
+disk_extension = cpp_extension("prefetch._disk", ["prefetch/_disk.pyx", *DISK_SOURCES])
 
 
 class BuildExtSaysSo(build_ext):

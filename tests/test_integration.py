@@ -388,15 +388,21 @@ class ReferenceBlock(nn.Module):
         return out.reshape(x.shape)
 
 
+def generic_layers(layers: int, experts: int):
+    """`layers` reference MoE blocks (hidden 16, top-2 of `experts` TinyExperts)
+    and OffloadedMoEBlocks with copies of the same weights."""
+    layers_ref, layers_off = nn.ModuleList(), nn.ModuleList()
+    for _ in range(layers):
+        router = nn.Linear(16, experts, bias=False)
+        block = nn.ModuleList(TinyExpert(16, 24) for _ in range(experts))
+        layers_ref.append(ReferenceBlock(router, block, 2))
+        layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), list(copy.deepcopy(block)), 2))
+    return layers_ref, layers_off
+
+
 def test_generic_block_matches_reference():
     torch.manual_seed(3)
-    layers_ref, layers_off = nn.ModuleList(), nn.ModuleList()
-    for _ in range(4):
-        router = nn.Linear(16, 5, bias=False)
-        experts = nn.ModuleList(TinyExpert(16, 24) for _ in range(5))
-        layers_ref.append(ReferenceBlock(router, experts, 2))
-        clone = copy.deepcopy(experts)
-        layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), list(clone), 2))
+    layers_ref, layers_off = generic_layers(4, 5)
     ctl = offload_moe_experts(layers_off, device_budget_bytes=7 * 4 * (3 * 16 * 24) + 4096, backend="host",
                               predictor=NextLayerGatePredictor())
     real = ctl.handle
@@ -800,12 +806,7 @@ def test_generic_block_larger_than_the_cache_runs_in_pieces(predictor):
     # 64 rows route to all 6 experts of every block; the cache holds 3: each
     # block runs in two pieces, in expert order, with the same bits.
     torch.manual_seed(5)
-    layers_ref, layers_off = nn.ModuleList(), nn.ModuleList()
-    for _ in range(3):
-        router = nn.Linear(16, 6, bias=False)
-        experts = nn.ModuleList(TinyExpert(16, 24) for _ in range(6))
-        layers_ref.append(ReferenceBlock(router, experts, 2))
-        layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), list(copy.deepcopy(experts)), 2))
+    layers_ref, layers_off = generic_layers(3, 6)
     trace = RoutingTrace(3, 6, [[list(range(6))] * 3] * 2)
     chosen = {None: None, "gate": NextLayerGatePredictor(), "oracle": OraclePredictor(trace, distance=2)}[predictor]
     per = 3 * 16 * 24 * 4
