@@ -121,14 +121,12 @@ class EngineProvider:
 
     def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None):
         import prefetch
-        from prefetch.integration import OffloadController
+        from prefetch.integration import OffloadController, layer_handle_options
 
         self.torch = dec.torch
         self.dec = dec
-        options = {"eviction_policy": eviction, **(handle_options or {})}
-        if options["eviction_policy"] == "cyclic":
-            # As offload_moe_experts sets it: one acquire per layer and step.
-            options.setdefault("cycle_acquires", dec.spec["layers"])
+        # As offload_moe_experts sets them: one acquire per layer and step.
+        options = layer_handle_options(dec.spec["layers"], {"eviction_policy": eviction, **(handle_options or {})})
         self.handle = prefetch.PrefetchHandle(device_budget_bytes=dec.device_budgets(budget),
                                               backend="cuda" if dec.cuda else "host", **options)
         # The gate of layer L+1 reads layer L's hidden state: across a device

@@ -254,10 +254,7 @@ def offload_moe_experts(
         top_k = getattr(hf_blocks[0][2], "top_k", None) or getattr(model.config, "num_experts_per_tok", 1)
         ep = setup_expert_parallel(process_group, hf_blocks, top_k=top_k, placement=expert_placement,
                                    counts=activation_counts)
-    layers = len(hf_blocks) or len(generic)
-    options = {"eviction_policy": "cyclic", **(handle_options or {})}
-    if options["eviction_policy"] == "cyclic":
-        options.setdefault("cycle_acquires", layers)  # one acquire per MoE layer and step
+    options = layer_handle_options(len(hf_blocks) or len(generic), handle_options)
     handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **options)
     try:
         if hf_blocks:
@@ -268,6 +265,16 @@ def offload_moe_experts(
     except BaseException:
         handle.close()
         raise
+
+
+def layer_handle_options(num_layers: int, handle_options: dict | None = None) -> dict:
+    """PrefetchHandle options for a model of `num_layers` MoE layers that
+    acquire once each per step: `handle_options` over the default "cyclic"
+    eviction, whose cycle is then the layer count (Note [Cyclic eviction])."""
+    options = {"eviction_policy": "cyclic", **(handle_options or {})}
+    if options["eviction_policy"] == "cyclic":
+        options.setdefault("cycle_acquires", num_layers)
+    return options
 
 
 def _offload_generic(generic, handle, predictor, record_trace) -> OffloadController:
