@@ -43,7 +43,8 @@ rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
 bandwidth measured in the same run (before and after each model's runs, the
 faster of the two). Runs past --budget-s are reported null. With
---repeats: p50_ms is the median of the rounds' p50s (p50_runs_ms), and
+--repeats: p50_ms and p90_ms are the medians of the rounds' (p50_runs_ms,
+p90_runs_ms), and
 x_adjacent the median of each round's p50 over its all-resident p50
 (resident_runs_ms): the host's speed drifts over a block.
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
@@ -105,30 +106,30 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
 
 def record_round(row, lat, delta, compute_p50, floor_s, res_round):
     """One round's run of a policy (latencies in s, counters) into its row:
-    p50_ms is the median of the rounds' p50s, x_adjacent the median of each
-    round's p50 over that round's all-resident p50; hit rate, bytes and
-    prediction scores are the first round's (every round replays the same
-    steps from a fresh cache)."""
+    p50_ms and p90_ms are the medians of the rounds' (p50_runs_ms,
+    p90_runs_ms), x_adjacent the median of each round's p50 over that
+    round's all-resident p50; hit rate, bytes and prediction scores are the
+    first round's (every round replays the same steps from a fresh cache)."""
     p50 = statistics.median(lat)
     row["p50_runs_ms"].append(p50 * 1e3)
+    row.setdefault("p90_runs_ms", []).append(percentile(lat, 0.9) * 1e3)
     row["resident_runs_ms"].append(statistics.median(res_round) * 1e3)
     row["p50_ms"] = statistics.median(row["p50_runs_ms"])
+    row["p90_ms"] = statistics.median(row["p90_runs_ms"])
     row["x_adjacent"] = statistics.median(a / b for a, b in zip(row["p50_runs_ms"], row["resident_runs_ms"]))
+    row["stall_ms"] = row["p50_ms"] - compute_p50 * 1e3
+    row["over_floor"] = row["p50_ms"] / floor_s / 1e3
     if len(row["p50_runs_ms"]) > 1:
-        row["p90_ms"] = statistics.median([row["p90_ms"], percentile(lat, 0.9) * 1e3])
         return
     total_s = sum(lat)
     acquired = (delta.get("hits") or 0) + (delta.get("misses") or 0)
     row.update({
-        "p90_ms": percentile(lat, 0.9) * 1e3,
-        "stall_ms": (p50 - compute_p50) * 1e3,
         "hit_rate": delta["hits"] / acquired if acquired else None,
         "bytes_moved": delta.get("bytes"),
         "achieved_gbps": (delta.get("bytes") or 0) / total_s / 1e9 if total_s else None,
         "precision": delta.get("precision"),
         "recall": delta.get("recall"),
     })
-    row["over_floor"] = row["p50_ms"] / floor_s / 1e3
 
 
 def main(argv=None) -> int:
