@@ -16,6 +16,11 @@ next one, on the current CUDA stream. Rows, each the median over
                     in the engine
   separate-calls    the pre-step path: prefetch_tensors + acquire_slots +
                     release, three calls
+  pin-layer         the sync-free decode path's call (Note [Pins without
+                    waiting]): release the previous layer's pins, pin every
+                    resident expert of this layer (`experts` ids, each
+                    asked whether its copy completed), report this
+                    layer's routed experts as used
 Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
 --thrash-mb N touches N MB of host memory between calls (outside the timed
 region), as a model's forward does between two MoE layers: the call then
@@ -117,6 +122,18 @@ def main(argv=None) -> int:
     timed("exchange", exchange)
     ctl.release_held(stream)
     timed("separate-calls", separate)
+    layer_ids = [ctl.prefetcher.tensor_ids(layer, np.arange(args.experts)) for layer in range(args.layers)]
+    pin_out = np.empty(args.experts, dtype=np.int64)
+    pinned = [None]
+
+    def pin_layer(layer, experts, guess):
+        ids = layer_ids[layer]
+        handle.step(release=pinned[0], pin=ids, pin_into=pin_out, use=ctl.ids(layer, experts), stream=stream)
+        pinned[0] = ids[pin_out >= 0]
+
+    timed("pin-layer", pin_layer)
+    if pinned[0] is not None:
+        handle.release(pinned[0], stream=stream)
     s = handle.stats()
     hit_rate = s["hits"] / max(1, s["hits"] + s["misses"])
     cold = f", {args.thrash_mb} MB touched between calls" if args.thrash_mb else ""

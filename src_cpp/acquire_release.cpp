@@ -11,6 +11,7 @@ namespace prefetch {
 using detail::IdText;
 using detail::StateName;
 using detail::SteadyNs;
+using detail::TokenDone;
 
 // ---------------------------------------------------------- acquire/release
 
@@ -141,7 +142,7 @@ void ArcherPrefetchHandle::PinResidentLocked(const int64_t* ids, size_t n,
       Entry* e = LookupLocked(ids[i]);
       offsets[i] = -1;
       if (e->state != EntryState::kResident) continue;
-      if (async && !backend_->Query(e->ready)) {
+      if (async && !TokenDone(backend_.get(), &e->ready)) {
         const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
         if (stream == kNoStream) continue;
         backend_->StreamWait(stream, e->ready);
@@ -225,7 +226,7 @@ uint64_t ArcherPrefetchHandle::PinAndQueueMissesLocked(const int64_t* ids,
     ++stats_.acquires;
     error_seq[i] = e->error_seq;
     const bool complete = e->state == EntryState::kResident &&
-                          (!async || backend_->Query(e->ready));
+                          (!async || TokenDone(backend_.get(), &e->ready));
     if (complete) {
       ++stats_.hits;
       continue;
@@ -353,9 +354,10 @@ void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
     slots[i].offset = e->slot_offset;
     slots[i].bytes = e->bytes;
     slots[i].device = e->device;
-    if (async && stream_error.empty() && !backend_->Query(e->ready)) {
+    if (async && stream_error.empty() && !TokenDone(backend_.get(), &e->ready)) {
       const uintptr_t stream = streams == nullptr ? kNoStream : streams[e->device];
       if (stream == kNoStream) {
+        backend_->RetainToken(e->ready);  // Note [Completed tokens]
         cpu_waits.push_back(e->ready);
         continue;
       }
@@ -367,12 +369,13 @@ void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
     }
   }
   if (!stream_error.empty()) {  // nothing stays pinned, Close is not held up
+    for (CopyToken t : cpu_waits) backend_->ReleaseToken(t);
     UnpinLocked(ids, n);
     EndActiveCallLocked();
     throw PrefetchError(ErrorKind::kCopyFailed, stream_error);
   }
   DropLock(lk);
-  // Pinned entries keep their tokens (Note [Completion tokens]).
+  // Each wait holds its own reference (Note [Completed tokens]).
   std::string wait_error;
   for (CopyToken t : cpu_waits) {
     try {
@@ -380,6 +383,7 @@ void ArcherPrefetchHandle::HandOutSlotsLocked(const int64_t* ids, size_t n,
     } catch (const std::exception& ex) {
       if (wait_error.empty()) wait_error = ex.what();
     }
+    backend_->ReleaseToken(t);
   }
   RetakeLock(lk);
   EndActiveCallLocked();
@@ -452,10 +456,10 @@ void ArcherPrefetchHandle::ReleaseLocked(const int64_t* ids, size_t n,
             e->last_use == known) {
           continue;
         }
-        if (!backend_->Query(e->last_use)) {
+        known = e->last_use;
+        if (!TokenDone(backend_.get(), &e->last_use)) {
           backend_->StreamWait(stream, e->last_use);
         }
-        known = e->last_use;
       }
       for (size_t k = 0; k < n; ++k) {
         Entry* e = LookupLocked(ids[k]);

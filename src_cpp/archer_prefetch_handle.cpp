@@ -389,7 +389,8 @@ size_t ArcherPrefetchHandle::Evict(const int64_t* ids, size_t n) {
   for (size_t i = 0; i < n; ++i) {
     Entry* e = batch_scratch_[i];
     if (e->state != EntryState::kResident || e->pins > 0 ||
-        !backend_->Query(e->ready) || !backend_->Query(e->last_use)) {
+        !detail::TokenDone(backend_.get(), &e->ready) ||
+        !detail::TokenDone(backend_.get(), &e->last_use)) {
       continue;
     }
     EvictLocked(devices_[e->device].get(), e);

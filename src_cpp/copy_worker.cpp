@@ -12,6 +12,7 @@ namespace prefetch {
 using detail::IdText;
 using detail::StateName;
 using detail::SteadyNs;
+using detail::TokenDone;
 
 // ------------------------------------------------------------------ worker
 
@@ -76,7 +77,8 @@ bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
   auto evictable = [](Entry* v, void* raw) {
     auto* c = static_cast<Ctx*>(raw);
     if (v->pins > 0) return false;
-    if (!c->backend->Query(v->ready) || !c->backend->Query(v->last_use)) {
+    if (!TokenDone(c->backend, &v->ready) ||
+        !TokenDone(c->backend, &v->last_use)) {
       c->pending_seen = true;
       return false;
     }
@@ -126,7 +128,7 @@ void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
   auto keep = q.begin();
   for (auto it = q.begin(); it != q.end(); ++it) {
     Entry* e = *it;
-    if (backend_->Query(e->ready)) {
+    if (TokenDone(backend_.get(), &e->ready)) {
       dev->inflight_bytes -= e->bytes;
       if (e->band == kOnDemandBand) dev->inflight_urgent_bytes -= e->bytes;
     } else {
@@ -230,12 +232,14 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
     }
   }
   const CopyToken oldest = first->ready;
+  backend_->RetainToken(oldest);  // Note [Completed tokens]
   DropLock(lk);
   try {
     backend_->Wait(oldest);
   } catch (...) {
     // A failed wait surfaces to the acquirer of that entry.
   }
+  backend_->ReleaseToken(oldest);
   RetakeLock(lk);
   RetireInflightLocked(dev);
   return true;

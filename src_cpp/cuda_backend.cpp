@@ -94,6 +94,7 @@ void Resolve(void* library, const char* name, Fn* out) {
 struct Token {
   CUevent event = nullptr;  // recorded on a copy or consumer stream
   int device = 0;           // whose context the event belongs to
+  CUcontext context = nullptr;  // that context (set once, at creation)
   std::atomic<int> refs{0};  // holders; back to the pool at zero
 };
 
@@ -251,7 +252,7 @@ class CudaBackend final : public CopyBackend {
     if (token == kTokenDone) return true;
     Token* t = AsToken(token);
     try {
-      ContextGuard guard(this, t->device);
+      ContextGuard guard(this, t->context);
       return api_.cuEventQuery(t->event) != kCudaErrorNotReady;
     } catch (...) {
       return true;
@@ -261,7 +262,7 @@ class CudaBackend final : public CopyBackend {
   void Wait(CopyToken token) override {
     if (token == kTokenDone) return;
     Token* t = AsToken(token);
-    ContextGuard guard(this, t->device);
+    ContextGuard guard(this, t->context);
     CUresult r = api_.cuEventSynchronize(t->event);
     if (r != kCudaSuccess) {
       throw PrefetchError(ErrorKind::kCopyFailed,
@@ -285,7 +286,7 @@ class CudaBackend final : public CopyBackend {
   void StreamWait(uintptr_t stream, CopyToken token) override {
     if (token == kTokenDone) return;
     Token* t = AsToken(token);
-    ContextGuard guard(this, t->device);
+    ContextGuard guard(this, t->context);
     Check(api_.cuStreamWaitEvent(reinterpret_cast<CUstream>(stream), t->event,
                                  0),
           "cuStreamWaitEvent");
@@ -338,8 +339,11 @@ class CudaBackend final : public CopyBackend {
   // caller's context afterwards (no-op when it is already current).
   class ContextGuard {
    public:
-    ContextGuard(CudaBackend* backend, int device) : backend_(backend) {
-      CUcontext want = backend->Prepare(device).context;
+    ContextGuard(CudaBackend* backend, int device)
+        : ContextGuard(backend, backend->Prepare(device).context) {}
+    // A token's own context: no Prepare, so no lock (the queries of a
+    // layer's pins run this once per resident expert).
+    ContextGuard(CudaBackend* backend, CUcontext want) : backend_(backend) {
       CUcontext current = nullptr;
       backend->api_.cuCtxGetCurrent(&current);
       if (current != want) {
@@ -440,9 +444,11 @@ class CudaBackend final : public CopyBackend {
   // REQUIRES: the device's context current.
   CopyToken Record(int device, CUstream stream) {
     Token* t = nullptr;
+    CUcontext context = nullptr;
     {
       std::lock_guard<std::mutex> lk(mu_);
       Device& dev = devices_[static_cast<size_t>(device)];
+      context = dev.context;
       if (!dev.free_tokens.empty()) {
         t = dev.free_tokens.back();
         dev.free_tokens.pop_back();
@@ -451,6 +457,7 @@ class CudaBackend final : public CopyBackend {
     if (t == nullptr) {
       auto fresh = std::make_unique<Token>();
       fresh->device = device;
+      fresh->context = context;
       Check(api_.cuEventCreate(&fresh->event, kEventDisableTiming),
             "cuEventCreate");
       t = fresh.get();

@@ -155,7 +155,8 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
                           IdText(id) + " is being copied; retry later");
     }
     if (e->state == EntryState::kResident) {
-      if (!backend_->Query(e->ready) || !backend_->Query(e->last_use)) {
+      if (!detail::TokenDone(backend_.get(), &e->ready) ||
+          !detail::TokenDone(backend_.get(), &e->last_use)) {
         throw PrefetchError(ErrorKind::kState,
                             IdText(id) + " is still in use on a stream; "
                                          "retry after it synchronises");

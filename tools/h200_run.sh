@@ -2,7 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
-# bandwidth2proc abcompare (OLD_TREE=folder)
+# bandwidth2proc abcompare abengine (OLD_TREE=folder)
 # overlap disk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
@@ -97,6 +97,20 @@ for step in $steps; do
     gputests)
       python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_integration.py tests/test_cuda.py 2>&1 \
         | tee "$out/gputests.txt" | tail -15 || status=1 ;;
+    abengine)
+      # bench/engine_path.py of this tree over the engine of an older one
+      # (OLD_TREE, built here) and of this one, alternating: same-run ratios.
+      (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
+      old_dir=$(cd "$OLD_TREE" && pwd)
+      for i in 1 2 3; do
+        for side in new old; do
+          dir=$PWD
+          [ "$side" = old ] && dir=$old_dir
+          echo "== $side $i"
+          PYTHONPATH="$dir" python3 bench/engine_path.py --backend cuda --iterations ${ENGINE_ITERS:-2000} \
+            --json "$out/ab_engine_${side}_$i.json" 2>&1 | tail -4
+        done
+      done ;;
     enginepath)
       python3 bench/engine_path.py --backend cuda --json "$out/engine_path.json" 2>&1 | tee "$out/engine_path.txt" ;;
     bm6)
