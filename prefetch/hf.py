@@ -273,6 +273,7 @@ class ExpertsOffload:
         t3 = time.perf_counter_ns()
         ctl.note_routing(layer, routing, pinned)
         if self.last_layer:
+            ctl.queue_read_back()
             ctl.release_held(stream)
         out, comm = self._all_reduce(out)
         t_end = time.perf_counter_ns()

@@ -43,6 +43,12 @@ class SyncFreeDecode:
         self._pin_buf = [out if own.all() else np.empty(int(own.sum()), dtype=np.int64)
                          for out, own in zip(self._pin_out, self._owned)]
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
+        # Note [Routing read-back queued early]: (routings covered, page-locked
+        # buffer, its numpy view, event) of the copy queued at the last layer.
+        self._early = None
+        self._early_buf = None
+        self._early_event = None
+        self.early_read_backs = 0  # reads served by a queued copy (Note [Routing read-back queued early])
 
     def choose_path(self) -> bool:
         """Note [Which path a step takes]
@@ -142,18 +148,60 @@ class SyncFreeDecode:
         at the next step's first layer (`read_routings`)."""
         self._routings.append((layer, self.step, top_k_index, pinned))
 
+    def queue_read_back(self) -> None:
+        """Note [Routing read-back queued early]
+        Called after the last MoE layer of a sync-free step has queued its
+        compute: the step's routings go into one page-locked buffer with a
+        non_blocking copy queued on the current stream now, and an event
+        after it. `read_routings`, at the next step's first layer, then
+        waits only for that event, which the GPU passed before the token
+        it read back, instead of for everything queued since (the next
+        step's embedding, attention and router, that a copy issued then
+        sits behind): no host sync that drains the GPU's queue mid-step.
+        CPU tensors (the host backend) skip this: their read is a copy."""
+        import torch
+
+        routings = self._routings
+        if not routings:
+            return
+        device = routings[0][2].device
+        if device.type != "cuda" or any(r[2].device != device for r in routings):
+            return
+        flat = [r[2].reshape(-1) for r in routings]
+        n = sum(f.shape[0] for f in flat)
+        buf = self._early_buf
+        if buf is None or buf.shape[0] < n or buf.dtype != flat[0].dtype:
+            buf = self._early_buf = torch.empty(max(n, 1024), dtype=flat[0].dtype, pin_memory=True)
+        # The buffer's last copy was read by the read_routings that emptied
+        # the list (nothing is queued on it now).
+        dst = buf[:n]
+        stream = torch.cuda.current_stream(device)
+        with torch.cuda.stream(stream):
+            dst.copy_(torch.cat(flat) if len(flat) > 1 else flat[0], non_blocking=True)
+        if self._early_event is None:
+            self._early_event = torch.cuda.Event()
+        self._early_event.record(stream)
+        self._early = (len(routings), dst, self._early_event)
+
     def read_routings(self) -> None:
         """One device-to-host copy of every routing noted since the last
         read (by then the GPU has run them: generate reads each new token
-        back), then per layer: trace, scores, predictor; and for the next
-        engine call the uses (every routed expert) and the prefetches (those
-        read from host memory)."""
+        back; or the copy queued by `queue_read_back`), then per layer:
+        trace, scores, predictor; and for the next engine call the uses
+        (every routed expert) and the prefetches (those read from host
+        memory)."""
         import torch
 
         routings, self._routings = self._routings, []
+        early, self._early = self._early, None
         flat = [r[2].reshape(-1) for r in routings]
         t0 = time.perf_counter_ns()
-        host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
+        if early is not None and early[0] == len(routings):
+            early[2].synchronize()
+            host = early[1].numpy()
+            self.early_read_backs += 1
+        else:  # routings noted after the queued copy (a partial step): read them all now
+            host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
         self.sync_ns += time.perf_counter_ns() - t0
         count = len(routings)
         sizes = np.fromiter((f.shape[0] for f in flat), dtype=np.int64, count=count)

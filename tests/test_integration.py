@@ -565,6 +565,9 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
         assert ctl.sync_free is (not predictor)
         if not predictor and impl == "batched_mm":  # read over PCIe by the kernel, and from the cache
             assert ctl.report()["zero_copy_reads"] > 0 and ctl.pinned_hits > 0
+            # Each step's routings came back through the copy its last layer
+            # queued (Note [Routing read-back queued early]), not a sync.
+            assert ctl.early_read_backs > 0
     finally:
         ctl.close()
 
