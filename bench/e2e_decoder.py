@@ -146,6 +146,9 @@ class Decoder:
             dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
             dense.scatter_(1, top_i, top_w)
             routed = torch.unique(top_i)  # sorted; stays on the GPU for indexing
+            before_sync = getattr(provider, "before_sync", None)
+            if before_sync is not None:  # host work the GPU's queued layers can hide
+                before_sync(layer)
             timers = self.timers
             if timers is not None:
                 t0 = time.perf_counter()

@@ -184,14 +184,18 @@ class EngineProvider:
         index = self._index[d].send(slots)
         return gate_up.index_select(0, index), down.index_select(0, index)
 
+    def before_sync(self, layer):
+        """The last layer's predictor part (Note [Speculation after launch]
+        in prefetch/controller.py): the decoder calls this once it has
+        queued this layer's attention and router and before it reads the
+        routing back, so the host runs it while the GPU works."""
+        self.ctl.speculate()
+
     def release(self, layer, experts):
         """The next layer's engine call releases this layer's experts (one
-        call per layer); the last layer releases its own here. The layer's
-        compute is queued by now: the predictor's part of the layer runs
-        here (Note [Speculation after launch] in prefetch/controller.py)."""
+        call per layer); the last layer releases its own here."""
         if layer == self.dec.spec["layers"] - 1:
             self.ctl.release_held(self.dec.stream(layer))
-        self.ctl.speculate()
 
     def stats(self):
         s = self.handle.stats()

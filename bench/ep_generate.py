@@ -21,7 +21,10 @@ bf16 weights, same seed). Per model:
      the same predictor: the "ep" rows. The total device cache equals the
      1-gpu row's at the same share.
 
-Each row: a warm-up generate on another prompt, then the measured generate
+Before any row every rank runs the resident model over the measured lengths
+on other prompts (Note [Warm every sequence length] in
+bench/generate_model.py). Each row: a warm-up generate on another prompt,
+then the measured generate
 of --new-tokens tokens (min = max, no eos). Figures (rank 0's clock, read
 after --timer-sync's wait: device, the default, torch.cuda.synchronize;
 stream, the compute stream only): p50_ms / p90_ms of decode
@@ -85,6 +88,7 @@ from bench.generate_model import (  # noqa: E402
     build_model,
     generate,
     make_sync,
+    warm_lengths,
 )
 
 SMOKE = ("smoke-qwen3-moe", "smoke-olmoe")
@@ -245,6 +249,10 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
 
     base = {"model": name, "layers": state.num_layers, "experts": state.num_experts}
     reference, single = {}, {}
+    # Every rank, the model still resident (Note [Warm every sequence length]):
+    # rank 1 runs no resident or 1-gpu row, and would otherwise meet each
+    # sequence length first inside its measured expert-parallel generate.
+    warm_lengths(torch, model, [prompts(batch)["warm"] for batch in args.batches], args.new_tokens, sync)
     if rank == 0:
         host = None
         for batch in args.batches:

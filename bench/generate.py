@@ -15,8 +15,11 @@ cut to --vocab (the output says so). A block is one model and one batch size;
 the model is built once per model and every row of every block runs in this
 one process. Prompts are fixed random ids; decoding is greedy with
 min_new_tokens = max_new_tokens (no eos), so every row generates the same
-count. Each row first runs a warm-up generate on a different prompt, then
-the measured generate, then the time-to-first-token generate.
+count. Each block first runs the resident model over the measured and TTFT
+lengths on other prompts (Note [Warm every sequence length] in
+bench/generate_model.py); each row then runs a warm-up generate on a
+different prompt, the measured generate, then the time-to-first-token
+generate.
 
 Rows (share = device cache budget / all expert bytes; share-free rows have none):
   resident          every expert on the GPU, transformers' default experts
@@ -142,6 +145,7 @@ from bench.generate_model import (  # noqa: E402
     build_model,
     generate,
     make_sync,
+    warm_lengths,
 )
 from bench.generate_modes import (  # noqa: E402
     _HOST_EXPERTS,
@@ -177,6 +181,7 @@ class Block:
         self.prompt = prompt(100 + batch, args.prompt_tokens)
         self.warm_prompt = prompt(200 + batch, args.prompt_tokens)
         self.ttft_prompt = prompt(300 + batch, args.ttft_tokens)
+        self.warm_ttft_prompt = prompt(400 + batch, args.ttft_tokens)
         self.reference = None  # resident's generated ids
         self.resident_p50 = None
         self.resident_ttft = None
@@ -444,6 +449,9 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
     model_rows = []
     for batch in args.batches:
         block = Block(torch, model, state, batch, args, cuda, device, sync)
+        # Note [Warm every sequence length]: the measured and TTFT shapes.
+        warm_lengths(torch, model, [block.warm_prompt], args.new_tokens, sync)
+        warm_lengths(torch, model, [block.warm_ttft_prompt], 1, sync)
         block_rows = [run_planned_row(block, name, row, share, started) for row, share in row_plan(args)]
         blocks.append(restore_check(block, name))
         model_rows.extend(block_rows)

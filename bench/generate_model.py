@@ -177,6 +177,24 @@ def generate(torch, model, ids, new_tokens: int, sync, timer=None):
     return out[:, ids.shape[1]:].cpu(), t0, t1
 
 
+def warm_lengths(torch, model, prompts, new_tokens: int, sync) -> None:
+    """Note [Warm every sequence length]
+    The first decode step of a process at a sequence length it has not run
+    yet is slow, and so is every step after it that grows the sequence
+    further: on the H200 (tools/warmup_probe.py, run 33, OLMoE-1B-7B shapes,
+    batch 1) a measured generate after an 8-token warm-up ran its first 7
+    tokens at 19 ms and every later one at 53, while the next generate of
+    the same length ran them all at 18. (The CUDA allocator made 3 segments
+    in the slow one, the SM clock stayed at 1,980 MHz: the cost follows the
+    attention's new shapes.) So a benchmark process first runs, with the
+    model resident, a generate of each prompt in `prompts` (other ids, same
+    shapes as the measured ones) for `new_tokens`: every row then runs
+    lengths the process has seen, whichever row comes first. A rank of
+    expert parallel that runs no resident row needs this as much."""
+    for ids in prompts:
+        generate(torch, model, ids, new_tokens, sync)
+
+
 class RoutingRecorder:
     """Forward hooks on the routers: keeps each call's top-k index tensor on
     its device (no sync while generating); steps() turns them into a routing

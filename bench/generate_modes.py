@@ -13,6 +13,7 @@ if __package__ in (None, ""):
 
 from bench.common import LruSlots  # noqa: E402
 from bench.generate_model import ModelState, RowSkipped  # noqa: E402
+from prefetch.hf import _GROUPED_MM_MAX_GROUPS  # noqa: E402
 
 SHARE_FREE_ROWS = ("resident", "resident-eager", "accelerate-cpu-offload")
 SHARE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced", "torch-by-hand",
@@ -231,13 +232,20 @@ def by_hand_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         t0 = time.perf_counter()
         slots = cache.acquire(layer, piece, compute)
         cache.host_s += time.perf_counter() - t0
-        # expert id -> slot id (the sentinel `slots` for other pieces' experts),
-        # built on the host and sent without a stream sync
-        remap = torch.full((self.num_experts,), cache.slots, dtype=top_k_index.dtype)
-        remap[piece] = torch.tensor(slots, dtype=top_k_index.dtype)
+        weights, groups, ids = (cache.gate_up, cache.down), cache.slots, slots
+        if groups > _GROUPED_MM_MAX_GROUPS:
+            # grouped_mm takes at most 1024 groups (Qwen3-30B-A3B at 25 % has
+            # 1,536 slots): the piece's slots gathered, as offload_moe_experts
+            # does for such a cache.
+            picked = torch.tensor(slots, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
+            weights = (cache.gate_up.index_select(0, picked), cache.down.index_select(0, picked))
+            groups, ids = len(slots), list(range(len(slots)))
+        # expert id -> group id (the sentinel `groups` for other pieces'
+        # experts), built on the host and sent without a stream sync
+        remap = torch.full((self.num_experts,), groups, dtype=top_k_index.dtype)
+        remap[piece] = torch.tensor(ids, dtype=top_k_index.dtype)
         remap = remap.to(top_k_index.device, non_blocking=True)
-        part = _grouped_rows(torch, self, (cache.gate_up, cache.down), hidden_states, remap[top_k_index],
-                             top_k_weights, cache.slots)
+        part = _grouped_rows(torch, self, weights, hidden_states, remap[top_k_index], top_k_weights, groups)
         rows = part if rows is None else rows + part  # the other pieces' rows are exact zeros
         t0 = time.perf_counter()
         cache.release(slots, compute)

@@ -351,9 +351,15 @@ class OffloadController(SyncFreeDecode):
         `flush`) runs it if the caller did not. Measured on BM5 with the
         oracle on the gemma-4 trace (H200 host, before this): the
         predictor's part took 4.5-5.7 ms of a 37 ms step at a hit rate of
-        1.00. A predictor that guesses from the hidden state on the device
-        (the next-layer gate) keeps the single call: its guesses are read
-        back with the routing, before the acquire."""
+        1.00. The best moment is the next layer's, just before its routing
+        read-back: the GPU then has this layer's expert compute and the next
+        layer's attention and router queued, the longest work the host can
+        hide behind (right after this layer's launch, the expert compute
+        alone, a fraction of a millisecond at batch 1, was often done before
+        the predictor was). OffloadedMoEBlock and BM5 call it there. A
+        predictor that guesses from the hidden state on the device (the
+        next-layer gate) keeps the single call: its guesses are read back
+        with the routing, before the acquire."""
         p = self.predictor
         return p is None or self._late_predict or bool(getattr(p, "host_guesses", False))
 

@@ -131,8 +131,12 @@ class OffloadedMoEBlock(nn.Module):
         # one call would: each later piece's call releases the piece before,
         # whose compute is queued by then.
         cap = self._capacity
-        experts, where = ctl.route_and_acquire(self.layer, h, top_i.flatten().unique().cpu(), stream=stream,
-                                               first=cap)
+        routed = top_i.flatten().unique()
+        # The last block's guesses and hints, while the GPU runs this block's
+        # attention and router, before the routing read-back waits for them
+        # (Note [Speculation after launch]).
+        ctl.speculate()
+        experts, where = ctl.route_and_acquire(self.layer, h, routed.cpu(), stream=stream, first=cap)
         out = torch.zeros_like(h)
         try:
             for start in range(0, experts.shape[0], cap):
@@ -149,7 +153,6 @@ class OffloadedMoEBlock(nn.Module):
             raise
         if self.layer == ctl.num_layers - 1:
             ctl.release_held(stream)
-        ctl.speculate()  # the compute is queued: guesses and hints now (Note [Speculation after launch])
         return out.reshape(shape)
 
 

@@ -122,6 +122,29 @@ def test_by_hand_runs_a_layer_in_pieces_when_slots_are_few(tmp_path):
         _check_figures(row)
 
 
+def test_by_hand_gathers_its_slots_past_grouped_mm_group_limit(tmp_path, monkeypatch):
+    """torch's grouped_mm takes at most 1024 groups; a by-hand cache with more
+    slots (Qwen3-30B-A3B at 25 %: 1,536) gathers the routed slots first. The
+    limit lowered to 2 makes the smoke's cache that large: same tokens, and
+    the gathered path did run (each call gathers once per piece)."""
+    from bench import generate_modes
+
+    monkeypatch.setattr(generate_modes, "_GROUPED_MM_MAX_GROUPS", 2)
+    gathered = []
+    real = generate_modes._grouped_rows
+
+    def counting(torch, module, weights, hidden_states, slot_ids, top_k_weights, num_slots):
+        gathered.append(weights[0].shape[0] == num_slots <= 8)
+        return real(torch, module, weights, hidden_states, slot_ids, top_k_weights, num_slots)
+
+    monkeypatch.setattr(generate_modes, "_grouped_rows", counting)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "torch-by-hand", "--shares", "0.5",
+                  "--new-tokens", "3")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["torch-by-hand"]["tokens_equal"] is True
+    assert gathered and all(gathered)
+
+
 def test_time_budget_reports_rows_not_run(tmp_path):
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "--budget-s", "0")
     for row in report["rows"]:
