@@ -80,10 +80,13 @@ Figures per row:
                     copy at use (its prefetched experts count as copies);
                     accelerate: no cache, hit rate null
   precision, recall engine rows: the controller's prediction scores
-  host_us_per_layer engine: report()["host_us_per_layer"] where the controller
-                    gives it; torch-by-hand: Python time in its LRU (acquire
-                    and release) per layer call, the routing sync and compute
-                    launches excluded; null elsewhere
+  host_us_per_layer over the measured generate's decode steps (first token on):
+                    engine rows: the controller's host time per offloaded
+                    layer (report()'s host_us_per_layer, also
+                    engine_us_per_layer and sync_us_per_layer, taken over
+                    those steps); torch-by-hand: Python time in its LRU
+                    (acquire and release) per layer call, the routing sync
+                    and compute launches excluded; null elsewhere
   ttft_ms           a separate generate with max_new_tokens=1 on a
                     --ttft-tokens prompt per batch row, synchronised;
                     ttft_floor_ms = max(resident's TTFT (the resident

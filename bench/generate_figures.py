@@ -22,9 +22,10 @@ def decode_counters(at_first: dict, end: dict, accesses) -> dict:
         out["copies"] = copies_at_use
         out["routed_accesses"] = accesses
     calls = delta(at_first, end, "calls")
-    host_s = delta(at_first, end, "host_s")
-    if calls and host_s is not None:
-        out["host_us_per_layer"] = host_s / calls * 1e6
+    for key in ("host", "engine", "sync"):  # engine and sync: the engine rows only
+        seconds = delta(at_first, end, f"{key}_s")
+        if calls and seconds is not None:
+            out[f"{key}_us_per_layer"] = seconds / calls * 1e6
     return out
 
 

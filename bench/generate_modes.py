@@ -87,6 +87,11 @@ class EngineMode(Mode):
         out = {"bytes": r.get("bytes_copied") + r.get("zero_copy_bytes", 0), "copies": r.get("copies"),
                "hits": None, "misses": None, "evictions": r.get("evictions"), "wasted": r.get("wasted"),
                "late": r.get("late"), "zero_copy_reads": r.get("zero_copy_reads")}
+        # Host time of the offloaded layers, to take over the decode steps
+        # only (a prefill's read-back waits for its copies: tens of ms).
+        if hasattr(self.ctl, "layers_run"):
+            out.update(calls=self.ctl.layers_run, host_s=self.ctl.host_ns / 1e9,
+                       engine_s=self.ctl.engine_ns / 1e9, sync_s=self.ctl.sync_ns / 1e9)
         handle = getattr(self.ctl, "handle", None)
         if handle is not None and hasattr(handle, "stats"):
             s = handle.stats()

@@ -73,6 +73,10 @@ def test_engine_and_by_hand_generate_the_resident_tokens(smoke):
             assert row["tokens_equal"] is True, row
             assert row["hit_rate"] is not None and 0 <= row["hit_rate"] <= 1
             assert row["bytes_moved"] is not None
+            # host time per layer over the decode steps (the prefill's excluded)
+            assert row["host_us_per_layer"] > 0
+            if row["row"] in generate.ENGINE_ROWS:
+                assert row["engine_us_per_layer"] > 0 and row["sync_us_per_layer"] >= 0
         if row["row"] == "resident":
             assert row["tokens_equal"] is True and row["x_resident"] > 0
 
