@@ -117,6 +117,42 @@ def percentile(values, q):
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def _union_us(spans) -> float:
+    """Microseconds covered by the union of (start, end) spans."""
+    total, end = 0.0, float("-inf")
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
+def gpu_time_split(torch, prof) -> dict:
+    """Where the GPU's time went under a finished torch.profiler `prof` (us):
+    busy (the union of every kernel and copy), compute (the union of the
+    kernels that are not copies), h2d (the union of host-to-device copies),
+    copy_only (busy - compute: only copies running) and, summed per event,
+    device time in NCCL kernels (which includes waiting for other ranks), in
+    host-to-device copies and in every other kernel."""
+    spans, compute, h2d = [], [], []
+    by_kind = {"nccl": 0.0, "h2d": 0.0, "other": 0.0}
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
+            continue
+        span = (ev.time_range.start, ev.time_range.end)
+        spans.append(span)
+        name = ev.name.lower().replace(" ", "")
+        kind = "nccl" if "nccl" in name else "h2d" if "htod" in name else "other"
+        by_kind[kind] += ev.time_range.elapsed_us()
+        if kind == "h2d":
+            h2d.append(span)
+        elif "memcpy" not in name and "memset" not in name:
+            compute.append(span)
+    busy, compute_us = _union_us(spans), _union_us(compute)
+    return {"busy_us": busy, "compute_us": compute_us, "h2d_us": _union_us(h2d), "copy_only_us": busy - compute_us,
+            **{f"{k}_event_us": v for k, v in by_kind.items()}}
+
+
 def raw_h2d_gbps(torch, nbytes_each: int, device=0, count: int = 64) -> float:
     """Median raw host-to-device GB/s of `count` page-locked copies of
     `nbytes_each` bytes onto `device` (raw_copy_gbps, 3 repetitions)."""

@@ -51,6 +51,12 @@ The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
 in src_cpp/eviction_policy.h). --devices N splits the layers into N contiguous
 runs, one per GPU, with the cache budget split by layers; the IO floor is then
 the slowest device's (each device's Belady loads over its own raw bandwidth).
+--profile DIR: after each policy's first measured run, --profile-steps more
+steps under torch.profiler (Chrome traces and op tables in DIR); the row's
+"profile" has per step the wall time, the GPU's busy, compute, host-to-device
+and copy-only time and its idle time (wall - busy), and the decoder's host
+phases (speculate, sync, acquire, compute launch, release): where a step's
+time goes that the host clock alone cannot split.
 """
 from __future__ import annotations
 
@@ -64,7 +70,7 @@ if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import fmt, machine_info, percentile, raw_h2d_gbps, write_json  # noqa: E402
-from bench.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps  # noqa: E402
+from bench.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps, profile_steps  # noqa: E402
 from bench.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E402
 from bench.e2e_providers import (  # noqa: E402
     make_provider,
@@ -74,11 +80,13 @@ from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
-               eviction="cyclic"):
+               eviction="cyclic", profile=None):
     """Decodes `inputs` (one tensor per step) under `policy`. Returns the
     measured step latencies (after `warmup` steps), the provider's counters
     over the measured steps, and the routing trace (all-resident only).
-    `forced`: a routing trace's steps, replayed instead of the router."""
+    `forced`: a routing trace's steps, replayed instead of the router.
+    `profile`: (path, steps): that many more steps under torch.profiler
+    (profile_steps), their figures in the counters' "profile"."""
 
     def route(i):
         return forced[i % len(forced)] if forced else None
@@ -98,10 +106,20 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
         delta = {key: after[key] - before.get(key, 0) for key in ("hits", "misses", "bytes") if key in after}
         delta["precision"] = after.get("precision")
         delta["recall"] = after.get("recall")
+        if profile is not None:
+            delta["profile"] = profile_steps(dec, provider, inputs, warmup, profile[1], route, profile[0])
         return lat, delta, getattr(provider, "trace", None)
     finally:
         if hasattr(provider, "close"):
             provider.close()
+
+
+def profile_of(args, name, batch, policy, share=None):
+    """run_policy's `profile` for a run (None without --profile)."""
+    if not args.profile:
+        return None
+    tag = f"{name}_b{batch}" + ("" if share is None else f"_{share:g}") + f"_{policy}"
+    return os.path.join(args.profile, tag), args.profile_steps
 
 
 def record_round(row, lat, delta, compute_p50, floor_s, res_round):
@@ -130,6 +148,8 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         "precision": delta.get("precision"),
         "recall": delta.get("recall"),
     })
+    if "profile" in delta:
+        row["profile"] = delta["profile"]
 
 
 def main(argv=None) -> int:
@@ -157,11 +177,17 @@ def main(argv=None) -> int:
                         help="engine eviction policy of the engine policies but oracle (always next-use)")
     parser.add_argument("--expert-compute", default="grouped", choices=["grouped", "loop"],
                         help="routed experts in two batched matmuls, or one expert at a time")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each policy's first measured run, --profile-steps more steps under "
+                             "torch.profiler: traces in DIR, per-step GPU and host split in the row's 'profile'")
+    parser.add_argument("--profile-steps", type=int, default=4)
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny shapes on the CPU with the host backend: checks the logic, measures nothing")
     args = parser.parse_args(argv)
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.profile_steps < 1:
+        parser.error("--profile-steps must be >= 1")
 
     import torch
 
@@ -203,7 +229,8 @@ def main(argv=None) -> int:
             inputs = dec.inputs(n, batch, seed=batch)
             train = [dec.inputs(n, batch, seed=100 + r) for r in range(args.train)]
             forced = forced_trace.steps if forced_trace else None
-            lat_res, _, trace = run_policy(torch, dec, "all-resident", inputs, args.warmup, 0, forced=forced)
+            lat_res, res_delta, trace = run_policy(torch, dec, "all-resident", inputs, args.warmup, 0, forced=forced,
+                                                   profile=profile_of(args, name, batch, "all-resident"))
             compute_p50 = statistics.median(lat_res)
             if args.trace_out:
                 os.makedirs(args.trace_out, exist_ok=True)
@@ -257,9 +284,13 @@ def main(argv=None) -> int:
                             continue
                         if policy == "all-resident":
                             lat, delta = res_round, {"hits": None, "misses": None, "bytes": 0}
+                            if rnd == 0 and "profile" in res_delta:
+                                delta["profile"] = res_delta["profile"]
                         else:
                             lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
-                                                       forced=forced, eviction=args.eviction)
+                                                       forced=forced, eviction=args.eviction,
+                                                       profile=(profile_of(args, name, batch, policy, share)
+                                                                if rnd == 0 else None))
                         record_round(row, lat, delta, compute_p50, floor_s, res_round)
                         print(f"  {name} b{batch} {share:.0%} {policy:<16} p50 {row['p50_runs_ms'][-1]:8.2f} ms "
                               f"(floor {floor_s * 1e3:7.2f}) hit {fmt(row['hit_rate'])}", file=sys.stderr, flush=True)

@@ -84,9 +84,10 @@ class Decoder:
                                         device=self.devs[self.layer_dev[layer]]) for layer in range(L)]
         self.expert_bytes = self.pool_host[0][1][-1].offset + self.pool_host[0][1][-1].nbytes
         self.slot_bytes = -(-self.expert_bytes // prefetch.SLOT_ALIGNMENT) * prefetch.SLOT_ALIGNMENT
-        # Host seconds per phase of step() (routing sync, acquire including
-        # the gather or stack of the weights, compute launch, release) when
-        # set to a dict; None costs nothing.
+        # Host seconds per phase of step() (the provider's before_sync work,
+        # routing sync, acquire including the gather or stack of the
+        # weights, compute launch, release) when set to a dict; None costs
+        # nothing.
         self.timers = None
 
     def layers_of(self, d: int) -> list:
@@ -146,10 +147,14 @@ class Decoder:
             dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
             dense.scatter_(1, top_i, top_w)
             routed = torch.unique(top_i)  # sorted; stays on the GPU for indexing
+            timers = self.timers
             before_sync = getattr(provider, "before_sync", None)
             if before_sync is not None:  # host work the GPU's queued layers can hide
+                if timers is not None:
+                    ts = time.perf_counter()
                 before_sync(layer)
-            timers = self.timers
+                if timers is not None:
+                    timers["speculate"] = timers.get("speculate", 0.0) + time.perf_counter() - ts
             if timers is not None:
                 t0 = time.perf_counter()
             experts = routed.tolist()
@@ -193,6 +198,48 @@ class Decoder:
                                  ("release", t4 - t3)):
                     timers[name] = timers.get(name, 0.0) + dt
         return h
+
+
+def profile_steps(dec, provider, inputs, warmup, steps, route, path):
+    """--profile: `steps` more decode steps (the measured inputs again, from
+    `warmup` on) under torch.profiler, after the measured ones, so the
+    profiler's cost stays out of every figure. Writes `path`.json (Chrome
+    trace) and `path`.txt (ops by device time). Returns, per step: wall ms,
+    the GPU's split (bench.common.gpu_time_split; null without CUDA), idle
+    ms (wall - GPU busy) and the decoder's host phases in ms."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from bench.common import gpu_time_split
+
+    torch = dec.torch
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if dec.cuda else [])
+    timers = {}
+    wall = 0.0
+    measured = len(inputs) - warmup
+    with profile(activities=activities) as prof:
+        dec.timers = timers
+        try:
+            for j in range(steps):
+                i = warmup + j % measured
+                dec.sync()
+                t0 = time.perf_counter()
+                dec.step(inputs[i], provider, route(i) if route is not None else None)
+                dec.sync()
+                wall += time.perf_counter() - t0
+        finally:
+            dec.timers = None
+    prof.export_chrome_trace(path + ".json")
+    with open(path + ".txt", "w") as f:
+        f.write(prof.key_averages().table(sort_by="self_device_time_total" if dec.cuda else "self_cpu_time_total",
+                                          row_limit=40))
+    out = {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
+           "host_phase_ms_per_step": {k: v * 1e3 / steps for k, v in timers.items()}}
+    split = gpu_time_split(torch, prof) if dec.cuda else None
+    for key in ("busy", "compute", "h2d", "copy_only"):
+        out[f"gpu_{key}_ms_per_step"] = split[f"{key}_us"] / 1e3 / steps if split else None
+    out["gpu_idle_ms_per_step"] = out["wall_ms_per_step"] - out["gpu_busy_ms_per_step"] if split else None
+    return out
 
 
 def measure_steps(dec, provider, inputs, warmup, route=None, timers=None, at_warmup_end=None):

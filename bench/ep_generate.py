@@ -79,7 +79,7 @@ _own_gpu()
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, percentile, write_json  # noqa: E402
+from bench.common import fmt, gpu_time_split, machine_info, percentile, write_json  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
@@ -173,25 +173,14 @@ def profile_decode(torch, model, ids, tokens: int, sync, path: str) -> dict:
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         _, t0, t1 = generate(torch, model, ids, tokens, sync)
-    spans, by_kind = [], {"nccl": 0.0, "h2d": 0.0, "other": 0.0}
-    for ev in prof.events():
-        if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
-            continue
-        spans.append((ev.time_range.start, ev.time_range.end))
-        name = ev.name.lower()
-        kind = "nccl" if "nccl" in name else "h2d" if "htod" in name.replace(" ", "") else "other"
-        by_kind[kind] += ev.time_range.elapsed_us()
-    busy, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            busy += b - max(a, end)
-            end = b
+    split = gpu_time_split(torch, prof)
     with open(path + ".txt", "w") as f:
         f.write(prof.key_averages().table(sort_by="self_device_time_total", row_limit=40))
     prof.export_chrome_trace(path + ".json")
     per = 1e3 * tokens
-    return {"tokens": tokens, "wall_ms_per_token": (t1 - t0) * 1e3 / tokens, "gpu_busy_ms_per_token": busy / per,
-            **{f"{k}_ms_per_token": v / per for k, v in by_kind.items()}}
+    return {"tokens": tokens, "wall_ms_per_token": (t1 - t0) * 1e3 / tokens,
+            "gpu_busy_ms_per_token": split["busy_us"] / per,
+            **{f"{k}_ms_per_token": split[f"{k}_event_us"] / per for k in ("nccl", "h2d", "other")}}
 
 
 def pin_cpus() -> list:

@@ -118,3 +118,63 @@ def test_main_loop_with_repeats_on_the_cpu(monkeypatch, tmp_path, capsys):
             assert r["p50_ms"] == sorted(r["p50_runs_ms"])[1]
     assert rows[0]["resident_runs_ms"] == rows[0]["p50_runs_ms"]  # each round's own resident run
     assert rows[2]["precision"] == 1.0 and rows[2]["recall"] == 1.0  # the oracle replays the routing
+
+
+def test_profile_steps_split_a_step_on_the_cpu(tmp_path):
+    # --profile's figures for a real engine run on the host backend: the
+    # decoder's host phases are there (the oracle's before_sync work as
+    # "speculate"), the trace is written, and the GPU split is null, not 0,
+    # without CUDA.
+    import json
+
+    import torch
+
+    from bench.e2e_decoder import profile_steps
+    from bench.e2e_providers import ResidentProvider, make_provider
+
+    spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="t")
+    dec = e2e.Decoder(torch, spec, pool=5, device="cpu")
+    inputs = dec.inputs(4, 2, seed=0)
+    resident = ResidentProvider(dec)
+    for x in inputs:
+        dec.step(x, resident)
+    provider = make_provider(dec, "oracle", 6 * dec.slot_bytes, resident.trace)
+    try:
+        e2e.measure_steps(dec, provider, inputs, warmup=1)
+        out = profile_steps(dec, provider, inputs, 1, 5, None, str(tmp_path / "prof" / "oracle"))
+    finally:
+        provider.close()
+    assert out["steps"] == 5 and out["wall_ms_per_step"] > 0
+    assert set(out["host_phase_ms_per_step"]) == {"speculate", "sync", "acquire", "compute", "release"}
+    assert all(v >= 0 for v in out["host_phase_ms_per_step"].values())
+    assert sum(out["host_phase_ms_per_step"].values()) <= out["wall_ms_per_step"]
+    for key in ("busy", "compute", "h2d", "copy_only", "idle"):
+        assert out[f"gpu_{key}_ms_per_step"] is None
+    assert json.loads((tmp_path / "prof" / "oracle.json").read_text())["traceEvents"]
+    assert (tmp_path / "prof" / "oracle.txt").read_text()
+
+
+def test_gpu_time_split_takes_unions():
+    # Device events as the profiler lists them (us): two overlapping
+    # kernels, a copy overlapping one of them, a copy alone, a CPU op.
+    import types
+
+    import torch
+
+    from bench.common import gpu_time_split
+
+    def ev(name, start, end, cuda=True):
+        device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+        rng = types.SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+        return types.SimpleNamespace(name=name, device_type=device, time_range=rng)
+
+    prof = types.SimpleNamespace(events=lambda: [
+        ev("gemm", 0, 10), ev("silu", 5, 15), ev("Memcpy HtoD (Pinned -> Device)", 12, 20),
+        ev("Memcpy HtoD (Pinned -> Device)", 30, 40), ev("ncclKernel_AllReduce", 40, 45),
+        ev("aten::mm", 0, 100, False)])
+    split = gpu_time_split(torch, prof)
+    assert split["busy_us"] == 35  # [0, 20] + [30, 45]
+    assert split["compute_us"] == 20  # [0, 15] + [40, 45]
+    assert split["h2d_us"] == 18
+    assert split["copy_only_us"] == 15
+    assert split["h2d_event_us"] == 18 and split["nccl_event_us"] == 5 and split["other_event_us"] == 20
