@@ -1,5 +1,6 @@
 """bench/disk.py --smoke-cpu: the disk bench runs end to end on tiny files
-(raw preadv, DiskReader at each thread count, the byte check), and reports
+(raw preadv on one thread and on many, DiskReader at each thread count,
+the byte check), and reports
 the GPU row as null with its reason where there is no CUDA."""
 import json
 
@@ -16,6 +17,10 @@ def test_disk_bench_smoke(tmp_path, capsys):
     assert [row["threads"] for row in result["reader"]] == report["config"]["threads"]
     for row in result["reader"]:
         assert row["gbps"] > 0 and row["over_raw"] > 0 and len(row["samples_gbps"]) == report["config"]["reps"]
+        assert row["over_raw_parallel"] > 0
+    # the parallel raw baseline: as many preadv threads as the largest reader keeps reads in flight
+    assert result["raw_parallel_threads"] == 2 * max(report["config"]["threads"])
+    assert result["raw_parallel_gbps"] > 0 and len(result["raw_parallel_samples_gbps"]) == report["config"]["reps"]
     assert isinstance(result["direct"], bool) and result["page_cache"]
     gpu = result["gpu"]
     if disk.gpu_reason() is None:
