@@ -193,9 +193,12 @@ class EngineProvider:
 
     def release(self, layer, experts):
         """The next layer's engine call releases this layer's experts (one
-        call per layer); the last layer releases its own here."""
+        call per layer); the last layer releases its own here, and runs its
+        predictor part now (the next call is the next step's first: its
+        guesses are for that step's first layers)."""
         if layer == self.dec.spec["layers"] - 1:
             self.ctl.release_held(self.dec.stream(layer))
+            self.ctl.speculate()
 
     def stats(self):
         s = self.handle.stats()

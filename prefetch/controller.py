@@ -356,7 +356,13 @@ class OffloadController(SyncFreeDecode):
         layer's attention and router queued, the longest work the host can
         hide behind (right after this layer's launch, the expert compute
         alone, a fraction of a millisecond at batch 1, was often done before
-        the predictor was). OffloadedMoEBlock and BM5 call it there. A
+        the predictor was). OffloadedMoEBlock and BM5 call it there, except
+        after a step's last layer: the next call is the next step's first,
+        after the lm head and the token's read-back, too late for guesses
+        aimed at the next step's first layers, so the last layer speculates
+        right after its launch (run 34 ran without that exception: the
+        oracle's hit rate fell from 1.000 to 0.997 on gemma-4 and from
+        0.856 to 0.847 on gpt-oss-120b). A
         predictor that guesses from the hidden state on the device (the
         next-layer gate) keeps the single call: its guesses are read back
         with the routing, before the acquire."""

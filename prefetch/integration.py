@@ -153,6 +153,10 @@ class OffloadedMoEBlock(nn.Module):
             raise
         if self.layer == ctl.num_layers - 1:
             ctl.release_held(stream)
+            # The next block's call is the next step's first, after the
+            # token's read-back: this block's guesses (for the next step's
+            # first layers) go now, behind its queued compute.
+            ctl.speculate()
         return out.reshape(shape)
 
 
