@@ -1,6 +1,6 @@
 """Builds two extensions: prefetch._engine, the Cython binding plus the C++
 engine in src_cpp/, and prefetch._disk, the disk reader (disk_reader.cpp and
-disk_io.cpp there; the engine does not use it yet). Metadata lives in
+disk_io.cpp there; the engine builds disk_io.cpp too, for its host tier). Metadata lives in
 pyproject.toml.
 
 PREFETCH_DEBUG=1 turns Cython's bounds and wraparound checks back on and
@@ -34,7 +34,8 @@ COMPILER_DIRECTIVES = {
 # tools/thread_safety_check.py. The disk reader's go into prefetch._disk.
 SOURCES = Path(__file__).with_name("src_cpp").joinpath("SOURCES").read_text().split()
 DISK_SOURCES = ["src_cpp/disk_reader.cpp", "src_cpp/disk_io.cpp"]
-ENGINE_SOURCES = [s for s in SOURCES if s not in DISK_SOURCES]
+# The engine reads disk-backed tensors itself (Note [Host tier]): it builds disk_io.cpp too.
+ENGINE_SOURCES = [s for s in SOURCES if s != "src_cpp/disk_reader.cpp"]
 
 compile_args = ["-std=c++17", "-Wall", "-Wno-unused-function"]
 link_args = ["-pthread"]

@@ -71,6 +71,13 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t resident_count
         uint64_t resident_bytes
         uint64_t pinned_count
+        uint64_t disk_reads
+        uint64_t disk_read_bytes
+        uint64_t disk_errors
+        uint64_t host_tier_hits
+        uint64_t host_tier_evictions
+        uint64_t host_tier_used_bytes
+        uint64_t host_tier_budget_bytes
         uint64_t registered
         uint64_t registered_bytes
         uint64_t last_batch_ns
@@ -93,6 +100,14 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         bool start_paused
         bool poison_freed_slots
         int64_t debug_issue_delay_ns
+        size_t host_budget_bytes
+        bool disk_direct_io
+
+    cdef struct CDiskExtent "prefetch::DiskExtent":
+        int32_t file
+        uint64_t file_offset
+        uint64_t bytes
+        uint64_t tensor_offset
 
     cdef struct CSlotInfo "prefetch::SlotInfo":
         uint64_t offset
@@ -142,6 +157,11 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         ) except +prefetch_raise_py_error
         void RegisterExternal(
             int64_t id, const void* host_ptr, size_t bytes, int device
+        ) except +prefetch_raise_py_error
+        int32_t OpenFile(const string& path) except +prefetch_raise_py_error
+        void RegisterDisk(
+            int64_t id, const CDiskExtent* extents, size_t n,
+            size_t total_bytes, int device
         ) except +prefetch_raise_py_error
         void UnregisterTensor(int64_t id) except +prefetch_raise_py_error
         bool IsRegistered(int64_t id) except +prefetch_raise_py_error

@@ -8,6 +8,7 @@ id, takes its lock once and queues them.
 """
 import builtins
 import operator
+import os
 
 import numpy as np
 
@@ -15,15 +16,17 @@ from prefetch import errors as _errors
 from prefetch.errors import HandleClosedError, InvalidArgumentError
 
 from cython.operator cimport dereference as deref
-from libc.stdint cimport int64_t, uint64_t, uintptr_t
+from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
 from libcpp.pair cimport pair
+from libcpp.string cimport string
 from libcpp.utility cimport move
 from libcpp.vector cimport vector
 
 from prefetch._engine cimport (
     CArcherPrefetchHandle,
     CCopyBackend,
+    CDiskExtent,
     CFaultConfig,
     CHandleOptions,
     CHostPart,
@@ -70,7 +73,8 @@ cdef class PrefetchHandle(_HandleBase):
         eviction_policy='lru', cycle_acquires=0, copy_chunk_bytes=4194304,
         max_bytes_in_flight=268435456, max_speculative_bytes_in_flight=None,
         copy_lanes=2, start_paused=False, poison_freed_slots=False,
-        faults=None, debug_issue_delay_us=0)
+        host_budget_bytes=0, disk_direct_io=True, faults=None,
+        debug_issue_delay_us=0)
 --
 
     An expert prefetch engine: a registry of host tensors and, per device,
@@ -133,6 +137,15 @@ cdef class PrefetchHandle(_HandleBase):
     poison_freed_slots=False
         True: every freed cache slot is filled with 0xDB, so a reader of
         stale bytes sees them (debugging).
+    host_budget_bytes=0
+        The host tier for disk-backed tensors (``register_disk``; Note [Host
+        tier] in src_cpp/archer_prefetch_handle.h): one page-locked arena of
+        this many bytes (0: none) that stages their bytes between the disk
+        and the device caches, with its own least-recently-used eviction.
+        The engine never holds more of their bytes in host memory.
+    disk_direct_io=True
+        Open ``open_file``'s files with O_DIRECT (bypassing the page cache)
+        where the filesystem takes it; buffered otherwise, or with False.
 
     Tests only: ``faults`` (a dict for backend="fault") and
     ``debug_issue_delay_us`` (a sleep inside the batched call).
@@ -154,6 +167,8 @@ cdef class PrefetchHandle(_HandleBase):
         copy_lanes=2,
         start_paused=False,
         poison_freed_slots=False,
+        host_budget_bytes=0,
+        disk_direct_io=True,
         faults=None,
         debug_issue_delay_us=0,
     ):
@@ -174,6 +189,9 @@ cdef class PrefetchHandle(_HandleBase):
         _check_limits(options, cycle_acquires, copy_chunk_bytes, max_bytes_in_flight,
                       max_speculative_bytes_in_flight, copy_lanes, start_paused,
                       poison_freed_slots, debug_issue_delay_us)
+        options.host_budget_bytes = _int_option(
+            "host_budget_bytes", host_budget_bytes, 0, _INT64_MAX)
+        options.disk_direct_io = _flag_option("disk_direct_io", disk_direct_io)
         if faults is not None and not isinstance(faults, dict):
             raise TypeError("faults must be a dict of setting -> int")
         cdef unique_ptr[CCopyBackend] cbackend

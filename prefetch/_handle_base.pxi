@@ -1,7 +1,8 @@
 # Included by _engine.pyx: _HandleBase, the base class of PrefetchHandle
 # (its only subclass) - the handle's fields, control (pause, resume),
-# inspection (arena, queued, resident, budget_bytes, stats, last_batch_ns)
-# and the fault backend's and tests' hooks. PrefetchHandle (_engine.pyx)
+# inspection (arena, queued, resident, budget_bytes, stats, last_batch_ns),
+# the disk tier's registration (open_file, register_disk) and the fault
+# backend's and tests' hooks. PrefetchHandle (_engine.pyx)
 # adds construction, the data path and the lifecycle (close, with, repr).
 
 
@@ -136,6 +137,12 @@ cdef class _HandleBase:
         bytes_copied    bytes of the completed copies
         copy_seconds    time spent issuing (CUDA) or doing (host) copies,
                         by the workers and by acquirers issuing their own
+        disk_reads      host tier: extent reads of disk-backed tensors
+        disk_read_bytes their aligned spans' bytes
+        disk_errors     reads that failed (their copies count in copy_errors)
+        host_tier_hits  copies of disk-backed tensors the host tier served
+                        (no read)
+        host_tier_evictions  staged tensors evicted from the host tier
 
         Gauges, now:
 
@@ -146,6 +153,8 @@ cdef class _HandleBase:
         pinned_count      entries acquired and not yet released
         registered        registered ids
         registered_bytes  their bytes
+        host_tier_used_bytes    bytes of host-tier slots in use
+        host_tier_budget_bytes  the host tier's arena (host_budget_bytes)
 
         Last batched prefetch call (prefetch_tensors), engine's steady clock:
         last_batch_ns (its duration), last_batch_start_ns,
@@ -167,6 +176,55 @@ cdef class _HandleBase:
         with nogil:
             ns = self._c.LastBatchNs()
         return ns
+
+    # ------------------------------------------ disk-backed tensors
+
+    def open_file(self, path):
+        """Opens `path` for disk-backed tensors (``register_disk``) and
+        returns its file index. The file stays open until close. A missing
+        or unreadable file raises DiskReadError (an OSError with its
+        errno); the size and modification time are recorded now, and every
+        read checks the file is still the one opened."""
+        self._check_open()
+        if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
+            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
+        cdef string cpath = os.fsencode(path)
+        cdef int32_t index
+        with nogil:
+            index = self._c.OpenFile(cpath)
+        return index
+
+    def register_disk(self, tensor_id, extents, *, total_bytes=None, device=0):
+        """Registers `tensor_id` as bytes read from files (Note [Host tier]):
+        `extents` is a list of ``(file, file_offset, nbytes, tensor_offset)``
+        (``file`` from ``open_file``); bytes no extent covers read as zero.
+        ``total_bytes`` defaults to the end of the last extent. Nothing is
+        read now: a copy of the tensor reads its extents into the host tier,
+        then copies them to the device. Needs ``host_budget_bytes`` > 0."""
+        self._check_open()
+        cdef int64_t tid = _as_single_id(tensor_id)
+        cdef vector[CDiskExtent] cext
+        cdef CDiskExtent x
+        end = 0
+        for item in extents:
+            if len(item) != 4:
+                raise InvalidArgumentError(
+                    "each extent is (file, file_offset, nbytes, tensor_offset)")
+            values = [operator.index(v) for v in item]
+            if min(values) < 0:
+                raise InvalidArgumentError("extent fields must be >= 0")
+            if values[0] > 2**31 - 1:
+                raise InvalidArgumentError(f"no file {values[0]}")
+            x.file, x.file_offset, x.bytes, x.tensor_offset = values
+            cext.push_back(x)
+            end = max(end, values[3] + values[2])
+        total = end if total_bytes is None else operator.index(total_bytes)
+        if total < 0:
+            raise InvalidArgumentError("total_bytes must be >= 0")
+        cdef size_t ctotal = total
+        cdef int dev = operator.index(device)
+        with nogil:
+            self._c.RegisterDisk(tid, cext.data(), cext.size(), ctotal, dev)
 
     # ------------------------------------------ fault backend, tests only
 

@@ -31,7 +31,7 @@ import torch
 from prefetch.checkpoint import TensorLocation, index_checkpoint
 from prefetch.errors import CheckpointError
 
-__all__ = ["block_names", "expert_locations", "fill_from_checkpoint", "model_device"]
+__all__ = ["block_names", "expert_locations", "fill_from_checkpoint", "model_device", "register_from_disk"]
 
 # (gate, up, down) name templates under a decoder layer's prefix.
 TEMPLATES = (
@@ -123,6 +123,36 @@ def fill_from_checkpoint(buffer: torch.Tensor, rows: np.ndarray, stride: int, do
         while pending:
             done += _land(reader, pending.popleft(), dst, free)
             next_report = report_progress(progress, "read", "from the checkpoint", done, total, next_report)
+
+
+def register_from_disk(prefetcher, handle, checkpoint, block_names, chosen, gate_up_shape, down_shape, dtype,
+                       layout, devices) -> None:
+    """Note [Experts on disk]
+    With a host tier on the handle (host_budget_bytes), the experts are not
+    read at all here: each (layer, expert) of `chosen` is registered as the
+    three extents of its checkpoint tensors (gate and up one after the
+    other in the packed gate_up part, down at its part's offset) and the
+    engine reads them when they are first copied (Note [Host tier]). Every
+    tensor is checked as for fill_from_checkpoint, and every shard against
+    the index (size, mtime) as it is opened: from then on the engine checks
+    it at every read. `devices[layer]`: the engine device of that layer."""
+    import os
+
+    index = checkpoint if isinstance(checkpoint, dict) else index_checkpoint(checkpoint)
+    experts = expert_locations(index, block_names, chosen, gate_up_shape, down_shape, dtype)
+    down_offset = layout[1].offset
+    files = {}
+    for layer, e, (gate, up, down) in experts:
+        for loc in (gate, up, down):
+            if loc.path not in files:
+                st = os.stat(loc.path)
+                if st.st_size != loc.file_size or st.st_mtime_ns != loc.file_mtime_ns:
+                    raise CheckpointError(f"{loc.path} changed since the checkpoint was indexed (size "
+                                          f"{loc.file_size} -> {st.st_size}); index it again")
+                files[loc.path] = handle.open_file(loc.path)
+        extents = [(files[loc.path], loc.offset, loc.nbytes, at)
+                   for loc, at in ((gate, 0), (up, gate.nbytes), (down, down_offset)) if loc.nbytes]
+        prefetcher.register_disk(layer, e, extents, layout, device=devices[layer])
 
 
 def _open_unchanged(reader, loc: TensorLocation) -> int:

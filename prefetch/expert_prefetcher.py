@@ -143,6 +143,19 @@ class ExpertPrefetcher:
         self.engine.register_external(tensor_id, buffer, device=device)
         return self._remember(layer_id, expert_id, tensor_id, layout)
 
+    def register_disk(self, layer_id: int, expert_id: int, extents, layout, *, device: int = 0) -> int:
+        """Registers an expert whose packed bytes (`layout`, as pack_expert
+        makes it) are read from files by the engine's host tier (Note [Host
+        tier]; the handle needs host_budget_bytes > 0): `extents` is a list
+        of ``(file, file_offset, nbytes, offset in the packed expert)``,
+        ``file`` from ``engine.open_file``. Nothing is read now."""
+        layer_id, expert_id = self._check_new(layer_id, expert_id)
+        layout = tuple(layout)
+        tensor_id = self._free_id()
+        self.engine.register_disk(tensor_id, extents, total_bytes=layout[-1].offset + layout[-1].nbytes,
+                                  device=device)
+        return self._remember(layer_id, expert_id, tensor_id, layout)
+
     def adopt(self, layer_id: int, expert_id: int, tensor_id: int) -> int:
         """Maps (layer_id, expert_id) to `tensor_id`, an id registered on the
         handle directly (``PrefetchHandle.register`` or ``register_external``):

@@ -43,10 +43,10 @@ import types
 import numpy as np
 import torch
 
-from prefetch.checkpoint_experts import block_names, model_device
+from prefetch.checkpoint_experts import block_names, model_device, register_from_disk
 from prefetch.controller import OffloadController
 from prefetch.expert_ids import routed_experts as _routed_experts
-from prefetch.expert_prefetcher import _align
+from prefetch.expert_prefetcher import _align, expert_layout
 from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
@@ -513,7 +513,14 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                          "process per GPU, each seeing only its own (CUDA_VISIBLE_DEVICES=<local rank>), with the "
                          "model on cuda:0")
     mine = None if ep is None else [ep.local_experts(layer) for layer in range(len(hf_blocks))]
-    if host_experts is None:
+    # Note [Experts on disk]: a checkpoint and a host tier: nothing is packed.
+    on_disk = checkpoint is not None and handle.stats()["host_tier_budget_bytes"] > 0
+    if on_disk:
+        if sync_free:
+            raise ValueError("sync_free=True reads missing experts from their packed host copy, and experts left "
+                             "on disk (a host tier, host_budget_bytes) have none: leave sync_free at None or False")
+        sync_free = False
+    elif host_experts is None:
         names = block_names(model, hf_blocks) if checkpoint is not None else None
         host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine,
                                    checkpoint=checkpoint, block_names=names)
@@ -524,16 +531,24 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                                    predictor=predictor, routers=[r for _, _, r in hf_blocks],
                                    record_trace=record_trace, device=device,
                                    local=None if ep is None else ep.local)
-    controller.host_experts = host_experts
+    controller.host_experts = host_experts  # None: the experts stay on disk
     controller.expert_parallel = ep
+    gate_up_shape, down_shape = tuple(first.gate_up_proj.shape[1:]), tuple(first.down_proj.shape[1:])
+    dtype = first.gate_up_proj.dtype
+    if on_disk:
+        probe = {"gate_up_proj": torch.empty(gate_up_shape, dtype=dtype),
+                 "down_proj": torch.empty(down_shape, dtype=dtype)}
+        chosen = [range(num_experts) if mine is None else mine[layer] for layer in range(len(hf_blocks))]
+        register_from_disk(controller.prefetcher, handle, checkpoint, block_names(model, hf_blocks), chosen,
+                           gate_up_shape, down_shape, dtype, expert_layout(probe), [0] * len(hf_blocks))
     offloads = []
     for layer, (_, experts, _) in enumerate(hf_blocks):
-        for e in (range(num_experts) if mine is None else mine[layer]):
-            controller.prefetcher.register_packed(layer, int(e), host_experts.expert(layer, int(e)),
-                                                  host_experts.layout)
-        offloads.append(ExpertsOffload(controller, layer, experts, host_experts.gate_up_shape,
-                                       host_experts.down_shape, host_experts.dtype, model_device(hf_blocks, layer),
-                                       ep=ep))
+        if not on_disk:
+            for e in (range(num_experts) if mine is None else mine[layer]):
+                controller.prefetcher.register_packed(layer, int(e), host_experts.expert(layer, int(e)),
+                                                      host_experts.layout)
+        offloads.append(ExpertsOffload(controller, layer, experts, gate_up_shape, down_shape, dtype,
+                                       model_device(hf_blocks, layer), ep=ep))
     controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
     # A predictor whose guesses are device tensors (the router of a later
     # layer) guesses only on synced steps: its guesses reach the engine

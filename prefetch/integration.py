@@ -206,6 +206,7 @@ def offload_moe_experts(
     activation_counts=None,
     sync_free: bool | None = None,
     checkpoint=None,
+    host_budget_bytes: int | None = None,
 ) -> OffloadController:
     """Moves every MoE expert of `model` into the engine (page-locked host
     memory on CUDA) and rewires the MoE blocks to acquire their routed
@@ -249,7 +250,14 @@ def offload_moe_experts(
     model's safetensors folder (or index_checkpoint's dict); the experts
     are read from there into the page-locked host copy, not from the model,
     whose expert weights may be on the meta device (Note [Experts from the
-    checkpoint] in prefetch/checkpoint_experts.py)."""
+    checkpoint] in prefetch/checkpoint_experts.py). With
+    `host_budget_bytes` as well, nothing is read up front: the experts stay
+    in the checkpoint's files and the engine reads each one when it is
+    first copied, through a page-locked host tier of that many bytes with
+    its own eviction (Note [Experts on disk]; Note [Host tier] in
+    src_cpp/archer_prefetch_handle.h), so host memory holds at most that
+    much of them; the sync-free path, which reads missing experts from a
+    full host copy, is off."""
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts,
@@ -262,6 +270,10 @@ def offload_moe_experts(
         ep = setup_expert_parallel(process_group, hf_blocks, top_k=top_k, placement=expert_placement,
                                    counts=activation_counts)
     options = layer_handle_options(len(hf_blocks) or len(generic), handle_options)
+    if host_budget_bytes is not None:
+        if checkpoint is None:
+            raise ValueError("host_budget_bytes is the host tier of experts left on disk: it needs checkpoint=")
+        options["host_budget_bytes"] = host_budget_bytes
     handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **options)
     try:
         if hf_blocks:

@@ -24,11 +24,19 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
       copy_lanes_(options.copy_lanes),
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
       poison_freed_slots_(options.poison_freed_slots),
-      owner_pid_(static_cast<long>(::getpid())) {
+      owner_pid_(static_cast<long>(::getpid())),
+      disk_direct_io_(options.disk_direct_io) {
   CheckOptions(options);
-  // Build every device before starting any thread, so a failure here leaves
-  // nothing running; then start workers.
-  BuildDevices(options);
+  // Build the host tier and every device before starting any thread, so a
+  // failure here leaves nothing running; then start workers.
+  BuildHostTier(options);
+  try {
+    BuildDevices(options);
+  } catch (...) {
+    host_tier_.reset();
+    if (host_tier_alloc_ != nullptr) backend_->FreeHost(host_tier_alloc_, host_tier_alloc_bytes_);
+    throw;
+  }
   paused_ = options.start_paused;
   StartWorkers();
 }
@@ -497,6 +505,10 @@ Stats ArcherPrefetchHandle::GetStats() const {
     s.bytes_in_flight += dev->copying_bytes;
     s.bytes_in_flight += dev->inflight_bytes;
   }
+  if (host_tier_) {
+    s.host_tier_used_bytes = host_tier_->used_bytes();
+    s.host_tier_budget_bytes = host_tier_->budget_bytes();
+  }
   s.registered = registered_;
   s.registered_bytes = registered_bytes_;
   s.pinned_count = pinned_entries_;
@@ -552,6 +564,16 @@ void ArcherPrefetchHandle::FreeEverythingLocked() {
       },
       backend_.get());
   pages_.clear();
+  // The host tier (Note [Host tier]): no copy or read runs any more.
+  for (auto& spec : disk_specs_) {
+    if (spec) DropStageLocked(spec.get());
+  }
+  disk_specs_.clear();
+  files_.clear();  // closes the descriptors
+  if (host_tier_alloc_ != nullptr) {
+    backend_->FreeHost(host_tier_alloc_, host_tier_alloc_bytes_);
+    host_tier_alloc_ = nullptr;
+  }
   pinned_entries_ = 0;
   registered_ = 0;
   registered_bytes_ = 0;

@@ -76,6 +76,42 @@ struct HandleOptions {
   bool start_paused = false;         // workers idle until Resume()
   bool poison_freed_slots = false;   // debug: fill freed slots with kPoisonByte
   int64_t debug_issue_delay_ns = 0;  // tests: sleep inside the batched call
+  // Page-locked host tier for disk-backed tensors (Note [Host tier]); 0: none.
+  size_t host_budget_bytes = 0;
+  bool disk_direct_io = true;  // O_DIRECT where the filesystem takes it
+};
+
+// Note [Host tier]
+// A disk-backed tensor (RegisterDisk) has no host copy of its own: its bytes
+// are extents of files opened with OpenFile (a safetensors shard holds an
+// expert's weights as separate tensors, so an expert is several extents,
+// each going to its own offset of the device slot). Its copy job has two
+// hops, disk -> host slot -> device slot, in one job of the device's queue:
+// priority bands, dedup, cancel (while queued) and the all-or-nothing rules
+// of acquire are the device queue's, unchanged, and a band-0 miss takes both
+// hops at once, extent by extent (the read of the next extent overlaps the
+// copy of the last). The host slot comes from the host tier: one page-locked
+// arena of host_budget_bytes, carved into slots like a device cache, with
+// its own eviction policy ("lru") over a shadow Entry per disk-backed
+// tensor. A tensor still in the host tier skips the disk. Each extent is read
+// as its aligned span (Note [Disk reads] in disk_reader.h) into a 4096-byte
+// aligned region of the slot, so the reads can bypass the page cache
+// (O_DIRECT); the host-to-device copy then starts `lead` bytes in. A host
+// slot is not reused before the device copies reading it have completed
+// (the shadow's last_use token) and never while a copy is being issued from
+// it (its pins). A read that fails (EIO, a short read, a file changed since
+// it was opened: disk_io's checks) fails that copy job only: the acquirer
+// gets kCopyFailed naming the file, and the engine serves everything else.
+// The engine's host memory for disk-backed tensors is the arena: it never
+// holds more than host_budget_bytes of them.
+
+// One extent of a disk-backed tensor: `bytes` bytes of file `file` (an
+// OpenFile index) at `file_offset` go to `tensor_offset` of the tensor.
+struct DiskExtent {
+  int32_t file;
+  uint64_t file_offset;
+  uint64_t bytes;
+  uint64_t tensor_offset;
 };
 
 // Where an acquired tensor lives: its device arena and the range in it.
@@ -146,6 +182,15 @@ class ArcherPrefetchHandle {
   // tensor made with pin_memory=True) or copies fall back to slow paths.
   void RegisterExternal(int64_t id, const void* host_ptr, size_t bytes,
                         int device) EXCLUDES(mu_);
+  // Note [Host tier]: opens `path` for the disk tier (O_DIRECT per the
+  // options) and returns its index; a missing file throws kIoError.
+  int32_t OpenFile(const std::string& path) EXCLUDES(mu_);
+  // Registers `id` as `total_bytes` read from `extents` (bytes no extent
+  // covers are zero). Throws kInvalidArgument without a host tier, for an
+  // unknown file, an extent past its file's size (at open) or the tensor,
+  // or a tensor whose staged spans do not fit the host tier.
+  void RegisterDisk(int64_t id, const DiskExtent* extents, size_t n,
+                    size_t total_bytes, int device) EXCLUDES(mu_);
   // Forgets `id` and frees its memory. REQUIRES: not acquired, not copying.
   void UnregisterTensor(int64_t id) EXCLUDES(mu_);
   bool IsRegistered(int64_t id) const EXCLUDES(mu_);
@@ -283,6 +328,12 @@ class ArcherPrefetchHandle {
   // Called by the worker and by acquirers issuing their own misses.
   void CopyEntryLocked(DeviceState* dev, Entry* e, MutexLock& lk)
       REQUIRES(mu_);
+  // One backend copy of `bytes` to `dst`, with mu_ dropped: on success
+  // *token becomes the copy's token (the previous one is returned), else
+  // the error text comes back (never throws).
+  std::string IssueCopy(int device, char* dst, const char* src, size_t bytes,
+                        bool urgent, int lane, CopyToken* token)
+      EXCLUDES(mu_);
   // The end of an entry's copy: resident (in flight while `token` is
   // pending), or back on the host with `error`; wakes acquirers. On an
   // error with chunks already issued, drops mu_ while it waits for them.
@@ -388,6 +439,28 @@ class ArcherPrefetchHandle {
   // Returns a slot to the cache, poisoning it first when asked to.
   void FreeSlotLocked(DeviceState* dev, Entry* e) REQUIRES(mu_);
 
+  // The host tier (host_tier.cpp, Note [Host tier]).
+  struct DiskSpec {
+    std::vector<DiskExtent> extents;
+    std::vector<uint64_t> region;  // per extent: its region's offset in the slot
+    size_t stage_bytes = 0;        // the host slot: every extent's aligned span
+    std::vector<std::pair<uint64_t, uint64_t>> gaps;  // (offset, bytes) no extent covers
+    Entry stage;                   // the shadow entry in the host tier
+  };
+  void BuildHostTier(const HandleOptions& options);
+  // CopyEntryLocked for a disk-backed `e`: stage it (unless staged), copy
+  // each extent to the device. Drops and retakes mu_ around each read and
+  // copy, and while it waits for host room.
+  void CopyFromDiskLocked(DeviceState* dev, Entry* e, MutexLock& lk)
+      REQUIRES(mu_);
+  // A host slot for `s` (evicting staged tensors no copy reads); waits for
+  // one (dropping mu_) while every slot is read. False (with *error) once
+  // the handle stops.
+  bool ReserveHostSlotLocked(DiskSpec* spec, MutexLock& lk,
+                             std::string* error) REQUIRES(mu_);
+  // A disk-backed entry's shadow leaves the host tier (unregister, close).
+  void DropStageLocked(DiskSpec* spec) REQUIRES(mu_);
+
   // Set at construction, read-only after: no lock.
   const std::unique_ptr<CopyBackend> backend_;
   const size_t copy_chunk_bytes_;
@@ -425,6 +498,15 @@ class ArcherPrefetchHandle {
   // Acquire calls so far: Entry::want_at's clock.
   uint64_t acquire_calls_ GUARDED_BY(mu_) = 0;
   Stats stats_ GUARDED_BY(mu_);  // counters; gauges are filled by GetStats
+  // Note [Host tier]. Files are never closed before Close, and DiskFile
+  // objects never move, so a read outside mu_ may use one.
+  const bool disk_direct_io_;
+  std::vector<std::unique_ptr<DiskFile>> files_ GUARDED_BY(mu_);
+  std::vector<std::unique_ptr<DiskSpec>> disk_specs_ GUARDED_BY(mu_);
+  std::unique_ptr<DeviceCache> host_tier_;  // null without a host tier
+  void* host_tier_alloc_ = nullptr;         // what AllocateHost returned
+  size_t host_tier_alloc_bytes_ = 0;
+  CondVar host_room_cv_;  // a host slot's readers finished or it was freed
 };
 
 }  // namespace prefetch

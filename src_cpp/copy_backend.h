@@ -20,6 +20,7 @@
 #include <memory>
 #include <string>
 
+#include "disk_io.h"
 #include "errors.h"
 
 namespace prefetch {
@@ -76,6 +77,10 @@ class CopyBackend {
 
   // Makes `stream` wait on the GPU for `token` (no CPU block).
   virtual void StreamWait(uintptr_t stream, CopyToken token) = 0;
+
+  // The fault to inject into the engine's next disk read (the disk tier,
+  // Note [Host tier] in archer_prefetch_handle.h): kNone but in tests.
+  virtual DiskFault NextReadFault() { return DiskFault::kNone; }
   // Records on `stream`; the returned token completes when the stream's work
   // queued so far does.
   virtual CopyToken RecordOnStream(int device, uintptr_t stream) = 0;
@@ -133,11 +138,14 @@ struct FaultConfig {
   std::atomic<int64_t> fail_every_nth_alloc{0}; // kOutOfMemory on the Nth
   std::atomic<int64_t> report_async{0};  // 1: claim IsAsync (caller-runs paths)
   std::atomic<int64_t> fail_every_nth_record{0};  // kCopyFailed on the Nth RecordOnStream
+  std::atomic<int64_t> eio_every_nth_read{0};   // the Nth disk read gets EIO
+  std::atomic<int64_t> short_every_nth_read{0}; // the Nth disk read ends early
   std::atomic<int64_t> copies{0};               // Copy calls seen
   std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
   std::atomic<int64_t> copy_failures{0};        // injected copy failures
   std::atomic<int64_t> alloc_failures{0};       // injected alloc failures
   std::atomic<int64_t> stream_records{0};       // RecordOnStream calls seen
+  std::atomic<int64_t> reads{0};                // disk reads seen
 
   // By name, for bindings; unknown names throw kInvalidArgument.
   void Set(const std::string& name, int64_t value);
@@ -170,6 +178,7 @@ class FaultBackend final : public CompletedCopiesBackend {
   void Fill(int device, void* dst, size_t bytes, uint8_t value) override {
     host_.Fill(device, dst, bytes, value);
   }
+  DiskFault NextReadFault() override;
 
  private:
   HostBackend host_;                     // does the real work

@@ -263,6 +263,10 @@ void ArcherPrefetchHandle::WaitForFreeSlotLocked(
 
 void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
                                            MutexLock& lk) {
+  if (e->disk >= 0) {  // two hops (Note [Host tier])
+    CopyFromDiskLocked(dev, e, lk);
+    return;
+  }
   e->state = EntryState::kCopying;
   dev->copying_bytes += e->bytes;
   const bool urgent = e->band == kOnDemandBand;
@@ -278,17 +282,8 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     const size_t chunk = std::min(copy_chunk_bytes_, e->bytes - done);
     DropLock(lk);
     const Clock::time_point start = Clock::now();
-    try {
-      const CopyToken t =
-          backend_->Copy(dev->index, dst + done, src + done, chunk, urgent,
-                         lane, /*want_token=*/true);
-      backend_->ReleaseToken(token);
-      token = t;
-    } catch (const std::exception& ex) {
-      error = ex.what();
-    } catch (...) {
-      error = "unknown error in the copy backend";
-    }
+    error = IssueCopy(dev->index, dst + done, src + done, chunk, urgent, lane,
+                      &token);
     const double seconds =
         std::chrono::duration<double>(Clock::now() - start).count();
     RetakeLock(lk);
@@ -311,6 +306,23 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
   }
   dev->copying_bytes -= e->bytes;
   FinishCopyLocked(dev, e, token, error, lk);
+}
+
+std::string ArcherPrefetchHandle::IssueCopy(int device, char* dst,
+                                            const char* src, size_t bytes,
+                                            bool urgent, int lane,
+                                            CopyToken* token) {
+  try {
+    const CopyToken t = backend_->Copy(device, dst, src, bytes, urgent, lane,
+                                       /*want_token=*/true);
+    backend_->ReleaseToken(*token);
+    *token = t;
+    return "";
+  } catch (const std::exception& ex) {
+    return ex.what();
+  } catch (...) {
+    return "unknown error in the copy backend";
+  }
 }
 
 void ArcherPrefetchHandle::FinishCopyLocked(DeviceState* dev, Entry* e,

@@ -59,6 +59,7 @@ struct alignas(64) Entry {
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
   bool use_on_arrival = false;       // read while not resident: a use once copied
+  int32_t disk = -1;                 // disk-backed: its index in disk_specs_ (Note [Host tier])
   std::string error;                 // last copy failure, raised on acquire
 };
 

@@ -77,13 +77,14 @@ constexpr NamedFaultField kFaultFields[] = {
     PREFETCH_FAULT_FIELD(copy_delay_us), PREFETCH_FAULT_FIELD(fail_every_nth_copy),
     PREFETCH_FAULT_FIELD(throw_every_nth_copy), PREFETCH_FAULT_FIELD(alloc_delay_us),
     PREFETCH_FAULT_FIELD(fail_every_nth_alloc), PREFETCH_FAULT_FIELD(report_async),
-    PREFETCH_FAULT_FIELD(fail_every_nth_record),  // the settings end here
+    PREFETCH_FAULT_FIELD(fail_every_nth_record), PREFETCH_FAULT_FIELD(eio_every_nth_read),
+    PREFETCH_FAULT_FIELD(short_every_nth_read),  // the settings end here
     PREFETCH_FAULT_FIELD(copies), PREFETCH_FAULT_FIELD(allocs),
     PREFETCH_FAULT_FIELD(copy_failures), PREFETCH_FAULT_FIELD(alloc_failures),
-    PREFETCH_FAULT_FIELD(stream_records),
+    PREFETCH_FAULT_FIELD(stream_records), PREFETCH_FAULT_FIELD(reads),
 };
 #undef PREFETCH_FAULT_FIELD
-constexpr size_t kFaultSettings = 7;  // the first entries of kFaultFields
+constexpr size_t kFaultSettings = 9;  // the first entries of kFaultFields
 
 // The field called `name` among the first `count` of kFaultFields, or null.
 FaultField FindFaultField(const std::string& name, size_t count) {
@@ -128,6 +129,13 @@ void* FaultBackend::AllocateHost(size_t bytes) {
                             std::to_string(bytes) + " bytes)");
   }
   return host_.AllocateHost(bytes);
+}
+
+DiskFault FaultBackend::NextReadFault() {
+  const int64_t call = ++config_->reads;
+  if (NthCall(config_->eio_every_nth_read, call)) return DiskFault::kEio;
+  if (NthCall(config_->short_every_nth_read, call)) return DiskFault::kShortRead;
+  return DiskFault::kNone;
 }
 
 CopyToken FaultBackend::Copy(int device, void* dst, const void* src,

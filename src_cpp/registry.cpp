@@ -165,6 +165,10 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
     } else if (e->state == EntryState::kQueued) {
       dev->queue.Remove(e);
     }
+    if (e->disk >= 0) {  // Note [Host tier]: its host slot, if staged, goes
+      DropStageLocked(disk_specs_[static_cast<size_t>(e->disk)].get());
+      disk_specs_[static_cast<size_t>(e->disk)].reset();
+    }
     host = e->owns_host ? e->host_ptr : nullptr;
     bytes = e->bytes;
     *e = Entry();  // id -1: the registry slot is free again

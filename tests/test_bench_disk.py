@@ -22,6 +22,8 @@ def test_disk_bench_smoke(tmp_path, capsys):
     assert result["raw_parallel_threads"] == 2 * max(report["config"]["threads"])
     assert result["raw_parallel_gbps"] > 0 and len(result["raw_parallel_samples_gbps"]) == report["config"]["reps"]
     assert isinstance(result["direct"], bool) and result["page_cache"]
+    engine = result["engine"]  # the engine's disk tier, host budget below the files
+    assert engine["gbps"] > 0 and engine["over_raw"] > 0 and len(engine["samples_gbps"]) == report["config"]["reps"]
     gpu = result["gpu"]
     if disk.gpu_reason() is None:
         assert gpu["gbps"] > 0 and gpu["reason"] is None

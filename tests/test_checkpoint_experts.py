@@ -173,3 +173,48 @@ def test_experts_from_the_checkpoint_on_the_gpu(tmp_path):
         assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
     finally:
         ctl.close()
+
+
+@pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "batched_mm"),
+                                         ("mixtral", "eager")])
+def test_experts_left_on_disk_give_the_models_tokens(family, impl, tmp_path):
+    # Note [Experts on disk]: with host_budget_bytes nothing is packed; the
+    # engine reads each expert from the shards through a host tier that holds
+    # 4 of them (far fewer than the model's), so experts are read again and
+    # again, and the tokens and logits still equal the untouched model's.
+    ref = build(family_configs()[family], experts_implementation=impl)
+    ref.save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")  # experts spread over several shards
+    model = experts_on_meta(copy.deepcopy(ref))
+    per, num_experts = expert_bytes(ref)
+    layers = len(find_hf_moe_blocks(ref))
+    stage = 3 * (-(-per // 4096) + 2) * 4096  # an expert's three extents, each page-aligned with a lead
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
+                              checkpoint=tmp_path / "ckpt", host_budget_bytes=4 * stage)
+    try:
+        assert ctl.host_experts is None and ctl.sync_free is False
+        ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        s = ctl.handle.stats()
+        assert s["registered"] == layers * num_experts and s["disk_reads"] > layers * num_experts
+        assert s["host_tier_evictions"] > 0 and s["host_tier_used_bytes"] <= s["host_tier_budget_bytes"]
+        assert s["disk_errors"] == 0
+    finally:
+        ctl.close()
+
+
+def test_experts_on_disk_options_are_checked(tmp_path):
+    ref = build(family_configs()["olmoe"], experts_implementation="batched_mm")
+    folder = saved(ref, tmp_path / "ckpt")
+    per, num_experts = expert_bytes(ref)
+    with pytest.raises(ValueError, match="needs checkpoint="):
+        offload_moe_experts(copy.deepcopy(ref), device_budget_bytes=(num_experts + 3) * (per + 512),
+                            backend="host", host_budget_bytes=1 << 20)
+    with pytest.raises(ValueError, match="sync_free=True"):
+        offload_moe_experts(experts_on_meta(copy.deepcopy(ref)), device_budget_bytes=(num_experts + 3) * (per + 512),
+                            backend="host", checkpoint=folder, host_budget_bytes=1 << 20, sync_free=True)
+    with pytest.raises(ValueError, match="of the host tier"):  # smaller than one expert's extents
+        offload_moe_experts(experts_on_meta(copy.deepcopy(ref)), device_budget_bytes=(num_experts + 3) * (per + 512),
+                            backend="host", checkpoint=folder, host_budget_bytes=8192)

@@ -1,0 +1,300 @@
+// ArcherPrefetchHandle: the host tier of disk-backed tensors (Note [Host
+// tier] in archer_prefetch_handle.h): files, registration, staging into
+// page-locked slots and the two-hop copy.
+#include "archer_prefetch_handle.h"
+#include "handle_internal.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+namespace prefetch {
+
+using detail::IdText;
+using detail::TokenDone;
+
+namespace {
+
+constexpr size_t kStageAlignment = 4096;  // every region of a host slot
+
+size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
+
+}  // namespace
+
+void ArcherPrefetchHandle::BuildHostTier(const HandleOptions& options) {
+  const size_t budget = options.host_budget_bytes;
+  if (budget == 0) return;
+  if (budget < kStageAlignment) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "host_budget_bytes must be 0 (no host tier) or at "
+                        "least " + std::to_string(kStageAlignment));
+  }
+  // Page-locked (the backend's host memory) and 4096-aligned for O_DIRECT.
+  host_tier_alloc_bytes_ = budget + kStageAlignment;
+  host_tier_alloc_ = backend_->AllocateHost(host_tier_alloc_bytes_);
+  const uintptr_t base = reinterpret_cast<uintptr_t>(host_tier_alloc_);
+  char* arena = reinterpret_cast<char*>(AlignUp(base, kStageAlignment));
+  try {
+    host_tier_ = std::make_unique<DeviceCache>(arena, budget,
+                                               MakeEvictionPolicy("lru", 0));
+  } catch (...) {
+    backend_->FreeHost(host_tier_alloc_, host_tier_alloc_bytes_);
+    host_tier_alloc_ = nullptr;
+    throw;
+  }
+}
+
+int32_t ArcherPrefetchHandle::OpenFile(const std::string& path) {
+  CheckNotForked();
+  auto file = std::make_unique<DiskFile>();
+  OpenDiskFile(path, disk_direct_io_, /*refuse_direct=*/false, file.get());
+  if (file->info.alignment > kStageAlignment) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        path + ": O_DIRECT needs " +
+                            std::to_string(file->info.alignment) +
+                            "-byte alignment; the host tier aligns to " +
+                            std::to_string(kStageAlignment));
+  }
+  MutexGuard lk(mu_);
+  CheckUsableLocked();
+  if (files_.size() >= static_cast<size_t>(INT32_MAX)) {
+    throw PrefetchError(ErrorKind::kInvalidArgument, "too many open files");
+  }
+  files_.push_back(std::move(file));
+  return static_cast<int32_t>(files_.size() - 1);
+}
+
+void ArcherPrefetchHandle::RegisterDisk(int64_t id, const DiskExtent* extents,
+                                        size_t n, size_t total_bytes,
+                                        int device) {
+  CheckNotForked();
+  MutexGuard lk(mu_);
+  CheckUsableLocked();
+  if (!host_tier_) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + ": a disk-backed tensor needs a host "
+                                     "tier (host_budget_bytes > 0)");
+  }
+  CheckRegistrationLocked(id, total_bytes, device);
+  if (n == 0) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + ": no extents");
+  }
+  auto spec = std::make_unique<DiskSpec>();
+  for (size_t i = 0; i < n; ++i) {
+    const DiskExtent& x = extents[i];
+    const std::string where = IdText(id) + ": extent " + std::to_string(i);
+    if (x.file < 0 || static_cast<size_t>(x.file) >= files_.size()) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          where + " names file " + std::to_string(x.file) +
+                              ", not one OpenFile returned");
+    }
+    const DiskFileInfo& info = files_[x.file]->info;
+    if (x.bytes == 0 || x.file_offset > info.size ||
+        x.bytes > info.size - x.file_offset) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          where + " (" + std::to_string(x.bytes) +
+                              " bytes at " + std::to_string(x.file_offset) +
+                              ") is empty or runs past the end of " +
+                              info.path + " (" + std::to_string(info.size) +
+                              " bytes)");
+    }
+    if (x.tensor_offset > total_bytes ||
+        x.bytes > total_bytes - x.tensor_offset) {
+      throw PrefetchError(ErrorKind::kInvalidArgument,
+                          where + " runs past the tensor's " +
+                              std::to_string(total_bytes) + " bytes");
+    }
+    spec->region.push_back(spec->stage_bytes);
+    const size_t lead = x.file_offset % kStageAlignment;
+    spec->stage_bytes += AlignUp(lead + x.bytes, kStageAlignment);
+    spec->extents.push_back(x);
+  }
+  if (spec->stage_bytes > host_tier_->budget_bytes()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        IdText(id) + " needs " +
+                            std::to_string(spec->stage_bytes) +
+                            " bytes of the host tier, whose budget is " +
+                            std::to_string(host_tier_->budget_bytes()));
+  }
+  // The bytes no extent covers (offset, length), zeroed after each copy.
+  std::vector<std::pair<uint64_t, uint64_t>> covered;
+  for (const DiskExtent& x : spec->extents) {
+    covered.emplace_back(x.tensor_offset, x.tensor_offset + x.bytes);
+  }
+  std::sort(covered.begin(), covered.end());
+  uint64_t at = 0;
+  for (const auto& c : covered) {
+    if (c.first > at) spec->gaps.emplace_back(at, c.first - at);
+    at = std::max(at, c.second);
+  }
+  if (at < total_bytes) spec->gaps.emplace_back(at, total_bytes - at);
+  spec->stage.id = id;
+  spec->stage.bytes = spec->stage_bytes;
+  spec->stage.owns_host = false;
+  InsertEntryLocked(id, nullptr, total_bytes, device, /*owns_host=*/false);
+  Entry* e = LookupLocked(id);
+  e->disk = static_cast<int32_t>(disk_specs_.size());
+  disk_specs_.push_back(std::move(spec));
+}
+
+void ArcherPrefetchHandle::DropStageLocked(DiskSpec* spec) {
+  Entry* s = &spec->stage;
+  if (s->state == EntryState::kResident) {
+    host_tier_->RemoveResident(s);
+    host_tier_->Free(s->slot_offset, s->slot_bytes);
+  }
+  backend_->ReleaseToken(s->last_use);
+  s->last_use = kTokenDone;
+  s->state = EntryState::kHost;
+}
+
+bool ArcherPrefetchHandle::ReserveHostSlotLocked(DiskSpec* spec,
+                                                 MutexLock& lk,
+                                                 std::string* error) {
+  Entry* s = &spec->stage;
+  struct Ctx {
+    CopyBackend* backend;
+    bool busy_seen;
+  } ctx{backend_.get(), false};
+  auto evictable = [](Entry* v, void* raw) {
+    auto* c = static_cast<Ctx*>(raw);
+    if (v->pins > 0 || !TokenDone(c->backend, &v->last_use)) {
+      c->busy_seen = true;
+      return false;
+    }
+    return true;
+  };
+  for (;;) {
+    if (host_tier_->Allocate(spec->stage_bytes, &s->slot_offset,
+                             &s->slot_bytes)) {
+      return true;
+    }
+    ctx.busy_seen = false;
+    Entry* victim = host_tier_->PickVictim(evictable, &ctx);
+    if (victim != nullptr) {
+      host_tier_->RemoveResident(victim);
+      host_tier_->Free(victim->slot_offset, victim->slot_bytes);
+      backend_->ReleaseToken(victim->last_use);
+      victim->last_use = kTokenDone;
+      victim->state = EntryState::kHost;
+      ++stats_.host_tier_evictions;
+      continue;
+    }
+    if (stop_) {
+      *error = "PrefetchHandle closed while waiting for host-tier room";
+      return false;
+    }
+    // Every staged slot is being read by a copy (or is being staged): its
+    // copy ends on its own. Poll: GPU work completes without a notify.
+    host_room_cv_.wait_for(lk, std::chrono::microseconds(100));
+  }
+}
+
+void ArcherPrefetchHandle::CopyFromDiskLocked(DeviceState* dev, Entry* e,
+                                              MutexLock& lk) {
+  e->state = EntryState::kCopying;
+  dev->copying_bytes += e->bytes;
+  DiskSpec* spec = disk_specs_[static_cast<size_t>(e->disk)].get();
+  Entry* s = &spec->stage;
+  const bool urgent = e->band == kOnDemandBand;
+  const int lane = urgent ? 0 : static_cast<int>(dev->next_lane++ % copy_lanes_);
+  std::string error;
+  CopyToken token = kTokenDone;
+  const bool staged = s->state == EntryState::kResident;
+  bool have_slot = staged;
+  if (staged) {
+    ++stats_.host_tier_hits;
+    host_tier_->Used(s);
+  } else {
+    have_slot = ReserveHostSlotLocked(spec, lk, &error);
+    if (have_slot) s->state = EntryState::kCopying;  // being staged
+  }
+  if (have_slot) {
+    ++s->pins;  // no eviction of the slot while copies are issued from it
+    char* host = host_tier_->arena() + s->slot_offset;
+    char* dst = dev->cache->arena() + e->slot_offset;
+    for (size_t i = 0; i < spec->extents.size() && error.empty(); ++i) {
+      const DiskExtent& x = spec->extents[i];
+      const DiskFile& file = *files_[static_cast<size_t>(x.file)];
+      DiskSpan span;
+      span.offset = x.file_offset;
+      span.length = x.bytes;
+      const size_t align = file.info.direct ? kStageAlignment : 1;
+      span.span_start = x.file_offset / align * align;
+      span.lead = static_cast<size_t>(x.file_offset - span.span_start);
+      span.span_bytes = AlignUp(span.lead + x.bytes, align);
+      span.dest = host + spec->region[i];
+      const DiskFault fault = staged ? DiskFault::kNone : backend_->NextReadFault();
+      DropLock(lk);
+      int sys_errno = 0;
+      if (!staged) error = ReadSpan(file, span, fault, &sys_errno);
+      const bool read_failed = !error.empty();
+      const Clock::time_point start = Clock::now();
+      if (error.empty()) {
+        error = IssueCopy(dev->index, dst + x.tensor_offset,
+                          static_cast<const char*>(span.dest) + span.lead,
+                          x.bytes, urgent, lane, &token);
+      } else {
+        error = IdText(e->id) + ": " + error;
+      }
+      const double seconds =
+          std::chrono::duration<double>(Clock::now() - start).count();
+      RetakeLock(lk);
+      stats_.copy_seconds += seconds;
+      if (read_failed) {
+        ++stats_.disk_errors;
+      } else if (!staged) {
+        ++stats_.disk_reads;
+        stats_.disk_read_bytes += span.span_bytes;
+      }
+      if (error.empty() && stop_ && i + 1 < spec->extents.size()) {
+        error = "PrefetchHandle closed during the copy";
+      }
+    }
+    if (error.empty() && !spec->gaps.empty()) {
+      // Bytes no extent covers read as zero, as a registered tensor's do;
+      // the backend's Fill completes before it returns.
+      DropLock(lk);
+      try {
+        backend_->Wait(token);
+        for (const auto& gap : spec->gaps) {
+          backend_->Fill(dev->index, dst + gap.first, gap.second, 0);
+        }
+      } catch (const std::exception& ex) {
+        error = ex.what();
+      }
+      RetakeLock(lk);
+    }
+    --s->pins;
+    if (!error.empty() && token != kTokenDone) {
+      // Copies already issued read the slot: wait for them before it goes.
+      DropLock(lk);
+      try {
+        backend_->Wait(token);
+      } catch (...) {
+      }
+      RetakeLock(lk);
+    }
+    if (!staged) {
+      if (error.empty()) {
+        s->state = EntryState::kResident;
+        host_tier_->AddResident(s);
+      } else {
+        host_tier_->Free(s->slot_offset, s->slot_bytes);
+        s->state = EntryState::kHost;
+      }
+    }
+    if (error.empty() && token != kTokenDone) {
+      // The slot's last reader so far: not reused before this copy is done.
+      backend_->RetainToken(token);
+      backend_->ReleaseToken(s->last_use);
+      s->last_use = token;
+    }
+    host_room_cv_.notify_all();
+  }
+  dev->copying_bytes -= e->bytes;
+  FinishCopyLocked(dev, e, token, error, lk);
+}
+
+}  // namespace prefetch
