@@ -102,6 +102,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         int64_t debug_issue_delay_ns
         size_t host_budget_bytes
         bool disk_direct_io
+        int disk_reader_threads
 
     cdef struct CDiskExtent "prefetch::DiskExtent":
         int32_t file

@@ -73,8 +73,8 @@ cdef class PrefetchHandle(_HandleBase):
         eviction_policy='lru', cycle_acquires=0, copy_chunk_bytes=4194304,
         max_bytes_in_flight=268435456, max_speculative_bytes_in_flight=None,
         copy_lanes=2, start_paused=False, poison_freed_slots=False,
-        host_budget_bytes=0, disk_direct_io=True, faults=None,
-        debug_issue_delay_us=0)
+        host_budget_bytes=0, disk_direct_io=True, disk_reader_threads=2,
+        faults=None, debug_issue_delay_us=0)
 --
 
     An expert prefetch engine: a registry of host tensors and, per device,
@@ -138,14 +138,15 @@ cdef class PrefetchHandle(_HandleBase):
         True: every freed cache slot is filled with 0xDB, so a reader of
         stale bytes sees them (debugging).
     host_budget_bytes=0
-        The host tier for disk-backed tensors (``register_disk``; Note [Host
-        tier] in src_cpp/archer_prefetch_handle.h): one page-locked arena of
-        this many bytes (0: none) that stages their bytes between the disk
-        and the device caches, with its own least-recently-used eviction.
-        The engine never holds more of their bytes in host memory.
+        The host tier of disk-backed tensors (``register_disk``; Note [Host
+        tier]): a page-locked arena of this many bytes (0: none) staging
+        them between disk and device, with its own LRU eviction.
     disk_direct_io=True
         Open ``open_file``'s files with O_DIRECT (bypassing the page cache)
         where the filesystem takes it; buffered otherwise, or with False.
+    disk_reader_threads=2
+        With a host tier: threads (1..64) reading the most urgent queued
+        disk-backed tensors into it while the workers copy those read.
 
     Tests only: ``faults`` (a dict for backend="fault") and
     ``debug_issue_delay_us`` (a sleep inside the batched call).
@@ -169,6 +170,7 @@ cdef class PrefetchHandle(_HandleBase):
         poison_freed_slots=False,
         host_budget_bytes=0,
         disk_direct_io=True,
+        disk_reader_threads=2,
         faults=None,
         debug_issue_delay_us=0,
     ):
@@ -192,6 +194,7 @@ cdef class PrefetchHandle(_HandleBase):
         options.host_budget_bytes = _int_option(
             "host_budget_bytes", host_budget_bytes, 0, _INT64_MAX)
         options.disk_direct_io = _flag_option("disk_direct_io", disk_direct_io)
+        options.disk_reader_threads = _int_option("disk_reader_threads", disk_reader_threads, 1, 64)
         if faults is not None and not isinstance(faults, dict):
             raise TypeError("faults must be a dict of setting -> int")
         cdef unique_ptr[CCopyBackend] cbackend

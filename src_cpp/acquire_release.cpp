@@ -275,6 +275,7 @@ void ArcherPrefetchHandle::IssueOwnCopiesLocked(const int64_t* ids, size_t n,
   for (size_t i = 0; i < n && !stop_; ++i) {
     Entry* e = LookupLocked(ids[i]);
     if (e->state != EntryState::kQueued) continue;  // issued, or ours already
+    if (!ReadyToCopyLocked(e)) continue;  // a reader stages it (Note [Host tier])
     DeviceState* dev = devices_[e->device].get();
     bool wait_for_events = false;
     if (!ReserveSlotLocked(dev, e, &wait_for_events)) continue;  // worker's job

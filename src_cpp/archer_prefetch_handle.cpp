@@ -25,7 +25,8 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
       poison_freed_slots_(options.poison_freed_slots),
       owner_pid_(static_cast<long>(::getpid())),
-      disk_direct_io_(options.disk_direct_io) {
+      disk_direct_io_(options.disk_direct_io),
+      disk_reader_threads_(options.disk_reader_threads) {
   CheckOptions(options);
   // Build the host tier and every device before starting any thread, so a
   // failure here leaves nothing running; then start workers.
@@ -69,6 +70,10 @@ void ArcherPrefetchHandle::CheckOptions(const HandleOptions& options) const {
   if (copy_chunk_bytes_ == 0) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "copy_chunk_bytes must be > 0");
+  }
+  if (options.disk_reader_threads < 1 || options.disk_reader_threads > 64) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "disk_reader_threads must be in 1..64");
   }
   if (debug_issue_delay_ns_ < 0) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
@@ -114,6 +119,18 @@ void ArcherPrefetchHandle::BuildDevices(const HandleOptions& options) {
 }
 
 void ArcherPrefetchHandle::StartWorkers() {
+  if (host_tier_) {
+    for (int i = 0; i < disk_reader_threads_; ++i) {
+      readers_.emplace_back([this] {
+        try {
+          ReaderLoop();
+        } catch (...) {
+          // As a worker's: nothing escapes the thread. Staging stops;
+          // acquirers of disk-backed tensors time out with a clear error.
+        }
+      });
+    }
+  }
   for (auto& dev : devices_) {
     DeviceState* raw = dev.get();
     dev->worker = std::thread([this, raw] {
@@ -245,6 +262,7 @@ void ArcherPrefetchHandle::WakeWorkersLocked(uint64_t device_mask) {
     // a sleeping one needs the (syscall-priced) notify.
     if (dev->worker_waiting && !paused_) dev->work_cv.notify_one();
   }
+  if (host_tier_ && !paused_) stage_cv_.notify_all();  // disk-backed work, maybe
 }
 
 void ArcherPrefetchHandle::UnpinLocked(const int64_t* ids, size_t n) {
@@ -491,6 +509,7 @@ void ArcherPrefetchHandle::Resume() {
   CheckUsableLocked();
   paused_ = false;
   for (auto& dev : devices_) dev->work_cv.notify_one();
+  stage_cv_.notify_all();
   ready_cv_.notify_all();
 }
 
@@ -523,6 +542,9 @@ void ArcherPrefetchHandle::Close() {
     for (auto& dev : devices_) {
       if (dev->worker.joinable()) dev->worker.detach();
     }
+    for (std::thread& reader : readers_) {
+      if (reader.joinable()) reader.detach();
+    }
     return;
   }
   {
@@ -536,10 +558,14 @@ void ArcherPrefetchHandle::Close() {
       });
       dev->work_cv.notify_all();
     }
+    stage_cv_.notify_all();
     ready_cv_.notify_all();
   }
   for (auto& dev : devices_) {
     if (dev->worker.joinable()) dev->worker.join();
+  }
+  for (std::thread& reader : readers_) {
+    if (reader.joinable()) reader.join();
   }
   MutexLock lk(mu_);
   // The wait calls its predicate with mu_ held; clang checks a lambda on its own.

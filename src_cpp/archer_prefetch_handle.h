@@ -79,6 +79,7 @@ struct HandleOptions {
   // Page-locked host tier for disk-backed tensors (Note [Host tier]); 0: none.
   size_t host_budget_bytes = 0;
   bool disk_direct_io = true;  // O_DIRECT where the filesystem takes it
+  int disk_reader_threads = 2;  // with a host tier: threads reading from disk
 };
 
 // Note [Host tier]
@@ -90,7 +91,13 @@ struct HandleOptions {
 // priority bands, dedup, cancel (while queued) and the all-or-nothing rules
 // of acquire are the device queue's, unchanged, and a band-0 miss takes both
 // hops at once, extent by extent (the read of the next extent overlaps the
-// copy of the last). The host slot comes from the host tier: one page-locked
+// copy of the last). Reads run on a small pool of reader threads
+// (disk_reader_threads), which stage the most urgent queued disk-backed
+// tensors, several at once, while the device workers copy those already
+// staged: a worker takes the most urgent queued entry that is ready (a
+// host-memory tensor, or a staged one), so reads and host-to-device copies
+// overlap and a read never holds a worker. The host slot comes from the
+// host tier: one page-locked
 // arena of host_budget_bytes, carved into slots like a device cache, with
 // its own eviction policy ("lru") over a shadow Entry per disk-backed
 // tensor. A tensor still in the host tier skips the disk. Each extent is read
@@ -98,8 +105,9 @@ struct HandleOptions {
 // aligned region of the slot, so the reads can bypass the page cache
 // (O_DIRECT); the host-to-device copy then starts `lead` bytes in. A host
 // slot is not reused before the device copies reading it have completed
-// (the shadow's last_use token) and never while a copy is being issued from
-// it (its pins). A read that fails (EIO, a short read, a file changed since
+// (the shadow's last_use token), never while a copy is being issued from
+// it (its pins), and not while its tensor is still queued for that copy
+// (readers stage ahead only into room no queued tensor needs). A read that fails (EIO, a short read, a file changed since
 // it was opened: disk_io's checks) fails that copy job only: the acquirer
 // gets kCopyFailed naming the file, and the engine serves everything else.
 // The engine's host memory for disk-backed tensors is the arena: it never
@@ -448,16 +456,27 @@ class ArcherPrefetchHandle {
     Entry stage;                   // the shadow entry in the host tier
   };
   void BuildHostTier(const HandleOptions& options);
-  // CopyEntryLocked for a disk-backed `e`: stage it (unless staged), copy
-  // each extent to the device. Drops and retakes mu_ around each read and
-  // copy, and while it waits for host room.
+  // CopyEntryLocked for a disk-backed `e`, whose tensor is staged: copy
+  // each extent from its host slot to the device. Drops and retakes mu_
+  // around each copy.
   void CopyFromDiskLocked(DeviceState* dev, Entry* e, MutexLock& lk)
       REQUIRES(mu_);
-  // A host slot for `s` (evicting staged tensors no copy reads); waits for
-  // one (dropping mu_) while every slot is read. False (with *error) once
-  // the handle stops.
-  bool ReserveHostSlotLocked(DiskSpec* spec, MutexLock& lk,
-                             std::string* error) REQUIRES(mu_);
+  // A host slot for `spec`'s tensor, evicting staged tensors that no copy
+  // reads and no queued entry waits for; false when none can go now.
+  bool ReserveHostSlotLocked(DiskSpec* spec) REQUIRES(mu_);
+  // Whether `e` (queued) can be copied now: a host-memory tensor, or a
+  // staged disk-backed one.
+  bool ReadyToCopyLocked(const Entry* e) const REQUIRES(mu_);
+  // The most urgent queued entry of `dev` that is ready to copy, or null.
+  Entry* NextReadyLocked(DeviceState* dev) const REQUIRES(mu_);
+  // A reader thread: stages the most urgent queued disk-backed tensors.
+  void ReaderLoop() EXCLUDES(mu_);
+  // Its pick: the most urgent queued disk-backed entry, any device, whose
+  // tensor is not staged or being staged; null if none.
+  Entry* NextToStageLocked() const REQUIRES(mu_);
+  // Reads `owner`'s extents into its reserved host slot (mu_ dropped around
+  // each read); on failure the queued owner fails (FailUnstartedLocked).
+  void StageLocked(Entry* owner, MutexLock& lk) REQUIRES(mu_);
   // A disk-backed entry's shadow leaves the host tier (unregister, close).
   void DropStageLocked(DiskSpec* spec) REQUIRES(mu_);
 
@@ -506,7 +525,9 @@ class ArcherPrefetchHandle {
   std::unique_ptr<DeviceCache> host_tier_;  // null without a host tier
   void* host_tier_alloc_ = nullptr;         // what AllocateHost returned
   size_t host_tier_alloc_bytes_ = 0;
-  CondVar host_room_cv_;  // a host slot's readers finished or it was freed
+  const int disk_reader_threads_;
+  CondVar stage_cv_;  // readers: disk-backed work queued, room, close
+  std::vector<std::thread> readers_;  // started with the workers; Close joins
 };
 
 }  // namespace prefetch

@@ -163,7 +163,15 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
       dev->worker_waiting = false;
       continue;
     }
-    Entry* e = dev->queue.PeekMostUrgent();
+    Entry* e = NextReadyLocked(dev);
+    if (e == nullptr) {
+      // Every queued entry is a disk-backed tensor a reader has not staged
+      // yet (Note [Host tier]): readers notify; poll in case.
+      dev->worker_waiting = true;
+      dev->work_cv.wait_for(lk, std::chrono::microseconds(100));
+      dev->worker_waiting = false;
+      continue;
+    }
     if (!bind_error.empty()) {
       FailUnstartedLocked(dev, e, "copy worker could not start: " + bind_error);
       continue;
@@ -295,7 +303,8 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
       break;
     }
     // Between chunks an on-demand request overtakes a long prefetch.
-    if (!urgent && done < e->bytes && dev->queue.HasBand(kOnDemandBand)) {
+    if (!urgent && done < e->bytes && dev->queue.HasBand(kOnDemandBand) &&
+        ReadyToCopyLocked(dev->queue.PeekMostUrgent())) {
       Entry* u = dev->queue.PeekMostUrgent();
       bool wait_for_events = false;
       if (ReserveSlotLocked(dev, u, &wait_for_events)) {

@@ -135,6 +135,9 @@ void ArcherPrefetchHandle::RegisterDisk(int64_t id, const DiskExtent* extents,
   InsertEntryLocked(id, nullptr, total_bytes, device, /*owns_host=*/false);
   Entry* e = LookupLocked(id);
   e->disk = static_cast<int32_t>(disk_specs_.size());
+  // The shadow has no host bytes of its own: host_ptr names its owner
+  // (entries never move: registry pages are never reallocated).
+  spec->stage.host_ptr = e;
   disk_specs_.push_back(std::move(spec));
 }
 
@@ -149,46 +152,129 @@ void ArcherPrefetchHandle::DropStageLocked(DiskSpec* spec) {
   s->state = EntryState::kHost;
 }
 
-bool ArcherPrefetchHandle::ReserveHostSlotLocked(DiskSpec* spec,
-                                                 MutexLock& lk,
-                                                 std::string* error) {
+bool ArcherPrefetchHandle::ReserveHostSlotLocked(DiskSpec* spec) {
   Entry* s = &spec->stage;
-  struct Ctx {
-    CopyBackend* backend;
-    bool busy_seen;
-  } ctx{backend_.get(), false};
+  // A staged tensor may go unless a copy is issued from it (pins), a copy
+  // from it is in flight (last_use), or its owner (stage.host_ptr, see
+  // RegisterDisk) is still queued for the copy it was staged for.
   auto evictable = [](Entry* v, void* raw) {
-    auto* c = static_cast<Ctx*>(raw);
-    if (v->pins > 0 || !TokenDone(c->backend, &v->last_use)) {
-      c->busy_seen = true;
-      return false;
-    }
-    return true;
+    auto* backend = static_cast<CopyBackend*>(raw);
+    const Entry* owner = static_cast<const Entry*>(v->host_ptr);
+    return v->pins == 0 && owner->state != EntryState::kQueued &&
+           TokenDone(backend, &v->last_use);
   };
   for (;;) {
     if (host_tier_->Allocate(spec->stage_bytes, &s->slot_offset,
                              &s->slot_bytes)) {
       return true;
     }
-    ctx.busy_seen = false;
-    Entry* victim = host_tier_->PickVictim(evictable, &ctx);
-    if (victim != nullptr) {
-      host_tier_->RemoveResident(victim);
-      host_tier_->Free(victim->slot_offset, victim->slot_bytes);
-      backend_->ReleaseToken(victim->last_use);
-      victim->last_use = kTokenDone;
-      victim->state = EntryState::kHost;
-      ++stats_.host_tier_evictions;
+    Entry* victim = host_tier_->PickVictim(evictable, backend_.get());
+    if (victim == nullptr) return false;
+    host_tier_->RemoveResident(victim);
+    host_tier_->Free(victim->slot_offset, victim->slot_bytes);
+    backend_->ReleaseToken(victim->last_use);
+    victim->last_use = kTokenDone;
+    victim->state = EntryState::kHost;
+    ++stats_.host_tier_evictions;
+  }
+}
+
+bool ArcherPrefetchHandle::ReadyToCopyLocked(const Entry* e) const {
+  return e->disk < 0 ||
+         disk_specs_[static_cast<size_t>(e->disk)]->stage.state ==
+             EntryState::kResident;
+}
+
+Entry* ArcherPrefetchHandle::NextReadyLocked(DeviceState* dev) const {
+  Entry* head = dev->queue.PeekMostUrgent();
+  if (head == nullptr || ReadyToCopyLocked(head)) return head;
+  Entry* ready = nullptr;
+  // The lambdas below run under the caller's mu_ (TaskQueue::ForEach calls
+  // them in place); clang checks a lambda on its own and cannot see that.
+  dev->queue.ForEach([&](Entry* e) NO_THREAD_SAFETY_ANALYSIS {
+    if (ready == nullptr && ReadyToCopyLocked(e)) ready = e;
+  });
+  return ready;
+}
+
+Entry* ArcherPrefetchHandle::NextToStageLocked() const {
+  Entry* best = nullptr;
+  for (const auto& dev : devices_) {
+    dev->queue.ForEach([&](Entry* e) NO_THREAD_SAFETY_ANALYSIS {
+      if (e->disk < 0) return;
+      const Entry& stage = disk_specs_[static_cast<size_t>(e->disk)]->stage;
+      if (stage.state != EntryState::kHost) return;  // staged, or being staged
+      if (best == nullptr || e->band < best->band) best = e;
+    });
+  }
+  return best;
+}
+
+void ArcherPrefetchHandle::ReaderLoop() {
+  MutexLock lk(mu_);
+  while (!stop_) {
+    Entry* owner = paused_ ? nullptr : NextToStageLocked();
+    if (owner == nullptr) {
+      stage_cv_.wait(lk);
       continue;
     }
-    if (stop_) {
-      *error = "PrefetchHandle closed while waiting for host-tier room";
-      return false;
+    if (!ReserveHostSlotLocked(disk_specs_[static_cast<size_t>(owner->disk)].get())) {
+      // Every slot is read by a copy or waits for one: a worker frees it.
+      stage_cv_.wait_for(lk, std::chrono::microseconds(100));
+      continue;
     }
-    // Every staged slot is being read by a copy (or is being staged): its
-    // copy ends on its own. Poll: GPU work completes without a notify.
-    host_room_cv_.wait_for(lk, std::chrono::microseconds(100));
+    StageLocked(owner, lk);
   }
+}
+
+void ArcherPrefetchHandle::StageLocked(Entry* owner, MutexLock& lk) {
+  DiskSpec* spec = disk_specs_[static_cast<size_t>(owner->disk)].get();
+  Entry* s = &spec->stage;
+  s->state = EntryState::kCopying;  // being staged: Unregister refuses meanwhile
+  char* host = host_tier_->arena() + s->slot_offset;
+  std::string error;
+  for (size_t i = 0; i < spec->extents.size() && error.empty(); ++i) {
+    const DiskExtent& x = spec->extents[i];
+    const DiskFile& file = *files_[static_cast<size_t>(x.file)];
+    DiskSpan span;
+    span.offset = x.file_offset;
+    span.length = x.bytes;
+    const size_t align = file.info.direct ? kStageAlignment : 1;
+    span.span_start = x.file_offset / align * align;
+    span.lead = static_cast<size_t>(x.file_offset - span.span_start);
+    span.span_bytes = AlignUp(span.lead + x.bytes, align);
+    span.dest = host + spec->region[i];
+    const DiskFault fault = backend_->NextReadFault();
+    DropLock(lk);
+    int sys_errno = 0;
+    error = ReadSpan(file, span, fault, &sys_errno);
+    RetakeLock(lk);
+    if (error.empty()) {
+      ++stats_.disk_reads;
+      stats_.disk_read_bytes += span.span_bytes;
+    } else {
+      ++stats_.disk_errors;
+      error = IdText(owner->id) + ": " + error;
+    }
+    if (error.empty() && stop_ && i + 1 < spec->extents.size()) {
+      error = "PrefetchHandle closed while reading from disk";
+    }
+  }
+  if (error.empty()) {
+    s->state = EntryState::kResident;
+    s->prefetched_unused = true;  // read for a copy not made yet
+    host_tier_->AddResident(s);
+  } else {
+    host_tier_->Free(s->slot_offset, s->slot_bytes);
+    s->state = EntryState::kHost;
+    // The owner fails only if it still waits for this copy (a cancelled
+    // prefetch has nobody to tell).
+    if (owner->state == EntryState::kQueued && !stop_) {
+      FailUnstartedLocked(devices_[owner->device].get(), owner, error);
+    }
+  }
+  devices_[owner->device]->work_cv.notify_one();
+  stage_cv_.notify_all();  // another reader may find room, or work, now
 }
 
 void ArcherPrefetchHandle::CopyFromDiskLocked(DeviceState* dev, Entry* e,
@@ -201,56 +287,29 @@ void ArcherPrefetchHandle::CopyFromDiskLocked(DeviceState* dev, Entry* e,
   const int lane = urgent ? 0 : static_cast<int>(dev->next_lane++ % copy_lanes_);
   std::string error;
   CopyToken token = kTokenDone;
-  const bool staged = s->state == EntryState::kResident;
-  bool have_slot = staged;
-  if (staged) {
-    ++stats_.host_tier_hits;
-    host_tier_->Used(s);
+  if (s->state != EntryState::kResident) {  // callers check ReadyToCopyLocked
+    error = IdText(e->id) + ": not staged in the host tier";
   } else {
-    have_slot = ReserveHostSlotLocked(spec, lk, &error);
-    if (have_slot) s->state = EntryState::kCopying;  // being staged
-  }
-  if (have_slot) {
+    if (!s->prefetched_unused) ++stats_.host_tier_hits;  // staged before, reused
+    s->prefetched_unused = false;
+    host_tier_->Used(s);
     ++s->pins;  // no eviction of the slot while copies are issued from it
-    char* host = host_tier_->arena() + s->slot_offset;
+    const char* host = host_tier_->arena() + s->slot_offset;
     char* dst = dev->cache->arena() + e->slot_offset;
     for (size_t i = 0; i < spec->extents.size() && error.empty(); ++i) {
       const DiskExtent& x = spec->extents[i];
-      const DiskFile& file = *files_[static_cast<size_t>(x.file)];
-      DiskSpan span;
-      span.offset = x.file_offset;
-      span.length = x.bytes;
-      const size_t align = file.info.direct ? kStageAlignment : 1;
-      span.span_start = x.file_offset / align * align;
-      span.lead = static_cast<size_t>(x.file_offset - span.span_start);
-      span.span_bytes = AlignUp(span.lead + x.bytes, align);
-      span.dest = host + spec->region[i];
-      const DiskFault fault = staged ? DiskFault::kNone : backend_->NextReadFault();
+      const size_t lead = files_[static_cast<size_t>(x.file)]->info.direct
+                              ? x.file_offset % kStageAlignment
+                              : 0;
       DropLock(lk);
-      int sys_errno = 0;
-      if (!staged) error = ReadSpan(file, span, fault, &sys_errno);
-      const bool read_failed = !error.empty();
       const Clock::time_point start = Clock::now();
-      if (error.empty()) {
-        error = IssueCopy(dev->index, dst + x.tensor_offset,
-                          static_cast<const char*>(span.dest) + span.lead,
-                          x.bytes, urgent, lane, &token);
-      } else {
-        error = IdText(e->id) + ": " + error;
-      }
+      error = IssueCopy(dev->index, dst + x.tensor_offset,
+                        host + spec->region[i] + lead, x.bytes, urgent, lane,
+                        &token);
       const double seconds =
           std::chrono::duration<double>(Clock::now() - start).count();
       RetakeLock(lk);
       stats_.copy_seconds += seconds;
-      if (read_failed) {
-        ++stats_.disk_errors;
-      } else if (!staged) {
-        ++stats_.disk_reads;
-        stats_.disk_read_bytes += span.span_bytes;
-      }
-      if (error.empty() && stop_ && i + 1 < spec->extents.size()) {
-        error = "PrefetchHandle closed during the copy";
-      }
     }
     if (error.empty() && !spec->gaps.empty()) {
       // Bytes no extent covers read as zero, as a registered tensor's do;
@@ -267,31 +326,13 @@ void ArcherPrefetchHandle::CopyFromDiskLocked(DeviceState* dev, Entry* e,
       RetakeLock(lk);
     }
     --s->pins;
-    if (!error.empty() && token != kTokenDone) {
-      // Copies already issued read the slot: wait for them before it goes.
-      DropLock(lk);
-      try {
-        backend_->Wait(token);
-      } catch (...) {
-      }
-      RetakeLock(lk);
-    }
-    if (!staged) {
-      if (error.empty()) {
-        s->state = EntryState::kResident;
-        host_tier_->AddResident(s);
-      } else {
-        host_tier_->Free(s->slot_offset, s->slot_bytes);
-        s->state = EntryState::kHost;
-      }
-    }
-    if (error.empty() && token != kTokenDone) {
+    if (token != kTokenDone) {
       // The slot's last reader so far: not reused before this copy is done.
       backend_->RetainToken(token);
       backend_->ReleaseToken(s->last_use);
       s->last_use = token;
     }
-    host_room_cv_.notify_all();
+    stage_cv_.notify_all();  // a reader waiting for room may find it soon
   }
   dev->copying_bytes -= e->bytes;
   FinishCopyLocked(dev, e, token, error, lk);

@@ -154,6 +154,12 @@ void ArcherPrefetchHandle::UnregisterTensor(int64_t id) {
       throw PrefetchError(ErrorKind::kState,
                           IdText(id) + " is being copied; retry later");
     }
+    if (e->disk >= 0 &&
+        disk_specs_[static_cast<size_t>(e->disk)]->stage.state ==
+            EntryState::kCopying) {
+      throw PrefetchError(ErrorKind::kState,
+                          IdText(id) + " is being read from disk; retry later");
+    }
     if (e->state == EntryState::kResident) {
       if (!detail::TokenDone(backend_.get(), &e->ready) ||
           !detail::TokenDone(backend_.get(), &e->last_use)) {

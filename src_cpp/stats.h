@@ -39,7 +39,7 @@ struct Stats {
   uint64_t disk_reads = 0;        // host tier: reads of disk-backed tensors
   uint64_t disk_read_bytes = 0;   // their spans' bytes (aligned)
   uint64_t disk_errors = 0;       // reads that failed (also copy_errors)
-  uint64_t host_tier_hits = 0;    // copies served by the host tier, no read
+  uint64_t host_tier_hits = 0;    // copies of a tensor staged for an earlier copy: no read
   uint64_t host_tier_evictions = 0;  // staged tensors evicted from it
   uint64_t host_tier_used_bytes = 0;    // gauge: bytes of its slots in use
   uint64_t host_tier_budget_bytes = 0;  // gauge: its page-locked arena

@@ -212,3 +212,32 @@ def test_close_with_reads_in_flight_leaves_no_descriptor(tmp_path):
         handle.prefetch_tensors(list(range(16)))
         handle.close()  # reads and copies in flight: bounded, nothing leaks
     assert open_fds() == fds
+
+
+def test_reader_threads_stage_ahead_and_respect_pause(tmp_path):
+    # Prefetched disk-backed tensors: paused, nothing is read; resumed, the
+    # reader threads stage them (several at once) and the worker copies them
+    # as they land; every byte checked afterwards. A bad thread count is refused.
+    data = np.random.default_rng(9).integers(0, 256, 8 * MIB, dtype=np.uint8)
+    path = tmp_path / "shard.bin"
+    data.tofile(path)
+    with pytest.raises(InvalidArgumentError, match="disk_reader_threads"):
+        prefetch.PrefetchHandle(device_budget_bytes=MIB, backend="host", host_budget_bytes=MIB,
+                                disk_reader_threads=0)
+    handle = prefetch.PrefetchHandle(device_budget_bytes=8 * MIB + 8 * 4096, backend="host",
+                                     host_budget_bytes=2 * MIB, disk_reader_threads=4, start_paused=True)
+    try:
+        f = handle.open_file(path)
+        for i in range(16):
+            handle.register_disk(i, [(f, i * (MIB // 2) + 7, MIB // 2 - 7, 0)])
+        handle.prefetch_tensors(list(range(16)))
+        assert handle.stats()["disk_reads"] == 0  # paused: readers idle too
+        handle.resume()
+        for i in range(16):
+            n = MIB // 2 - 7
+            want = data[i * (MIB // 2) + 7: i * (MIB // 2) + 7 + n]
+            assert np.array_equal(read_slot(handle, i, n), want), i
+        s = handle.stats()
+        assert s["disk_reads"] == 16 and s["copies"] == 16 and s["host_tier_used_bytes"] <= 2 * MIB
+    finally:
+        handle.close()
