@@ -38,6 +38,11 @@ own):
   torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
                    side stream into an LRU of device slots kept in Python
                    (one slot tensor per device, gathered like the others)
+  on-demand-disk   on-demand with the experts left on disk: the pool is
+                   written to one file in --disk-dir and every expert is
+                   read from it (O_DIRECT) through the engine's host tier of
+                   half of all the expert bytes (Note [Host tier]): the
+                   "host budget below the expert bytes" cell of #15
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
@@ -64,6 +69,7 @@ import argparse
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):
@@ -80,7 +86,7 @@ from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
-               eviction="cyclic", profile=None):
+               eviction="cyclic", profile=None, disk_dir=None):
     """Decodes `inputs` (one tensor per step) under `policy`. Returns the
     measured step latencies (after `warmup` steps), the provider's counters
     over the measured steps, and the routing trace (all-resident only).
@@ -91,7 +97,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
     def route(i):
         return forced[i % len(forced)] if forced else None
 
-    provider = make_provider(dec, policy, budget, trace, eviction)
+    provider = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir)
     try:
         if policy == "trace":  # learn from other requests first
             for request in train_inputs:
@@ -103,7 +109,8 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
                 provider.ctl.prediction_hits = provider.ctl.predicted_total = provider.ctl.actual_total = 0
 
         lat, before, after = measure_steps(dec, provider, inputs, warmup, route, at_warmup_end=score_from_here)
-        delta = {key: after[key] - before.get(key, 0) for key in ("hits", "misses", "bytes") if key in after}
+        delta = {key: after[key] - before.get(key, 0) for key in ("hits", "misses", "bytes", "disk_read_bytes")
+                 if key in after}
         delta["precision"] = after.get("precision")
         delta["recall"] = after.get("recall")
         if profile is not None:
@@ -147,6 +154,7 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         "achieved_gbps": (delta.get("bytes") or 0) / total_s / 1e9 if total_s else None,
         "precision": delta.get("precision"),
         "recall": delta.get("recall"),
+        "disk_read_bytes": delta.get("disk_read_bytes"),
     })
     if "profile" in delta:
         row["profile"] = delta["profile"]
@@ -181,6 +189,8 @@ def main(argv=None) -> int:
                         help="after each policy's first measured run, --profile-steps more steps under "
                              "torch.profiler: traces in DIR, per-step GPU and host split in the row's 'profile'")
     parser.add_argument("--profile-steps", type=int, default=4)
+    parser.add_argument("--disk-dir", default=tempfile.gettempdir(),
+                        help="where on-demand-disk writes the expert pool's file (removed after each model)")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny shapes on the CPU with the host backend: checks the logic, measures nothing")
     args = parser.parse_args(argv)
@@ -288,7 +298,7 @@ def main(argv=None) -> int:
                                 delta["profile"] = res_delta["profile"]
                         else:
                             lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
-                                                       forced=forced, eviction=args.eviction,
+                                                       forced=forced, eviction=args.eviction, disk_dir=args.disk_dir,
                                                        profile=(profile_of(args, name, batch, policy, share)
                                                                 if rnd == 0 else None))
                         record_round(row, lat, delta, compute_p50, floor_s, res_round)
@@ -313,6 +323,7 @@ def main(argv=None) -> int:
         # moment is not the link). Both are kept in the rows.
         raw_again = [raw_h2d_gbps(torch, dec.expert_bytes, d) for d in range(args.devices)]
         settle_raw([r for r in rows if r["model"] == name], raw_each, raw_again)
+        dec.remove_pool_file()
         del dec
         torch.cuda.empty_cache()
     report = {"benchmark": "BM5 e2e", "machine": machine_info(), "warmup": args.warmup, "steps": args.steps,
@@ -358,7 +369,7 @@ def smoke_cpu(torch, args) -> int:
         runs += [(policy, True) for policy in ("all-resident", "on-demand", "torch-by-hand")]
     for policy, per_expert in runs:
         budget = 6 * dec.slot_bytes * args.devices  # every device holds a whole layer's experts
-        provider = make_provider(dec, policy, budget, trace, args.eviction)
+        provider = make_provider(dec, policy, budget, trace, args.eviction, disk_dir=args.disk_dir)
         stepped = PerExpertViews(provider) if per_expert else provider
         try:
             if policy == "trace":
@@ -371,6 +382,7 @@ def smoke_cpu(torch, args) -> int:
         finally:
             if hasattr(provider, "close"):
                 provider.close()
+    dec.remove_pool_file()
     for policy, out in outs.items():
         for a, b in zip(out, outs["all-resident"]):
             if not torch.equal(a, b):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import sys
+import tempfile
 import time
 
 if __package__ in (None, ""):
@@ -21,8 +22,12 @@ MODELS = {
     "gemma4-26b-a4b": dict(layers=30, experts=128, top_k=6, hidden=2816, inter=704),
     "gpt-oss-120b": dict(layers=36, experts=128, top_k=2, hidden=2880, inter=2880),
 }
-POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic", "torch-by-hand")
-ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic")
+POLICIES = ("all-resident", "on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic", "torch-by-hand",
+            "on-demand-disk")
+ENGINE_POLICIES = ("on-demand", "next-layer-gate", "trace", "oracle", "oracle-cyclic", "on-demand-disk")
+# on-demand-disk: the experts left in a file, read through the engine's host
+# tier of this share of all expert bytes (Note [Host tier]).
+DISK_HOST_SHARE = 0.5
 
 
 class Decoder:
@@ -89,6 +94,27 @@ class Decoder:
         # weights, compute launch, release) when set to a dict; None costs
         # nothing.
         self.timers = None
+
+    def pool_file(self, folder: str):
+        """The expert pool written to one file in `folder` (made once; the
+        on-demand-disk policy reads it): (path, byte offset of each pool
+        entry). Entries start on 4096-byte boundaries, the file ends on one."""
+        if getattr(self, "_pool_file", None) is None:
+            stride = -(-self.expert_bytes // 4096) * 4096
+            fd, path = tempfile.mkstemp(prefix="bm5-experts-", suffix=".bin", dir=folder)
+            with os.fdopen(fd, "wb") as f:
+                for buffer, _ in self.pool_host:
+                    data = buffer.numpy().tobytes()
+                    f.write(data + bytes(stride - len(data)))
+                f.flush()
+                os.fsync(f.fileno())
+            self._pool_file = (path, [i * stride for i in range(len(self.pool_host))])
+        return self._pool_file
+
+    def remove_pool_file(self) -> None:
+        if getattr(self, "_pool_file", None) is not None:
+            os.unlink(self._pool_file[0])
+            self._pool_file = None
 
     def layers_of(self, d: int) -> list:
         return [layer for layer, ld in enumerate(self.layer_dev) if ld == d]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 import sys
+import tempfile
 
 import numpy as np
 
@@ -119,14 +120,19 @@ class ResidentProvider:
 class EngineProvider:
     """Experts through the engine; prediction through prefetch.integration."""
 
-    def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None):
+    def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None, disk=None):
+        """`disk`: (folder, host tier bytes): the experts are read from the
+        decoder's pool file there through the engine's host tier instead of
+        registered from host memory (the on-demand-disk policy)."""
         import prefetch
         from prefetch.integration import OffloadController, layer_handle_options
 
         self.torch = dec.torch
         self.dec = dec
         # As offload_moe_experts sets them: one acquire per layer and step.
-        options = layer_handle_options(dec.spec["layers"], {"eviction_policy": eviction, **(handle_options or {})})
+        extra = {} if disk is None else {"host_budget_bytes": disk[1]}
+        options = layer_handle_options(dec.spec["layers"], {"eviction_policy": eviction, **extra,
+                                                           **(handle_options or {})})
         self.handle = prefetch.PrefetchHandle(device_budget_bytes=dec.device_budgets(budget),
                                               backend="cuda" if dec.cuda else "host", **options)
         # The gate of layer L+1 reads layer L's hidden state: across a device
@@ -135,10 +141,19 @@ class EngineProvider:
                    for layer in range(dec.spec["layers"])]
         self.ctl = OffloadController(self.handle, num_layers=dec.spec["layers"], num_experts=dec.spec["experts"],
                                      top_k=dec.spec["top_k"], predictor=predictor, routers=routers)
+        pool = None
+        if disk is not None:
+            path, offsets = dec.pool_file(disk[0])
+            pool = (self.handle.open_file(path), offsets)
         for layer in range(dec.spec["layers"]):
             for e in range(dec.spec["experts"]):
-                buffer, layout = dec.pool_host[dec.pool_index(layer, e)]
-                self.ctl.prefetcher.register_packed(layer, e, buffer, layout, device=dec.layer_dev[layer])
+                index = dec.pool_index(layer, e)
+                buffer, layout = dec.pool_host[index]
+                if pool is None:
+                    self.ctl.prefetcher.register_packed(layer, e, buffer, layout, device=dec.layer_dev[layer])
+                else:
+                    self.ctl.prefetcher.register_disk(layer, e, [(pool[0], pool[1][index], dec.expert_bytes, 0)],
+                                                      layout, device=dec.layer_dev[layer])
 
         self._slot_views = {}  # device -> (gate_up [slots, 2I, H], down [slots, H, I])
         self._index = [SlotIndex(self.torch, dev, dec.spec["experts"]) for dev in dec.devs]
@@ -204,6 +219,7 @@ class EngineProvider:
         s = self.handle.stats()
         r = self.ctl.report()
         return {"hits": s["hits"], "misses": s["misses"], "bytes": s["bytes_copied"], "late": s["late"],
+                "disk_read_bytes": s["disk_read_bytes"], "host_tier_hits": s["host_tier_hits"],
                 "wasted": s["wasted"], "caller_copies": s["caller_copies"], "on_demand": s["on_demand"],
                 "evictions": s["evictions"], "precision": r["prediction_precision"],
                 "recall": r["prediction_recall"]}
@@ -316,7 +332,7 @@ class ByHandProvider:
             c.slots = c.gate_up = c.down = None
 
 
-def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None):
+def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None, disk_dir=None):
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
     spec = dec.spec
@@ -332,7 +348,13 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
     elif policy in ("oracle", "oracle-cyclic"):
         predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2,
                                     hints=policy == "oracle")
-    return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options)
+    disk = None
+    if policy == "on-demand-disk":
+        from bench.e2e_decoder import DISK_HOST_SHARE
+
+        total = spec["layers"] * spec["experts"] * dec.slot_bytes
+        disk = (disk_dir or tempfile.gettempdir(), max(int(DISK_HOST_SHARE * total), 3 * dec.slot_bytes + 3 * 4096))
+    return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options, disk)
 
 
 def policy_eviction(policy: str, eviction: str) -> str:

@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare abengine (OLD_TREE=folder)
-# overlap disk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -131,6 +131,14 @@ for step in $steps; do
           --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
       done ;;
+    e2edisk)
+      # #15's BM5 cell: on-demand with the experts in host memory against the same read from disk
+      # through the engine's host tier of half the expert bytes (DISK_TRACE: a trace of traces/).
+      t=${DISK_TRACE:-traces/gemma4-26b-a4b.json}
+      python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares 0.25 --batches 1 \
+        --warmup 2 --steps "${E2E_STEPS:-24}" --policies all-resident on-demand on-demand-disk --repeats "${TRACES_REPEATS:-1}" \
+        --disk-dir "${DISK_DIR:-$PWD}" --budget-s "${TRACES_BUDGET_S:-150}" --json "$out/e2e_disk.json" \
+        2>"$out/e2e_disk.log" | tee "$out/e2e_disk.txt" || status=1 ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     disk)
