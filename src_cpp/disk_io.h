@@ -2,7 +2,7 @@
 // opening a file, reading an aligned span of it with pread, and checking
 // that the file is still the one that was opened. No locks and no threads:
 // DiskReader calls OpenDiskFile from OpenFile and ReadSpan from its reader
-// threads.
+// threads, and so does the engine's host tier (Note [Host tier]).
 #pragma once
 
 #include <cstddef>
