@@ -34,7 +34,6 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
   try {
     BuildDevices(options);
   } catch (...) {
-    host_tier_.reset();
     if (host_tier_alloc_ != nullptr) backend_->FreeHost(host_tier_alloc_, host_tier_alloc_bytes_);
     throw;
   }
@@ -119,18 +118,7 @@ void ArcherPrefetchHandle::BuildDevices(const HandleOptions& options) {
 }
 
 void ArcherPrefetchHandle::StartWorkers() {
-  if (host_tier_) {
-    for (int i = 0; i < disk_reader_threads_; ++i) {
-      readers_.emplace_back([this] {
-        try {
-          ReaderLoop();
-        } catch (...) {
-          // As a worker's: nothing escapes the thread. Staging stops;
-          // acquirers of disk-backed tensors time out with a clear error.
-        }
-      });
-    }
-  }
+  StartReaders();
   for (auto& dev : devices_) {
     DeviceState* raw = dev.get();
     dev->worker = std::thread([this, raw] {
@@ -590,16 +578,7 @@ void ArcherPrefetchHandle::FreeEverythingLocked() {
       },
       backend_.get());
   pages_.clear();
-  // The host tier (Note [Host tier]): no copy or read runs any more.
-  for (auto& spec : disk_specs_) {
-    if (spec) DropStageLocked(spec.get());
-  }
-  disk_specs_.clear();
-  files_.clear();  // closes the descriptors
-  if (host_tier_alloc_ != nullptr) {
-    backend_->FreeHost(host_tier_alloc_, host_tier_alloc_bytes_);
-    host_tier_alloc_ = nullptr;
-  }
+  FreeHostTierLocked();
   pinned_entries_ = 0;
   registered_ = 0;
   registered_bytes_ = 0;

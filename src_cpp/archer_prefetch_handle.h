@@ -456,6 +456,12 @@ class ArcherPrefetchHandle {
     Entry stage;                   // the shadow entry in the host tier
   };
   void BuildHostTier(const HandleOptions& options);
+  void StartReaders();  // disk_reader_threads of ReaderLoop, with a host tier
+  void FreeHostTierLocked() REQUIRES(mu_);  // Close: stages, files, arena
+  // Throws kInvalidArgument unless extent `i` of `id` fits its file (as
+  // opened) and the tensor.
+  void CheckExtentLocked(int64_t id, size_t i, const DiskExtent& x,
+                         size_t total_bytes) const REQUIRES(mu_);
   // CopyEntryLocked for a disk-backed `e`, whose tensor is staged: copy
   // each extent from its host slot to the device. Drops and retakes mu_
   // around each copy.

@@ -44,6 +44,59 @@ void ArcherPrefetchHandle::BuildHostTier(const HandleOptions& options) {
   }
 }
 
+void ArcherPrefetchHandle::StartReaders() {
+  if (!host_tier_) return;
+  for (int i = 0; i < disk_reader_threads_; ++i) {
+    readers_.emplace_back([this] {
+      try {
+        ReaderLoop();
+      } catch (...) {
+        // As a worker's: nothing escapes the thread. Staging stops;
+        // acquirers of disk-backed tensors time out with a clear error.
+      }
+    });
+  }
+}
+
+void ArcherPrefetchHandle::FreeHostTierLocked() {
+  // Close: readers and workers are joined, no copy or read runs any more.
+  for (auto& spec : disk_specs_) {
+    if (spec) DropStageLocked(spec.get());
+  }
+  disk_specs_.clear();
+  files_.clear();  // closes the descriptors
+  if (host_tier_alloc_ != nullptr) {
+    backend_->FreeHost(host_tier_alloc_, host_tier_alloc_bytes_);
+    host_tier_alloc_ = nullptr;
+  }
+}
+
+void ArcherPrefetchHandle::CheckExtentLocked(int64_t id, size_t i,
+                                             const DiskExtent& x,
+                                             size_t total_bytes) const {
+  const std::string where = IdText(id) + ": extent " + std::to_string(i);
+  if (x.file < 0 || static_cast<size_t>(x.file) >= files_.size()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        where + " names file " + std::to_string(x.file) +
+                            ", not one OpenFile returned");
+  }
+  const DiskFileInfo& info = files_[static_cast<size_t>(x.file)]->info;
+  if (x.bytes == 0 || x.file_offset > info.size ||
+      x.bytes > info.size - x.file_offset) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        where + " (" + std::to_string(x.bytes) +
+                            " bytes at " + std::to_string(x.file_offset) +
+                            ") is empty or runs past the end of " + info.path +
+                            " (" + std::to_string(info.size) + " bytes)");
+  }
+  if (x.tensor_offset > total_bytes ||
+      x.bytes > total_bytes - x.tensor_offset) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        where + " runs past the tensor's " +
+                            std::to_string(total_bytes) + " bytes");
+  }
+}
+
 int32_t ArcherPrefetchHandle::OpenFile(const std::string& path) {
   CheckNotForked();
   auto file = std::make_unique<DiskFile>();
@@ -83,28 +136,7 @@ void ArcherPrefetchHandle::RegisterDisk(int64_t id, const DiskExtent* extents,
   auto spec = std::make_unique<DiskSpec>();
   for (size_t i = 0; i < n; ++i) {
     const DiskExtent& x = extents[i];
-    const std::string where = IdText(id) + ": extent " + std::to_string(i);
-    if (x.file < 0 || static_cast<size_t>(x.file) >= files_.size()) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          where + " names file " + std::to_string(x.file) +
-                              ", not one OpenFile returned");
-    }
-    const DiskFileInfo& info = files_[x.file]->info;
-    if (x.bytes == 0 || x.file_offset > info.size ||
-        x.bytes > info.size - x.file_offset) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          where + " (" + std::to_string(x.bytes) +
-                              " bytes at " + std::to_string(x.file_offset) +
-                              ") is empty or runs past the end of " +
-                              info.path + " (" + std::to_string(info.size) +
-                              " bytes)");
-    }
-    if (x.tensor_offset > total_bytes ||
-        x.bytes > total_bytes - x.tensor_offset) {
-      throw PrefetchError(ErrorKind::kInvalidArgument,
-                          where + " runs past the tensor's " +
-                              std::to_string(total_bytes) + " bytes");
-    }
+    CheckExtentLocked(id, i, x, total_bytes);
     spec->region.push_back(spec->stage_bytes);
     const size_t lead = x.file_offset % kStageAlignment;
     spec->stage_bytes += AlignUp(lead + x.bytes, kStageAlignment);
