@@ -241,3 +241,28 @@ def test_reader_threads_stage_ahead_and_respect_pause(tmp_path):
         assert s["disk_reads"] == 16 and s["copies"] == 16 and s["host_tier_used_bytes"] <= 2 * MIB
     finally:
         handle.close()
+
+
+def test_a_failed_prefetch_read_goes_to_the_next_acquirer(data_file):
+    # A prefetch whose read fails has no acquirer waiting: the error stays on
+    # the tensor and the next acquire of it raises it (as for a failed copy);
+    # the one after that reads again.
+    import time
+
+    path, data = data_file
+    handle = prefetch.PrefetchHandle(device_budget_bytes=2 * MIB, backend="fault", host_budget_bytes=2 * MIB,
+                                     faults={"eio_every_nth_read": 1})
+    try:
+        register_all(handle, path)
+        handle.prefetch_tensors([2])
+        deadline = time.monotonic() + 10
+        while handle.stats()["disk_errors"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert handle.stats()["disk_errors"] == 1 and handle.stats()["queue_depth"] == 0
+        handle.set_faults(eio_every_nth_read=0)
+        with pytest.raises(CopyFailedError, match="tensor id 2.*Input/output error"):
+            handle.acquire_slots([2], timeout=10)
+        extents, total = TENSORS[2]
+        assert np.array_equal(read_slot(handle, 2, total), expected(data, extents, total))
+    finally:
+        handle.close()
