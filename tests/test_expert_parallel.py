@@ -165,6 +165,18 @@ def scenario_tokens_and_errors(rank, group):
                              "local": ctl.expert_parallel.local.copy()}
     finally:
         ctl.close()
+    # The same with the experts left on disk (Note [Experts on disk]): each
+    # rank registers and reads only its slice, through a host tier of 2.
+    model = experts_on_meta(build(cfg, experts_implementation="batched_mm"))
+    ctl = _offload(model, group, 3, checkpoint=os.environ[CHECKPOINT_ENV],
+                   host_budget_bytes=2 * 3 * (-(-out["checkpoint"]["stride"] // 4096) + 2) * 4096)
+    try:
+        seq, _ = greedy(model, prompt(cfg, 2))
+        s = ctl.handle.stats()
+        out["on_disk"] = {"seq": seq, "registered": s["registered"], "disk_reads": s["disk_reads"],
+                          "host_experts": ctl.host_experts, "local": ctl.expert_parallel.local.copy()}
+    finally:
+        ctl.close()
     # One engine call per layer and rank: a slice's worth of slots, no pieces.
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="grouped_mm")
@@ -368,6 +380,9 @@ def test_two_ranks_match_one_process(tmp_path, monkeypatch):
         ckpt = g["checkpoint"]
         assert torch.equal(ckpt["seq"], seq_ref)
         assert ckpt["host_bytes"] == ckpt["local"].sum() * ckpt["stride"] == 3 * 4 * ckpt["stride"]
+        disk = g["on_disk"]  # experts on disk: the same tokens, this rank's slice registered and read
+        assert torch.equal(disk["seq"], seq_ref) and disk["host_experts"] is None
+        assert disk["registered"] == disk["local"].sum() == 3 * 4 and disk["disk_reads"] > 0
 
     cfg = family_configs()["qwen3_moe"]
     seq_ref, _ = greedy(build(cfg, experts_implementation="grouped_mm"), prompt(cfg, 1), steps=3)
