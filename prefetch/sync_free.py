@@ -43,8 +43,9 @@ class SyncFreeDecode:
         self._pin_buf = [out if own.all() else np.empty(int(own.sum()), dtype=np.int64)
                          for out, own in zip(self._pin_out, self._owned)]
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
-        # Note [Routing read-back queued early]: (routings covered, page-locked
-        # buffer, its numpy view, event) of the copy queued at the last layer.
+        # Note [Routing read-back queued early]: (routings covered, the
+        # page-locked slice copied into, event after it) of the copy queued
+        # at the last layer; the buffer and event are reused.
         self._early = None
         self._early_buf = None
         self._early_event = None
