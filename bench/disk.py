@@ -121,6 +121,13 @@ def ranges_of(size: int, range_bytes: int) -> list[tuple[int, int]]:
     return [(off, min(range_bytes, size - off)) for off in range(0, size, range_bytes)]
 
 
+def read_range(fd: int, view: memoryview, off: int, n: int) -> None:
+    """One raw read of the range (whole aligned blocks into `view`)."""
+    got = os.preadv(fd, [view[:-(-n // ALIGN) * ALIGN]], off)
+    if got < n:
+        raise RuntimeError(f"raw read: short read at offset {off} ({got} of {n} bytes)")
+
+
 def raw_pass(fds, size: int, range_bytes: int, buf) -> tuple[int, float]:
     """Every range of every file through os.preadv into `buf`: (bytes, seconds)."""
     view = memoryview(buf)
@@ -128,10 +135,7 @@ def raw_pass(fds, size: int, range_bytes: int, buf) -> tuple[int, float]:
     t0 = time.perf_counter()
     for fd in fds:
         for off, n in ranges_of(size, range_bytes):
-            want = -(-n // ALIGN) * ALIGN
-            got = os.preadv(fd, [view[:want]], off)
-            if got < n:
-                raise RuntimeError(f"raw read: short read at offset {off} ({got} of {n} bytes)")
+            read_range(fd, view, off, n)
             total += n
     return total, time.perf_counter() - t0
 
@@ -148,9 +152,7 @@ def raw_parallel_pass(fds, size: int, range_bytes: int, bufs) -> tuple[int, floa
         view = memoryview(bufs[k])
         try:
             for fd, off, n in tasks[k::len(bufs)]:
-                got = os.preadv(fd, [view[:-(-n // ALIGN) * ALIGN]], off)
-                if got < n:
-                    raise RuntimeError(f"raw read: short read at offset {off} ({got} of {n} bytes)")
+                read_range(fd, view, off, n)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the calling thread
             errors.append(exc)
 

@@ -146,9 +146,7 @@ def register_from_disk(prefetcher, handle, checkpoint, block_names, chosen, gate
         for loc in (gate, up, down):
             if loc.path not in files:
                 st = os.stat(loc.path)
-                if st.st_size != loc.file_size or st.st_mtime_ns != loc.file_mtime_ns:
-                    raise CheckpointError(f"{loc.path} changed since the checkpoint was indexed (size "
-                                          f"{loc.file_size} -> {st.st_size}); index it again")
+                _check_unchanged(loc, st.st_size, st.st_mtime_ns)
                 files[loc.path] = handle.open_file(loc.path)
         extents = [(files[loc.path], loc.offset, loc.nbytes, at)
                    for loc, at in ((gate, 0), (up, gate.nbytes), (down, down_offset)) if loc.nbytes]
@@ -159,10 +157,15 @@ def _open_unchanged(reader, loc: TensorLocation) -> int:
     """Opens loc's shard, refusing one that changed since it was indexed."""
     f = reader.open(loc.path)
     info = reader.file_info(f)
-    if info["size"] != loc.file_size or info["mtime_ns"] != loc.file_mtime_ns:
-        raise CheckpointError(f"{loc.path} changed since the checkpoint was indexed (size {loc.file_size} -> "
-                              f"{info['size']}); index it again")
+    _check_unchanged(loc, info["size"], info["mtime_ns"])
     return f
+
+
+def _check_unchanged(loc: TensorLocation, size: int, mtime_ns: int) -> None:
+    """Refuses loc's shard if its size or mtime now differ from the index's."""
+    if size != loc.file_size or mtime_ns != loc.file_mtime_ns:
+        raise CheckpointError(f"{loc.path} changed since the checkpoint was indexed (size {loc.file_size} -> "
+                              f"{size}); index it again")
 
 
 def _land(reader, item, dst: np.ndarray, free: list) -> int:

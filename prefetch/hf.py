@@ -46,8 +46,8 @@ import torch
 from prefetch.checkpoint_experts import block_names, model_device, register_from_disk
 from prefetch.controller import OffloadController
 from prefetch.expert_ids import routed_experts as _routed_experts
-from prefetch.expert_prefetcher import _align, expert_layout
-from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
+from prefetch.expert_prefetcher import _align
+from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe, expert_shapes
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
            "offloaded_experts", "HostExperts"]
@@ -533,14 +533,11 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                                    local=None if ep is None else ep.local)
     controller.host_experts = host_experts  # None: the experts stay on disk
     controller.expert_parallel = ep
-    gate_up_shape, down_shape = tuple(first.gate_up_proj.shape[1:]), tuple(first.down_proj.shape[1:])
-    dtype = first.gate_up_proj.dtype
+    gate_up_shape, down_shape, dtype, layout = expert_shapes(first)
     if on_disk:
-        probe = {"gate_up_proj": torch.empty(gate_up_shape, dtype=dtype),
-                 "down_proj": torch.empty(down_shape, dtype=dtype)}
         chosen = [range(num_experts) if mine is None else mine[layer] for layer in range(len(hf_blocks))]
         register_from_disk(controller.prefetcher, handle, checkpoint, block_names(model, hf_blocks), chosen,
-                           gate_up_shape, down_shape, dtype, expert_layout(probe), [0] * len(hf_blocks))
+                           gate_up_shape, down_shape, dtype, layout, [0] * len(hf_blocks))
     offloads = []
     for layer, (_, experts, _) in enumerate(hf_blocks):
         if not on_disk:

@@ -31,6 +31,15 @@ def _unregister_host(buffer) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
+def expert_shapes(experts) -> tuple:
+    """(gate_up shape, down shape, dtype, packed layout) of one expert of a
+    transformers experts module (its weights may be on the meta device)."""
+    gate_up_shape, down_shape = tuple(experts.gate_up_proj.shape[1:]), tuple(experts.down_proj.shape[1:])
+    dtype = experts.gate_up_proj.dtype
+    probe = {"gate_up_proj": torch.empty(gate_up_shape, dtype=dtype), "down_proj": torch.empty(down_shape, dtype=dtype)}
+    return gate_up_shape, down_shape, dtype, expert_layout(probe)
+
+
 class HostExperts:
     """Every expert of a model packed in one host buffer, each expert at a
     fixed stride in the engine's packed layout (gate_up_proj, then
@@ -56,12 +65,7 @@ class HostExperts:
         first = hf_blocks[0][1]
         self.num_layers = len(hf_blocks)
         self.num_experts = first.gate_up_proj.shape[0]
-        self.gate_up_shape = tuple(first.gate_up_proj.shape[1:])
-        self.down_shape = tuple(first.down_proj.shape[1:])
-        self.dtype = first.gate_up_proj.dtype
-        probe = {"gate_up_proj": torch.empty(self.gate_up_shape, dtype=self.dtype),
-                 "down_proj": torch.empty(self.down_shape, dtype=self.dtype)}
-        self.layout = expert_layout(probe)
+        self.gate_up_shape, self.down_shape, self.dtype, self.layout = expert_shapes(first)
         self.expert_bytes = self.layout[-1].offset + self.layout[-1].nbytes
         self.stride = _align(self.expert_bytes)
         # experts: per layer, the expert ids packed here (an expert-parallel

@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <limits>
 
 #include "errors.h"
 
@@ -124,6 +125,33 @@ std::string RangeText(const std::string& path, uint64_t offset,
                       uint64_t length) {
   return path + ": read of " + std::to_string(length) + " bytes at offset " +
          std::to_string(offset);
+}
+
+DiskSpan AlignedSpan(const std::string& path, uint64_t offset, uint64_t length,
+                     uint64_t alignment, void* dest) {
+  const uint64_t a = alignment;
+  const uint64_t end = offset + length;  // inside the file: no overflow
+  uint64_t end_up = 0;
+  if (__builtin_add_overflow(end, a - 1, &end_up)) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        RangeText(path, offset, length) +
+                            ": its aligned end overflows");
+  }
+  end_up -= end_up % a;
+  DiskSpan span;
+  span.offset = offset;
+  span.length = length;
+  span.span_start = offset - offset % a;
+  const uint64_t bytes = end_up - span.span_start;
+  if (bytes > std::numeric_limits<size_t>::max()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        RangeText(path, offset, length) +
+                            ": its span does not fit in memory");
+  }
+  span.span_bytes = static_cast<size_t>(bytes);
+  span.lead = static_cast<size_t>(offset - span.span_start);
+  span.dest = dest;
+  return span;
 }
 
 void OpenDiskFile(const std::string& path, bool direct, bool refuse_direct,

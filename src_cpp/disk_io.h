@@ -54,6 +54,13 @@ struct DiskSpan {
   void* dest = nullptr;
 };
 
+// The span of [offset, offset + length) of `path` widened to multiples of
+// `alignment` (1: the range itself), read into `dest`. Throws
+// kInvalidArgument when its aligned end overflows or it does not fit in
+// memory. REQUIRES: the range inside the file, alignment >= 1.
+DiskSpan AlignedSpan(const std::string& path, uint64_t offset, uint64_t length,
+                     uint64_t alignment, void* dest);
+
 enum class DiskFault { kNone, kEio, kShortRead };  // injected (tests)
 
 // Reads `span` of `file` (pread until the requested bytes are in, EINTR

@@ -135,23 +135,10 @@ void DiskReader::SpanLocked(const File& f, uint64_t offset, uint64_t length,
                             std::to_string(info.size) +
                             " bytes when it was opened)");
   }
-  const uint64_t a = info.alignment;
-  const uint64_t end = offset + length;  // <= info.size: no overflow
-  uint64_t end_up = 0;
-  if (__builtin_add_overflow(end, a - 1, &end_up)) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        RangeText(info.path, offset, length) +
-                            ": its aligned end overflows");
-  }
-  end_up -= end_up % a;
-  *start = offset - offset % a;
-  const uint64_t span = end_up - *start;
-  if (span > std::numeric_limits<size_t>::max()) {
-    throw PrefetchError(ErrorKind::kInvalidArgument,
-                        RangeText(info.path, offset, length) +
-                            ": its span does not fit in memory");
-  }
-  *bytes = static_cast<size_t>(span);
+  const DiskSpan span =
+      AlignedSpan(info.path, offset, length, info.alignment, nullptr);
+  *start = span.span_start;
+  *bytes = span.span_bytes;
 }
 
 size_t DiskReader::RequiredCapacity(int file, uint64_t offset,

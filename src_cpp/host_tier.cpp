@@ -19,6 +19,16 @@ constexpr size_t kStageAlignment = 4096;  // every region of a host slot
 
 size_t AlignUp(size_t n, size_t a) { return (n + a - 1) / a * a; }
 
+// Extent `x`'s span as the host tier reads it into `region`: 4096-aligned
+// for an O_DIRECT file (O_DIRECT alignments above that are refused at
+// OpenFile), the bytes themselves for a buffered one. Never throws for a
+// registered extent: RegisterDisk computed its 4096-aligned span already.
+DiskSpan ExtentSpan(const DiskFileInfo& info, const DiskExtent& x,
+                    void* region) {
+  return AlignedSpan(info.path, x.file_offset, x.bytes,
+                     info.direct ? kStageAlignment : 1, region);
+}
+
 }  // namespace
 
 void ArcherPrefetchHandle::BuildHostTier(const HandleOptions& options) {
@@ -138,8 +148,11 @@ void ArcherPrefetchHandle::RegisterDisk(int64_t id, const DiskExtent* extents,
     const DiskExtent& x = extents[i];
     CheckExtentLocked(id, i, x, total_bytes);
     spec->region.push_back(spec->stage_bytes);
-    const size_t lead = x.file_offset % kStageAlignment;
-    spec->stage_bytes += AlignUp(lead + x.bytes, kStageAlignment);
+    // Each region as an O_DIRECT read needs it (a buffered file's is smaller).
+    const DiskFileInfo& info = files_[static_cast<size_t>(x.file)]->info;
+    spec->stage_bytes +=
+        AlignedSpan(info.path, x.file_offset, x.bytes, kStageAlignment, nullptr)
+            .span_bytes;
     spec->extents.push_back(x);
   }
   if (spec->stage_bytes > host_tier_->budget_bytes()) {
@@ -268,14 +281,7 @@ void ArcherPrefetchHandle::StageLocked(Entry* owner, MutexLock& lk) {
   for (size_t i = 0; i < spec->extents.size() && error.empty(); ++i) {
     const DiskExtent& x = spec->extents[i];
     const DiskFile& file = *files_[static_cast<size_t>(x.file)];
-    DiskSpan span;
-    span.offset = x.file_offset;
-    span.length = x.bytes;
-    const size_t align = file.info.direct ? kStageAlignment : 1;
-    span.span_start = x.file_offset / align * align;
-    span.lead = static_cast<size_t>(x.file_offset - span.span_start);
-    span.span_bytes = AlignUp(span.lead + x.bytes, align);
-    span.dest = host + spec->region[i];
+    const DiskSpan span = ExtentSpan(file.info, x, host + spec->region[i]);
     const DiskFault fault = backend_->NextReadFault();
     DropLock(lk);
     int sys_errno = 0;
@@ -330,14 +336,13 @@ void ArcherPrefetchHandle::CopyFromDiskLocked(DeviceState* dev, Entry* e,
     char* dst = dev->cache->arena() + e->slot_offset;
     for (size_t i = 0; i < spec->extents.size() && error.empty(); ++i) {
       const DiskExtent& x = spec->extents[i];
-      const size_t lead = files_[static_cast<size_t>(x.file)]->info.direct
-                              ? x.file_offset % kStageAlignment
-                              : 0;
+      const DiskSpan span = ExtentSpan(
+          files_[static_cast<size_t>(x.file)]->info, x, nullptr);
       DropLock(lk);
       const Clock::time_point start = Clock::now();
       error = IssueCopy(dev->index, dst + x.tensor_offset,
-                        host + spec->region[i] + lead, x.bytes, urgent, lane,
-                        &token);
+                        host + spec->region[i] + span.lead, x.bytes, urgent,
+                        lane, &token);
       const double seconds =
           std::chrono::duration<double>(Clock::now() - start).count();
       RetakeLock(lk);
