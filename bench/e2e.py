@@ -51,15 +51,19 @@ faster of the two). Runs past --budget-s are reported null. With
 --repeats: p50_ms and p90_ms are the medians of the rounds' (p50_runs_ms,
 p90_runs_ms), and
 x_adjacent the median of each round's p50 over its all-resident p50
-(resident_runs_ms): the host's speed drifts over a block.
+(resident_runs_ms): the host's speed drifts over a block. Each row also has
+host_us_per_layer (the first round's host time per decode layer by phase of
+the step: speculate, sync, acquire, compute launch, release, and the engine
+calls' share of them) and late (acquires that found their copy under way).
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
 in src_cpp/eviction_policy.h). --devices N splits the layers into N contiguous
 runs, one per GPU, with the cache budget split by layers; the IO floor is then
 the slowest device's (each device's Belady loads over its own raw bandwidth).
 --profile DIR: after each policy's first measured run, --profile-steps more
-steps under torch.profiler (Chrome traces and op tables in DIR); the row's
-"profile" has per step the wall time, the GPU's busy, compute, host-to-device
-and copy-only time and its idle time (wall - busy), and the decoder's host
+steps (a new sequence from step 0, its warm-up unprofiled) under
+torch.profiler (Chrome traces and op tables in DIR); the row's "profile" has
+per step the wall time, the GPU's busy, compute, host-to-device and
+copy-only time and its idle time (wall - busy), and the decoder's host
 phases (speculate, sync, acquire, compute launch, release): where a step's
 time goes that the host clock alone cannot split.
 """
@@ -108,9 +112,19 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
             if hasattr(provider, "ctl"):
                 provider.ctl.prediction_hits = provider.ctl.predicted_total = provider.ctl.actual_total = 0
 
-        lat, before, after = measure_steps(dec, provider, inputs, warmup, route, at_warmup_end=score_from_here)
-        delta = {key: after[key] - before.get(key, 0) for key in ("hits", "misses", "bytes", "disk_read_bytes")
-                 if key in after}
+        timers = {}
+        lat, before, after = measure_steps(dec, provider, inputs, warmup, route, timers=timers,
+                                           at_warmup_end=score_from_here)
+        delta = {key: after[key] - before.get(key, 0)
+                 for key in ("hits", "misses", "bytes", "disk_read_bytes", "late", "engine_ns")
+                 if after.get(key) is not None}
+        # Host time per decode layer of the measured steps, by phase of
+        # Decoder.step (wall clock of the one Python thread; "engine" is the
+        # part of speculate, acquire and release spent in the engine's calls).
+        per_layer = 1e6 / max(1, len(lat) * dec.spec["layers"])
+        delta["host_us_per_layer"] = {k: v * per_layer for k, v in sorted(timers.items())}
+        if "engine_ns" in delta:
+            delta["host_us_per_layer"]["engine"] = delta.pop("engine_ns") * per_layer / 1e9
         delta["precision"] = after.get("precision")
         delta["recall"] = after.get("recall")
         if profile is not None:
@@ -155,6 +169,8 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         "precision": delta.get("precision"),
         "recall": delta.get("recall"),
         "disk_read_bytes": delta.get("disk_read_bytes"),
+        "late": delta.get("late"),
+        "host_us_per_layer": delta.get("host_us_per_layer"),
     })
     if "profile" in delta:
         row["profile"] = delta["profile"]

@@ -228,7 +228,7 @@ class Decoder:
 
 def profile_steps(dec, provider, inputs, warmup, steps, route, path):
     """--profile: `steps` more decode steps (the measured inputs again, from
-    `warmup` on) under torch.profiler, after the measured ones, so the
+    `warmup` on, after their warm-up steps unprofiled) under torch.profiler, after the measured ones, so the
     profiler's cost stays out of every figure. Writes `path`.json (Chrome
     trace) and `path`.txt (ops by device time). Returns, per step: wall ms,
     the GPU's split (bench.common.gpu_time_split; null without CUDA), idle
@@ -243,6 +243,14 @@ def profile_steps(dec, provider, inputs, warmup, steps, route, path):
     timers = {}
     wall = 0.0
     measured = len(inputs) - warmup
+    # The replay starts a new sequence at step 0 (its warm-up steps run
+    # unprofiled), so a predictor that follows the step count (the oracle
+    # reads the trace at the controller's step) sees the steps it predicts.
+    ctl = getattr(provider, "ctl", None)
+    if ctl is not None:
+        ctl.new_sequence()
+    for i in range(warmup):
+        dec.step(inputs[i], provider, route(i) if route is not None else None)
     with profile(activities=activities) as prof:
         dec.timers = timers
         try:
