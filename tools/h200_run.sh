@@ -130,6 +130,8 @@ for step in $steps; do
           --repeats "${TRACES_REPEATS:-1}" ${TRACES_PROFILE:+--profile "$out/prof_$(basename "$t" .json)"} \
           --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
+        # The Chrome traces are too large to bring back; the op tables (.txt) and the rows' "profile" stay.
+        rm -f "$out/prof_$(basename "$t" .json)"/*.json
       done ;;
     waitprobe)
       # Note [Worker waits]: BM5 on-demand and oracle with the worker spinning and polling, alternated.
