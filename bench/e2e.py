@@ -90,19 +90,18 @@ from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
-               eviction="cyclic", profile=None, disk_dir=None, handle_options=None):
+               eviction="cyclic", profile=None, disk_dir=None):
     """Decodes `inputs` (one tensor per step) under `policy`. Returns the
     measured step latencies (after `warmup` steps), the provider's counters
     over the measured steps, and the routing trace (all-resident only).
     `forced`: a routing trace's steps, replayed instead of the router.
-    `handle_options`: more PrefetchHandle options for the engine policies.
     `profile`: (path, steps): that many more steps under torch.profiler
     (profile_steps), their figures in the counters' "profile"."""
 
     def route(i):
         return forced[i % len(forced)] if forced else None
 
-    provider = make_provider(dec, policy, budget, trace, eviction, handle_options=handle_options, disk_dir=disk_dir)
+    provider = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir)
     try:
         if policy == "trace":  # learn from other requests first
             for request in train_inputs:

@@ -103,7 +103,6 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         size_t host_budget_bytes
         bool disk_direct_io
         int disk_reader_threads
-        bool worker_poll_wait
 
     cdef struct CDiskExtent "prefetch::DiskExtent":
         int32_t file

@@ -74,7 +74,7 @@ cdef class PrefetchHandle(_HandleBase):
         max_bytes_in_flight=268435456, max_speculative_bytes_in_flight=None,
         copy_lanes=2, start_paused=False, poison_freed_slots=False,
         host_budget_bytes=0, disk_direct_io=True, disk_reader_threads=2,
-        worker_wait="spin", faults=None, debug_issue_delay_us=0)
+        faults=None, debug_issue_delay_us=0)
 --
 
     An expert prefetch engine: a registry of host tensors and, per device,
@@ -147,9 +147,6 @@ cdef class PrefetchHandle(_HandleBase):
     disk_reader_threads=2
         With a host tier: threads (1..64) reading the most urgent queued
         disk-backed tensors into it while the workers copy those read.
-    worker_wait="spin"
-        How a copy worker waits for its oldest copy in flight: "spin" (the
-        driver's event wait) or "poll" (ask, sleep 10 us; Note [Worker waits]).
 
     Tests only: ``faults`` (a dict for backend="fault") and
     ``debug_issue_delay_us`` (a sleep inside the batched call).
@@ -174,7 +171,6 @@ cdef class PrefetchHandle(_HandleBase):
         host_budget_bytes=0,
         disk_direct_io=True,
         disk_reader_threads=2,
-        worker_wait="spin",
         faults=None,
         debug_issue_delay_us=0,
     ):
@@ -195,8 +191,10 @@ cdef class PrefetchHandle(_HandleBase):
         _check_limits(options, cycle_acquires, copy_chunk_bytes, max_bytes_in_flight,
                       max_speculative_bytes_in_flight, copy_lanes, start_paused,
                       poison_freed_slots, debug_issue_delay_us)
-        _check_tier_and_wait(options, host_budget_bytes, disk_direct_io, disk_reader_threads,
-                             worker_wait)
+        options.host_budget_bytes = _int_option(
+            "host_budget_bytes", host_budget_bytes, 0, _INT64_MAX)
+        options.disk_direct_io = _flag_option("disk_direct_io", disk_direct_io)
+        options.disk_reader_threads = _int_option("disk_reader_threads", disk_reader_threads, 1, 64)
         if faults is not None and not isinstance(faults, dict):
             raise TypeError("faults must be a dict of setting -> int")
         cdef unique_ptr[CCopyBackend] cbackend

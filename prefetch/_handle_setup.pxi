@@ -60,21 +60,6 @@ cdef int _check_limits(CHandleOptions& options, object cycle_acquires,
     return 0
 
 
-cdef int _check_tier_and_wait(CHandleOptions& options, object host_budget_bytes,
-                              object disk_direct_io, object disk_reader_threads,
-                              object worker_wait) except -1:
-    """Checks the host tier's options and worker_wait into `options`."""
-    options.host_budget_bytes = _int_option("host_budget_bytes", host_budget_bytes, 0, _INT64_MAX)
-    options.disk_direct_io = _flag_option("disk_direct_io", disk_direct_io)
-    options.disk_reader_threads = _int_option("disk_reader_threads", disk_reader_threads, 1, 64)
-    if not isinstance(worker_wait, str):
-        raise TypeError(f"worker_wait must be 'spin' or 'poll', got {type(worker_wait).__name__}")
-    if worker_wait not in ("spin", "poll"):
-        raise InvalidArgumentError(f"worker_wait must be 'spin' or 'poll', got {worker_wait!r}")
-    options.worker_poll_wait = worker_wait == "poll"
-    return 0
-
-
 cdef str _make_backend(object backend, object faults, int num_devices,
                        shared_ptr[CFaultConfig]& fault_config,
                        unique_ptr[CCopyBackend]& out):

@@ -26,8 +26,7 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
       poison_freed_slots_(options.poison_freed_slots),
       owner_pid_(static_cast<long>(::getpid())),
       disk_direct_io_(options.disk_direct_io),
-      disk_reader_threads_(options.disk_reader_threads),
-      worker_poll_wait_(options.worker_poll_wait) {
+      disk_reader_threads_(options.disk_reader_threads) {
   CheckOptions(options);
   // Build the host tier and every device before starting any thread, so a
   // failure here leaves nothing running; then start workers.

@@ -57,7 +57,6 @@ constexpr int kMaxDevices = 64;                            // notify bitmask
 constexpr size_t kDefaultChunkBytes = size_t{4} << 20;     // 4 MiB per copy
 constexpr size_t kDefaultMaxBytesInFlight = size_t{256} << 20;
 constexpr uint8_t kPoisonByte = 0xDB;  // freed slots, with poison_freed_slots
-constexpr int64_t kWorkerPollNs = 10000;  // worker_poll_wait's sleep
 
 struct HandleOptions {
   // Cache budget of each device in bytes; its size is the device count.
@@ -81,9 +80,6 @@ struct HandleOptions {
   size_t host_budget_bytes = 0;
   bool disk_direct_io = true;  // O_DIRECT where the filesystem takes it
   int disk_reader_threads = 2;  // with a host tier: threads reading from disk
-  // How a copy worker waits for its oldest copy in flight (Note [Worker
-  // waits]): false spins in the driver, true polls with short sleeps.
-  bool worker_poll_wait = false;
 };
 
 // Note [Host tier]
@@ -329,9 +325,6 @@ class ArcherPrefetchHandle {
       REQUIRES(mu_);
   // No slot can be freed: waits on work_cv (dropping mu_ inside the wait)
   // for a release, an unregister, close, or 100 us with `wait_for_events`.
-  // The worker's wait for a copy in flight (Note [Worker waits]); the
-  // caller holds no lock.
-  void WaitForCopy(CopyToken token) EXCLUDES(mu_);
   void WaitForFreeSlotLocked(DeviceState* dev, bool wait_for_events,
                              MutexLock& lk) REQUIRES(mu_);
   // Copies `e` (out of the queue, its slot reserved by ReserveSlotLocked)
@@ -539,7 +532,6 @@ class ArcherPrefetchHandle {
   void* host_tier_alloc_ = nullptr;         // what AllocateHost returned
   size_t host_tier_alloc_bytes_ = 0;
   const int disk_reader_threads_;
-  const bool worker_poll_wait_;
   CondVar stage_cv_;  // readers: disk-backed work queued, room, close
   std::vector<std::thread> readers_;  // started with the workers; Close joins
 };

@@ -4,14 +4,8 @@
 #include "handle_internal.h"
 
 #include <algorithm>
-#include <chrono>
 #include <cmath>
 #include <cstring>
-#include <thread>
-
-#if defined(__linux__)
-#include <sys/prctl.h>
-#endif
 
 namespace prefetch {
 
@@ -160,11 +154,6 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
   } catch (const std::exception& ex) {
     bind_error = ex.what();
   }
-#if defined(__linux__)
-  // Note [Worker waits]: sleeps of about kWorkerPollNs, not the default
-  // 50 us of timer slack (a per-thread setting; failure keeps the default).
-  if (worker_poll_wait_) ::prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
-#endif
   MutexLock lk(mu_);
   while (!stop_) {
     if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
@@ -254,7 +243,7 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
   backend_->RetainToken(oldest);  // Note [Completed tokens]
   DropLock(lk);
   try {
-    WaitForCopy(oldest);
+    backend_->Wait(oldest);
   } catch (...) {
     // A failed wait surfaces to the acquirer of that entry.
   }
@@ -262,28 +251,6 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
   RetakeLock(lk);
   RetireInflightLocked(dev);
   return true;
-}
-
-// Note [Worker waits]
-// A worker with its bytes in flight at their cap waits for the oldest copy.
-// The CUDA driver's event wait spins a core until the copy completes, so
-// under a steady stream of prefetches each device's worker keeps a core
-// busy calling into the driver while the serving thread launches kernels
-// and makes its engine calls on another (on a virtualized host, possibly
-// the same physical core). With worker_poll_wait the worker instead asks
-// whether the copy is done (Query, which never blocks) and sleeps
-// kWorkerPollNs between the questions, with its timer slack lowered
-// (WorkerLoop) so the sleep is about that long: a copy's completion is
-// seen at most that much later, far less than a chunk's transfer (4 MiB
-// take about 75 us at 55 GB/s), and the other chunk in flight keeps the
-// link busy meanwhile. Wait then returns at once and reports a failure.
-void ArcherPrefetchHandle::WaitForCopy(CopyToken token) {
-  if (worker_poll_wait_) {
-    while (!backend_->Query(token)) {
-      std::this_thread::sleep_for(std::chrono::nanoseconds(kWorkerPollNs));
-    }
-  }
-  backend_->Wait(token);
 }
 
 // Every slot is pinned (or still read on a stream): wait for a release, an

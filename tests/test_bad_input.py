@@ -215,8 +215,6 @@ BAD_OPTIONS = [
     (dict(device_budget_bytes=4096, poison_freed_slots="yes"), TypeError, "poison_freed_slots must be True or False"),
     (dict(device_budget_bytes=4096, faults={"copy_delay_us": 1}), ValueError, "faults= needs backend='fault'"),
     (dict(device_budget_bytes=4096, debug_issue_delay_us=-1), ValueError, "debug_issue_delay_us"),
-    (dict(device_budget_bytes=4096, worker_wait=True), TypeError, "worker_wait must be 'spin' or 'poll', got bool"),
-    (dict(device_budget_bytes=4096, worker_wait="sleep"), ValueError, "worker_wait must be 'spin' or 'poll'"),
 ]
 
 

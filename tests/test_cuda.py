@@ -106,35 +106,6 @@ def stalled_copy_setup(h):
     return data, gate
 
 
-@pytest.mark.parametrize("worker_wait", ["spin", "poll"])
-def test_worker_waits_for_copies_in_flight_either_way(worker_wait):
-    """Note [Worker waits]: 16 tensors of 1 MiB behind a stalled copy stream
-    and an in-flight cap of 2 MiB, so the worker must wait for its oldest
-    copy again and again (by spinning or by polling): every byte arrives."""
-    with cuda_handle(device_budget_bytes=32 << 20, max_bytes_in_flight=2 << 20, copy_chunk_bytes=256 << 10,
-                     max_speculative_bytes_in_flight=2 << 20, worker_wait=worker_wait) as h:
-        data = [torch.randint(0, 256, (1 << 20,), dtype=torch.uint8, device="cuda").cpu() for _ in range(16)]
-        for i, d in enumerate(data):
-            h.register(i, d)
-        h._debug_fill_cache(0)
-        gate = torch.cuda.Stream()
-        with torch.cuda.stream(gate):
-            torch.cuda._sleep(SPIN_CYCLES // 4)
-        h._debug_hold_copies(gate)
-        ids = list(range(16))
-        h.prefetch_tensors(ids, 1)
-        require_still_running(gate, "the gate kernel")
-        gate.synchronize()
-        stream = torch.cuda.Stream()
-        views = h.acquire(ids, stream=stream)
-        with torch.cuda.stream(stream):
-            same = [torch.equal(v, d.to("cuda")) for v, d in zip(views, data)]
-        stream.synchronize()
-        assert all(same)
-        assert h.stats()["copies"] >= 16
-        h.release(ids, stream=stream)
-
-
 def test_use_before_arrival_waits_on_the_gpu():
     with cuda_handle(device_budget_bytes=64 << 20) as h:
         data, gate = stalled_copy_setup(h)

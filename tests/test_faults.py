@@ -1,8 +1,6 @@
 """Fault injection through the `fault` backend (the host backend with
 injectable faults): failed copies, non-std exceptions on a worker, slow and
 failed allocations, poisoned freed slots."""
-import time
-
 import numpy as np
 import pytest
 from payload import check, content
@@ -207,25 +205,3 @@ def test_failed_stream_record_leaves_the_release_undone():
         h.release([0, 1, 2, 3], stream=streams)
         assert h.stats()["pinned_count"] == 0
         assert h.evict([0, 1, 2, 3]) == 4
-
-
-@pytest.mark.parametrize("worker_wait", ["spin", "poll"])
-def test_worker_wait_modes_copy_every_byte(worker_wait):
-    # Note [Worker waits]: with an asynchronous backend and an in-flight cap
-    # of one tensor, the worker waits for its oldest copy before each next
-    # one, through the backend's Wait or by polling Query; either way every
-    # prefetched tensor arrives intact.
-    with fault_handle(device_budget_bytes=16 * SIZE, faults={"report_async": 1}, max_bytes_in_flight=SIZE,
-                      max_speculative_bytes_in_flight=SIZE, worker_wait=worker_wait) as h:
-        register(h, range(12))
-        h.prefetch_tensors(list(range(12)), 1)
-        deadline = time.monotonic() + 10
-        while len(h.resident()) < 12 and time.monotonic() < deadline:
-            time.sleep(0.001)
-        assert sorted(h.resident()) == list(range(12))
-        views = h.acquire(list(range(12)), timeout=10)
-        for tid, view in enumerate(views):
-            check(view, tid, 0)
-        s = h.stats()
-        assert s["copies"] == 12 and s["hits"] == 12
-        h.release(list(range(12)))

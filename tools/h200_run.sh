@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare abengine (OLD_TREE=folder)
-# overlap disk e2edisk waitprobe e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -132,12 +132,6 @@ for step in $steps; do
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
         # The Chrome traces are too large to bring back; the op tables (.txt) and the rows' "profile" stay.
         rm -f "$out/prof_$(basename "$t" .json)"/*.json
-      done ;;
-    waitprobe)
-      # Note [Worker waits]: BM5 on-demand and oracle with the worker spinning and polling, alternated.
-      for t in ${TRACES:-traces/*.json}; do
-        python3 tools/wait_probe.py --trace "$t" --rounds "${PROBE_ROUNDS:-3}" --steps "${E2E_STEPS:-16}" \
-          --json "$out/wait_$(basename "$t" .json).json" 2>&1 | tee "$out/wait_$(basename "$t" .json).txt" || status=1
       done ;;
     e2edisk)
       # #15's BM5 cell: on-demand with the experts in host memory against the same read from disk
