@@ -22,11 +22,13 @@ drift of the disk favours none):
   reader  prefetch.DiskReader with each --threads count reads the same ranges
           into aligned buffers, 2 reads per thread in flight;
   engine  the engine's own disk tier (Note [Host tier]): every range registered
-          as a disk-backed tensor of one PrefetchHandle whose host tier holds
-          4 ranges (far less than the files: the "host budget below the
-          experts" case) and whose device cache holds 4 (on CUDA, the GPU);
-          the ranges are acquired in order, each acquire preceded by a
-          prefetch of the next 2, and released: disk -> page-locked host
+          as a disk-backed tensor of one PrefetchHandle with the largest
+          --threads count of reader threads, whose host tier and device
+          cache (on CUDA, the GPU) each hold 2 x that + 2 ranges (far less
+          than the files: the "host budget below the experts" case); the
+          ranges are acquired in order, each acquire preceded by a prefetch
+          of the next 2 x threads (as many reads queued as raw-par keeps in
+          flight), and released: disk -> page-locked host
           slot -> device slot, timed until the last acquire returned with
           its bytes in place (no stream: the CPU waits for each copy);
   gpu     (CUDA only) the same with the largest thread count into page-locked
@@ -203,13 +205,13 @@ def reader_pass(reader, files, size: int, range_bytes: int, buffers, on_read=Non
     return total, time.perf_counter() - t0
 
 
-def engine_pass(prefetch, paths, size: int, range_bytes: int, backend: str) -> tuple[int, float]:
+def engine_pass(prefetch, paths, size: int, range_bytes: int, backend: str, threads: int) -> tuple[int, float]:
     """Every range of every file through the engine's disk tier (see the
-    module docstring): (bytes, seconds). The first and last range's bytes
-    are checked against the file."""
+    module docstring) with `threads` reader threads: (bytes, seconds)."""
     span = -(-range_bytes // ALIGN) * ALIGN + ALIGN
-    handle = prefetch.PrefetchHandle(device_budget_bytes=4 * (range_bytes + 512), backend=backend,
-                                     host_budget_bytes=4 * span)
+    ahead = 2 * threads  # as many reads queued as raw-par has in flight
+    handle = prefetch.PrefetchHandle(device_budget_bytes=(ahead + 2) * (range_bytes + 512), backend=backend,
+                                     host_budget_bytes=(ahead + 2) * span, disk_reader_threads=threads)
     try:
         ids = []
         for path in paths:
@@ -220,9 +222,9 @@ def engine_pass(prefetch, paths, size: int, range_bytes: int, backend: str) -> t
         total = 0
         t0 = time.perf_counter()
         for i, n in enumerate(ids):
-            ahead = list(range(i + 1, min(i + 3, len(ids))))
-            if ahead:
-                handle.prefetch_tensors(ahead, 1)
+            later = list(range(i + 1, min(i + 1 + ahead, len(ids))))
+            if later:
+                handle.prefetch_tensors(later, 1)
             handle.acquire_slots([i], timeout=600)
             handle.release([i])
             total += n
@@ -308,7 +310,8 @@ def measure(prefetch, paths, size: int, args) -> dict:
                 elif kind == "raw-par":
                     samples["raw-par"].append(gbps(*raw_parallel_pass(fds, size, args.range_bytes, par_bufs)))
                 elif kind == "engine":
-                    samples["engine"].append(gbps(*engine_pass(prefetch, paths, size, args.range_bytes, backend)))
+                    samples["engine"].append(gbps(*engine_pass(prefetch, paths, size, args.range_bytes, backend,
+                                                               max(args.threads))))
                 elif kind == "gpu":
                     r, files, _ = readers[max(args.threads)]
                     samples["gpu"].append(gbps(*reader_pass(r, files, size, args.range_bytes, sink.host,

@@ -266,3 +266,47 @@ def test_a_failed_prefetch_read_goes_to_the_next_acquirer(data_file):
         assert np.array_equal(read_slot(handle, 2, total), expected(data, extents, total))
     finally:
         handle.close()
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="reads RSS from /proc (Linux)")
+def test_host_memory_stays_within_the_budgets_whatever_the_model_size(tmp_path):
+    # #15: a "model" of 2 GiB of experts (a sparse file: its holes read as
+    # zeros, so the test costs no disk space) streamed through a host tier of
+    # 8 MiB and a device cache of 8 MiB, every expert acquired in turn with
+    # the next one prefetched: the process's resident memory grows by at most
+    # the two budgets (+5 %) plus a little for the per-tensor records, never
+    # with the bytes read (256 x the host tier).
+    expert, count = 4 * MIB, 512
+    path = tmp_path / "sparse-experts.bin"
+    with open(path, "wb") as f:
+        f.truncate(expert * count)
+    host_budget = device_budget = 2 * (expert + 8192)
+    with prefetch.PrefetchHandle(device_budget_bytes=device_budget, backend="host",
+                                 host_budget_bytes=host_budget) as handle:
+        f = handle.open_file(path)
+        for tid in range(count):
+            handle.register_disk(tid, [(f, tid * expert, expert, 0)])
+        before = rss_bytes()
+        peak = before
+        for tid in range(count):
+            ahead = list(range(tid + 1, min(tid + 2, count)))
+            if ahead:
+                handle.prefetch_tensors(ahead, 1)
+            where = handle.acquire_slots([tid], timeout=60)
+            assert where.shape == (1, 2)
+            handle.release([tid])
+            if tid % 16 == 0:
+                peak = max(peak, rss_bytes())
+        peak = max(peak, rss_bytes())
+        s = handle.stats()
+        assert s["disk_read_bytes"] >= expert * count  # every expert came from the file
+        assert s["host_tier_used_bytes"] <= s["host_tier_budget_bytes"] == host_budget
+    grown = peak - before
+    assert grown <= 1.05 * (host_budget + device_budget) + 4 * MIB, (
+        f"resident memory grew by {grown / MIB:.1f} MiB streaming {expert * count / MIB:.0f} MiB "
+        f"through budgets of {(host_budget + device_budget) / MIB:.1f} MiB")

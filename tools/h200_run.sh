@@ -136,9 +136,11 @@ for step in $steps; do
     e2edisk)
       # #15's BM5 cell: on-demand with the experts in host memory against the same read from disk
       # through the engine's host tier of half the expert bytes (DISK_TRACE: a trace of traces/).
+      # DISK_WARMUP=128 (the gemma-4 trace's length after its first step) warms every cache on the
+      # whole trace first; the measured steps then replay its first steps (BM5 forces step i % length).
       t=${DISK_TRACE:-traces/gemma4-26b-a4b.json}
       python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares 0.25 --batches 1 \
-        --warmup 2 --steps "${E2E_STEPS:-24}" --policies all-resident on-demand on-demand-disk --repeats "${TRACES_REPEATS:-1}" \
+        --warmup "${DISK_WARMUP:-2}" --steps "${E2E_STEPS:-24}" --policies all-resident on-demand on-demand-disk --repeats "${TRACES_REPEATS:-1}" \
         --disk-dir "${DISK_DIR:-$PWD}" --budget-s "${TRACES_BUDGET_S:-150}" --json "$out/e2e_disk.json" \
         2>"$out/e2e_disk.log" | tee "$out/e2e_disk.txt" || status=1 ;;
     overlap)
