@@ -41,6 +41,10 @@ class OffloadController(SyncFreeDecode):
         self.top_k = top_k
         self.predictor = predictor
         self._late_predict = bool(getattr(predictor, "reads_routing", False))
+        # A predictor whose host guesses are sorted, distinct, in-range int64
+        # arrays (the oracle's, made once from its trace) says so: they skip
+        # _distinct's pass.
+        self._distinct_guesses = bool(getattr(predictor, "distinct_guesses", False))
         self.routers = routers or []
         self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
         self.device = device
@@ -167,13 +171,12 @@ class OffloadController(SyncFreeDecode):
         step = self.step if step is None else step
         predicted = self._pending.pop((step, layer), None)
         if predicted is not None:
-            hit = np.zeros(self.num_experts, dtype=bool)
-            hit[experts] = True
-            self.prediction_hits += int(hit[predicted].sum())
+            # Both sorted and distinct: the overlap of two short lists.
+            self.prediction_hits += len(set(predicted.tolist()).intersection(experts.tolist()))
             self.predicted_total += int(predicted.shape[0])
             self.actual_total += int(experts.shape[0])
         if self._trace is not None:
-            self._trace.add(step, layer, experts.tolist())
+            self._trace.add(step, layer, experts)
         hints = None
         if self.predictor is not None:
             hints = self.predictor.observe(self, step, layer, experts)
@@ -278,10 +281,13 @@ class OffloadController(SyncFreeDecode):
         one time or one per expert)], or (None, None) for none."""
         if not hints:
             return None, None
-        ids = np.concatenate([self.ids(lyr, np.asarray(ex, dtype=np.int64)) for lyr, ex, _ in hints])
-        when = np.concatenate([np.asarray(t, dtype=np.int64) if not np.isscalar(t)
-                               else np.full(len(ex), t, dtype=np.int64) for _, ex, t in hints])
-        return ids, when
+        ids, when = [], []
+        for lyr, ex, t in hints:
+            ex = np.asarray(ex, dtype=np.int64)
+            ids.append(self.ids(lyr, ex))
+            when.append(np.full(ex.shape[0], t, dtype=np.int64) if isinstance(t, (int, np.integer))
+                        else np.asarray(t, dtype=np.int64))
+        return np.concatenate(ids), np.concatenate(when)
 
     def _only_local(self, guesses: dict, hints):
         local = self.local
@@ -415,8 +421,9 @@ class OffloadController(SyncFreeDecode):
         layer, routed = deferred
         guesses = {}
         if self.predictor is not None and not self._late_predict:
-            guesses = {t: _distinct(g, self.num_experts)
-                       for t, g in self.predictor.predict(self, self.step, layer, None).items()}
+            guesses = self.predictor.predict(self, self.step, layer, None)
+            if not self._distinct_guesses:
+                guesses = {t: _distinct(g, self.num_experts) for t, g in guesses.items()}
         guesses, hints = self.observe(layer, routed, guesses)
         if not self.handle.closed:
             self._send_guesses(layer, guesses, hints)

@@ -6,6 +6,8 @@ import heapq
 import json
 from dataclasses import dataclass, field
 
+import numpy as np
+
 __all__ = ["RoutingTrace", "belady_misses"]
 
 
@@ -26,7 +28,8 @@ class RoutingTrace:
     def add(self, step: int, layer: int, experts) -> None:
         while len(self.steps) <= step:
             self.steps.append([[] for _ in range(self.num_layers)])
-        self.steps[step][layer] = sorted(int(e) for e in experts)
+        self.steps[step][layer] = sorted(experts.tolist() if isinstance(experts, np.ndarray)
+                                         else [int(e) for e in experts])
 
     def experts(self, step: int, layer: int) -> list[int] | None:
         if step >= len(self.steps) or layer >= self.num_layers:
