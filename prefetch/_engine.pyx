@@ -113,9 +113,10 @@ cdef class PrefetchHandle(_HandleBase):
         last cycle is out of the loop's working set and goes first, least
         recently used first. 0: unknown (plain cyclic order).
     copy_chunk_bytes=4 MiB
-        Copies are issued in pieces of at most this many bytes; between the
-        pieces of a prefetch the worker copies any on-demand (band 0) work
-        first, so an acquire overtakes a long low-priority copy.
+        Prefetch copies are issued in pieces of at most this many bytes;
+        between the pieces the worker copies any on-demand (band 0) work
+        first, so an acquire overtakes a long low-priority copy. An
+        on-demand copy goes whole (Note [Whole on-demand copies]).
     max_bytes_in_flight=256 MiB
         Asynchronous (CUDA) backends: bytes of issued copies not yet
         finished, at most (one entry larger than this still goes alone).

@@ -283,11 +283,19 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
   const int lane = urgent ? 0 : static_cast<int>(dev->next_lane++ % copy_lanes_);
   char* dst = dev->cache->arena() + e->slot_offset;
   const char* src = static_cast<const char*>(e->host_ptr);
+  // Note [Whole on-demand copies]
+  // Chunks exist so that an on-demand copy can overtake a long prefetch
+  // between them. Nothing overtakes an on-demand copy, so it goes whole: one
+  // backend call (on CUDA a cuMemcpyHtoDAsync and an event record) instead
+  // of one per chunk, which the acquiring thread issues itself
+  // (IssueOwnCopiesLocked) on the critical path of a miss. On the H200 host
+  // each driver call costs microseconds; an expert of 9-12 MiB was 3 chunks.
+  const size_t piece = urgent ? e->bytes : copy_chunk_bytes_;
   CopyToken token = kTokenDone;
   std::string error;
   size_t done = 0;
   while (done < e->bytes) {
-    const size_t chunk = std::min(copy_chunk_bytes_, e->bytes - done);
+    const size_t chunk = std::min(piece, e->bytes - done);
     DropLock(lk);
     const Clock::time_point start = Clock::now();
     error = IssueCopy(dev->index, dst + done, src + done, chunk, urgent, lane,

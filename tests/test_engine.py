@@ -64,9 +64,28 @@ def test_chunked_copy_is_byte_exact(make_handle, rng):
     h = make_handle(device_budget_bytes=1 << 20, copy_chunk_bytes=1000)
     arr = random_bytes(rng, 123_457)  # not a multiple of the chunk
     h.register(5, arr)
+    h.prefetch_tensors([5], 1)  # a prefetch is copied in chunks
     (view,) = h.acquire([5], timeout=10)
     np.testing.assert_array_equal(view, arr)
     h.release([5])
+
+
+def test_prefetches_go_in_chunks_and_on_demand_copies_whole(rng):
+    # Note [Whole on-demand copies]: the fault backend counts its copy calls.
+    with prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="fault", copy_chunk_bytes=1000) as h:
+        a, b = random_bytes(rng, 123_457), random_bytes(rng, 54_321)
+        h.register(0, a)
+        h.register(1, b)
+        h.prefetch_tensors([0], 1)
+        deadline = time.monotonic() + 10
+        while 0 not in h.resident() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        assert h.fault_counts()["copies"] == 124  # ceil(123457 / 1000)
+        views = h.acquire([0, 1], timeout=10)  # 1 is a miss: one call
+        assert h.fault_counts()["copies"] == 125
+        np.testing.assert_array_equal(views[0], a)
+        np.testing.assert_array_equal(views[1], b)
+        h.release([0, 1])
 
 
 def test_register_parts_packs_one_buffer(make_handle, rng):
