@@ -310,8 +310,10 @@ def main(argv=None) -> int:
                             continue
                         if policy == "all-resident":
                             lat, delta = res_round, {"hits": None, "misses": None, "bytes": 0}
-                            if rnd == 0 and "profile" in res_delta:
-                                delta["profile"] = res_delta["profile"]
+                            if rnd == 0:
+                                delta["host_us_per_layer"] = res_delta.get("host_us_per_layer")
+                                if "profile" in res_delta:
+                                    delta["profile"] = res_delta["profile"]
                         else:
                             lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
                                                        forced=forced, eviction=args.eviction, disk_dir=args.disk_dir,
