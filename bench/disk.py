@@ -324,7 +324,9 @@ def measure(prefetch, paths, size: int, args) -> dict:
         out["engine"] = {"backend": backend, "gbps": statistics.median(samples["engine"]),
                          "over_raw": ratio(samples["engine"], samples["raw"]),
                          "over_raw_parallel": ratio(samples["engine"], samples["raw-par"]),
-                         "samples_gbps": samples["engine"], "host_tier_ranges": 4, "device_cache_ranges": 4}
+                         "samples_gbps": samples["engine"], "reader_threads": max(args.threads),
+                         "host_tier_ranges": 2 * max(args.threads) + 2,
+                         "device_cache_ranges": 2 * max(args.threads) + 2}
         return out
     finally:
         for r, _, _ in readers.values():
