@@ -26,6 +26,10 @@ from prefetch.trace import RoutingTrace
 __all__ = ["OffloadController"]
 
 _MAX_BAND = 19  # kNumBands - 1
+# Note [Speculation by its precision]: the recent precision's memory (per
+# scored layer) and how many recent guesses it needs before it judges.
+_PRECISION_DECAY = 0.95
+_PRECISION_MIN_GUESSES = 32
 
 
 class OffloadController(SyncFreeDecode):
@@ -86,6 +90,11 @@ class OffloadController(SyncFreeDecode):
         self.read_ahead_slots = 0
         self.read_aheads = 0
         self._deferred = None  # (layer, routed experts): Note [Speculation after launch]
+        # Note [Speculation by its precision]
+        self.speculation_min_precision = 0.25
+        self._recent_hits = 0.0
+        self._recent_guessed = 0.0
+        self.speculation_paused_layers = 0
 
     @property
     def trace(self):
@@ -172,9 +181,12 @@ class OffloadController(SyncFreeDecode):
         predicted = self._pending.pop((step, layer), None)
         if predicted is not None:
             # Both sorted and distinct: the overlap of two short lists.
-            self.prediction_hits += len(set(predicted.tolist()).intersection(experts.tolist()))
+            hits = len(set(predicted.tolist()).intersection(experts.tolist()))
+            self.prediction_hits += hits
             self.predicted_total += int(predicted.shape[0])
             self.actual_total += int(experts.shape[0])
+            self._recent_hits = self._recent_hits * _PRECISION_DECAY + hits
+            self._recent_guessed = self._recent_guessed * _PRECISION_DECAY + int(predicted.shape[0])
         if self._trace is not None:
             self._trace.add(step, layer, experts)
         hints = None
@@ -213,6 +225,27 @@ class OffloadController(SyncFreeDecode):
         self.read_aheads += 1
         return {**guesses, nxt: np.arange(self.num_experts, dtype=np.int64)}
 
+    @property
+    def speculation_paused(self) -> bool:
+        """Note [Speculation by its precision]
+        A guess that is wrong still takes the link and a cache slot, and at
+        a low precision it takes them for nearly nothing: BM5's next-layer
+        gate on the real routing traces (its routers random, the routing
+        forced from the trace) guessed right 2-5 % of the time, moved 3.3x
+        the bytes of on-demand and ran 1.2-1.5x slower than it (runs 36-39),
+        while on BM6's models it is right 72-76 % of the time and can be the
+        fastest row. So the controller keeps the precision of the recent
+        guesses (each scored layer's hits and guesses, decayed by
+        _PRECISION_DECAY per scored layer: about the last 20 layers) and,
+        once at least _PRECISION_MIN_GUESSES recent guesses were scored,
+        sends none while it is below `speculation_min_precision` (default
+        0.25; 0 never pauses). Guesses are still made and scored while
+        paused, so speculation resumes when they get better; hints and the
+        prefill read-ahead are not guesses and go on. `report()` counts the
+        layers whose guesses were held back."""
+        return (self.speculation_min_precision > 0 and self._recent_guessed >= _PRECISION_MIN_GUESSES
+                and self._recent_hits < self.speculation_min_precision * self._recent_guessed)
+
     # -- the engine
 
     def ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
@@ -231,6 +264,9 @@ class OffloadController(SyncFreeDecode):
         rank's own; guesses and hints for other ranks' experts are dropped."""
         if self.local is not None:
             guesses, hints = self._only_local(guesses, hints)
+        if guesses and self.predictor is not None and self.speculation_paused:
+            self.speculation_paused_layers += 1
+            guesses = {}
         # Every guess for this layer still queued is dropped; a right one is
         # then acquired at band 0 in the same call (queued again and issued
         # by this thread), as a queued guess would have been upgraded.
@@ -456,6 +492,7 @@ class OffloadController(SyncFreeDecode):
             "path_switches": self.path_switches if self.sync_free else None,
             "zero_copy_bytes": self.zero_copy_reads * self.expert_bytes,
             "read_aheads": self.read_aheads,
+            "speculation_paused_layers": self.speculation_paused_layers,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
             "bytes_copied": s["bytes_copied"],

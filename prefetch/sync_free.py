@@ -104,7 +104,7 @@ class SyncFreeDecode:
         if self._routings and layer == 0:
             self.read_routings()
         use, fetch = self._use, self._fetch
-        if self._host_guesses:
+        if self._host_guesses and not self.speculation_paused:
             extra = [self._owned_ids(target, g) for target, g in
                      ((t, _distinct(g, self.num_experts))
                       for t, g in self.predictor.predict(self, self.step, layer, hidden).items()) if g.shape[0]]
@@ -223,7 +223,7 @@ class SyncFreeDecode:
         if self._trace is not None or self.predictor is not None or self._pending:
             for i, (layer, step, _, _) in enumerate(routings):
                 guesses, hints = self.observe(layer, np.flatnonzero(routed[i]), {}, step=step)
-                if self._late_predict:
+                if self._late_predict and not self.speculation_paused:
                     extra.extend(self._owned_ids(t, g) for t, g in guesses.items() if g.shape[0])
                 if hints:
                     self._late_hints.extend(hints)

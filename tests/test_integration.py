@@ -9,6 +9,7 @@ traces."""
 import copy
 import json
 
+import numpy as np
 import pytest
 import torch
 from conftest import CountingHandle, wait_drained
@@ -846,3 +847,78 @@ def test_generic_expert_larger_than_the_budget_is_refused_before_anything_change
     assert all(b.controller is None for b in blocks)  # not attached: can be offloaded with a larger budget
     ctl = offload_moe_experts(blocks, device_budget_bytes=1 << 20, backend="host")
     ctl.close()
+
+
+class SwitchingPredictor:
+    """Guesses the next layer's experts from the trace (right) or their
+    complement (wrong), switching when told: a predictor whose precision
+    changes during a run."""
+
+    host_guesses = True
+
+    def __init__(self, trace):
+        self.trace = trace
+        self.right = False
+
+    def predict(self, controller, step, layer, hidden):
+        nxt, nstep = layer + 1, step
+        if nxt == controller.num_layers:
+            nxt, nstep = 0, step + 1
+        if nstep >= len(self.trace.steps):
+            return {}
+        want = set(self.trace.steps[nstep][nxt])
+        if not self.right:
+            want = set(range(controller.num_experts)) - want
+        return {nxt: np.array(sorted(want), dtype=np.int64)}
+
+    def observe(self, controller, step, layer, experts):
+        return None
+
+
+def test_speculation_pauses_at_a_low_precision_and_resumes():
+    # Note [Speculation by its precision]: always-wrong guesses are sent
+    # until enough of them were scored, then held back (the prefetch calls
+    # stop naming ids) while the acquires go on; right guesses make the
+    # recent precision climb and speculation resume.
+    gen = torch.Generator().manual_seed(5)
+    layers, experts = 4, 16
+    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
+             for _ in range(40)]
+    trace = RoutingTrace(layers, experts, steps)
+    predictor = SwitchingPredictor(trace)
+    ctl = oracle_controller(trace, capacity=40, predictor=predictor)
+    try:
+        half = RoutingTrace(layers, experts, steps[:20])
+        decode_host_routed(ctl, half, speculate=True)
+        assert ctl.speculation_paused and ctl.report()["speculation_paused_layers"] > 0
+        named = ctl.handle.stats()["requests"]
+        paused_before = ctl.speculation_paused_layers
+        decode_host_routed(ctl, RoutingTrace(layers, experts, steps[20:24]), speculate=True)
+        assert ctl.handle.stats()["requests"] == named  # nothing speculated while paused
+        assert ctl.speculation_paused_layers > paused_before
+        assert ctl.report()["prediction_precision"] < 0.25  # still scored
+        predictor.right = True
+        decode_host_routed(ctl, RoutingTrace(layers, experts, steps[24:]), speculate=True)
+        assert not ctl.speculation_paused
+        assert ctl.handle.stats()["requests"] > named  # right guesses are sent again
+    finally:
+        ctl.close()
+
+
+def test_speculation_never_pauses_with_min_precision_zero_or_right_guesses():
+    gen = torch.Generator().manual_seed(6)
+    layers, experts = 4, 16
+    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
+             for _ in range(20)]
+    trace = RoutingTrace(layers, experts, steps)
+    ctl = oracle_controller(trace, capacity=40, predictor=SwitchingPredictor(trace))
+    ctl.speculation_min_precision = 0
+    oracle = oracle_controller(trace, capacity=40)
+    try:
+        decode_host_routed(ctl, trace, speculate=True)
+        decode_host_routed(oracle, trace, speculate=True)
+        for c in (ctl, oracle):
+            assert not c.speculation_paused and c.report()["speculation_paused_layers"] == 0
+    finally:
+        ctl.close()
+        oracle.close()
