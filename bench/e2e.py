@@ -54,7 +54,8 @@ x_adjacent the median of each round's p50 over its all-resident p50
 (resident_runs_ms): the host's speed drifts over a block. Each row also has
 host_us_per_layer (the first round's host time per decode layer by phase of
 the step: speculate, sync, acquire, compute launch, release, and the engine
-calls' share of them) and late (acquires that found their copy under way).
+calls' share of them), late (acquires that found their copy under way) and
+speculation_paused_layers (Note [Speculation by its precision]).
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
 in src_cpp/eviction_policy.h). --devices N splits the layers into N contiguous
 runs, one per GPU, with the cache budget split by layers; the IO floor is then
@@ -116,7 +117,8 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
         lat, before, after = measure_steps(dec, provider, inputs, warmup, route, timers=timers,
                                            at_warmup_end=score_from_here)
         delta = {key: after[key] - before.get(key, 0)
-                 for key in ("hits", "misses", "bytes", "disk_read_bytes", "late", "engine_ns")
+                 for key in ("hits", "misses", "bytes", "disk_read_bytes", "late", "engine_ns",
+                             "speculation_paused_layers")
                  if after.get(key) is not None}
         # Host time per decode layer of the measured steps, by phase of
         # Decoder.step (wall clock of the one Python thread; "engine" is the
@@ -170,6 +172,7 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         "recall": delta.get("recall"),
         "disk_read_bytes": delta.get("disk_read_bytes"),
         "late": delta.get("late"),
+        "speculation_paused_layers": delta.get("speculation_paused_layers"),
         "host_us_per_layer": delta.get("host_us_per_layer"),
     })
     if "profile" in delta:

@@ -221,7 +221,8 @@ class EngineProvider:
         return {"hits": s["hits"], "misses": s["misses"], "bytes": s["bytes_copied"], "late": s["late"],
                 "disk_read_bytes": s["disk_read_bytes"], "host_tier_hits": s["host_tier_hits"],
                 "wasted": s["wasted"], "caller_copies": s["caller_copies"], "on_demand": s["on_demand"],
-                "evictions": s["evictions"], "engine_ns": self.ctl.engine_ns, "precision": r["prediction_precision"],
+                "evictions": s["evictions"], "engine_ns": self.ctl.engine_ns,
+                "speculation_paused_layers": r["speculation_paused_layers"], "precision": r["prediction_precision"],
                 "recall": r["prediction_recall"]}
 
     def close(self):
