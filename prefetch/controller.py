@@ -231,8 +231,9 @@ class OffloadController(SyncFreeDecode):
         A guess that is wrong still takes the link and a cache slot, and at
         a low precision it takes them for nearly nothing: BM5's next-layer
         gate on the real routing traces (its routers random, the routing
-        forced from the trace) guessed right 2-5 % of the time, moved 3.3x
-        the bytes of on-demand and ran 1.2-1.5x slower than it (runs 36-39),
+        forced from the trace) guessed right 1.5-5 % of the time, moved
+        2.0-3.3x the bytes of on-demand and ran 1.22-1.50x slower than it
+        (run 39; 0.89-1.23x in run 36),
         while on BM6's models it is right 72-76 % of the time and can be the
         fastest row. So the controller keeps the precision of the recent
         guesses (each scored layer's hits and guesses, decayed by
