@@ -152,6 +152,13 @@ class OraclePredictor:
         steps, layers = len(trace.steps), trace.num_layers
         self._experts = [[np.unique(np.asarray(trace.steps[s][la], dtype=np.int64)) for la in range(layers)]
                          for s in range(steps)]
+        # The controller takes these guesses as they are (distinct_guesses):
+        # an id out of range would index another expert's tensor id.
+        for s, row in enumerate(self._experts):
+            for la, experts in enumerate(row):
+                if experts.shape[0] and (experts[0] < 0 or experts[-1] >= trace.num_experts):
+                    raise ValueError(f"trace step {s}, layer {la}: expert ids must be in "
+                                     f"0..{trace.num_experts - 1}, got {experts.tolist()}")
         # Per layer, every read as the key expert * stride + step, sorted: the
         # next read of e after step s is the first key above e * stride + s,
         # if it is still e's (memory: one int64 per read of the trace).

@@ -78,3 +78,11 @@ def test_oracle_without_hints_returns_none():
     assert oracle.observe(ctl, 0, 0, np.array([0])) is None
     with pytest.raises(ValueError, match="distance"):
         OraclePredictor(RoutingTrace(2, 4, [[[0], [1]]]), distance=0)
+
+
+def test_oracle_refuses_a_trace_with_expert_ids_out_of_range():
+    # Its guesses skip the controller's range check (distinct_guesses), so
+    # the trace is checked once here: -1 would silently name the last expert.
+    for bad in ([[[0], [-1]]], [[[0], [4]]]):
+        with pytest.raises(ValueError, match="expert ids must be in 0..3"):
+            OraclePredictor(RoutingTrace(2, 4, bad))
