@@ -577,6 +577,13 @@ def test_package_exposes_offload():
     assert prefetch.offload_moe_experts is offload_moe_experts
 
 
+def random_trace(seed: int, layers: int, experts: int, steps: int) -> RoutingTrace:
+    """A trace of `steps` steps, each layer routed to up to 3 random experts."""
+    gen = torch.Generator().manual_seed(seed)
+    return RoutingTrace(layers, experts, [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist()))
+                                           for _ in range(layers)] for _ in range(steps)])
+
+
 def run_oracle_loop(trace, capacity, eviction, hints, distance=1):
     """Decodes `trace` through an OffloadController with the oracle (no model:
     route, let the prefetches land, acquire, check the bytes, release);
@@ -604,11 +611,9 @@ def run_oracle_loop(trace, capacity, eviction, hints, distance=1):
 
 
 def test_oracle_hints_make_next_use_eviction_approach_belady():
-    gen = torch.Generator().manual_seed(7)
     layers, experts, capacity = 4, 8, 10
-    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
-             for _ in range(40)]
-    trace = RoutingTrace(layers, experts, steps)
+    trace = random_trace(7, layers, experts, 40)
+    steps = trace.steps
     floor = belady_misses(trace, capacity)
     hinted = run_oracle_loop(trace, capacity, "next-use", hints=True)
     unhinted = run_oracle_loop(trace, capacity, "next-use", hints=False)  # no hints: LRU order
@@ -673,11 +678,8 @@ def test_host_routed_speculation_runs_after_the_acquire():
     # Note [Speculation after launch]: with host guesses (the oracle) the
     # acquire is made alone and the guesses and hints are sent by
     # speculate(); nothing is lost when the caller never calls it.
-    gen = torch.Generator().manual_seed(11)
-    layers, experts = 4, 8
-    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
-             for _ in range(12)]
-    trace = RoutingTrace(layers, experts, steps)
+    trace = random_trace(11, 4, 8, 12)
+    steps = trace.steps
     ctl = oracle_controller(trace, capacity=12)
     try:
         ctl.route_and_acquire(0, None, steps[0][0], timeout=10)
@@ -880,11 +882,9 @@ def test_speculation_pauses_at_a_low_precision_and_resumes():
     # until enough of them were scored, then held back (the prefetch calls
     # stop naming ids) while the acquires go on; right guesses make the
     # recent precision climb and speculation resume.
-    gen = torch.Generator().manual_seed(5)
     layers, experts = 4, 16
-    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
-             for _ in range(40)]
-    trace = RoutingTrace(layers, experts, steps)
+    trace = random_trace(5, layers, experts, 40)
+    steps = trace.steps
     predictor = SwitchingPredictor(trace)
     ctl = oracle_controller(trace, capacity=40, predictor=predictor)
     try:
@@ -906,11 +906,7 @@ def test_speculation_pauses_at_a_low_precision_and_resumes():
 
 
 def test_speculation_never_pauses_with_min_precision_zero_or_right_guesses():
-    gen = torch.Generator().manual_seed(6)
-    layers, experts = 4, 16
-    steps = [[sorted(set(torch.randint(0, experts, (3,), generator=gen).tolist())) for _ in range(layers)]
-             for _ in range(20)]
-    trace = RoutingTrace(layers, experts, steps)
+    trace = random_trace(6, 4, 16, 20)
     ctl = oracle_controller(trace, capacity=40, predictor=SwitchingPredictor(trace))
     ctl.speculation_min_precision = 0
     oracle = oracle_controller(trace, capacity=40)
