@@ -205,13 +205,20 @@ def reader_pass(reader, files, size: int, range_bytes: int, buffers, on_read=Non
     return total, time.perf_counter() - t0
 
 
+def engine_layout(threads: int) -> tuple[int, int]:
+    """The engine pass with `threads` reader threads: (ranges queued ahead
+    of each acquire, as many as raw-par has in flight; ranges its host tier
+    and its device cache each hold)."""
+    return 2 * threads, 2 * threads + 2
+
+
 def engine_pass(prefetch, paths, size: int, range_bytes: int, backend: str, threads: int) -> tuple[int, float]:
     """Every range of every file through the engine's disk tier (see the
     module docstring) with `threads` reader threads: (bytes, seconds)."""
     span = -(-range_bytes // ALIGN) * ALIGN + ALIGN
-    ahead = 2 * threads  # as many reads queued as raw-par has in flight
-    handle = prefetch.PrefetchHandle(device_budget_bytes=(ahead + 2) * (range_bytes + 512), backend=backend,
-                                     host_budget_bytes=(ahead + 2) * span, disk_reader_threads=threads)
+    ahead, held = engine_layout(threads)
+    handle = prefetch.PrefetchHandle(device_budget_bytes=held * (range_bytes + 512), backend=backend,
+                                     host_budget_bytes=held * span, disk_reader_threads=threads)
     try:
         ids = []
         for path in paths:
@@ -325,8 +332,8 @@ def measure(prefetch, paths, size: int, args) -> dict:
                          "over_raw": ratio(samples["engine"], samples["raw"]),
                          "over_raw_parallel": ratio(samples["engine"], samples["raw-par"]),
                          "samples_gbps": samples["engine"], "reader_threads": max(args.threads),
-                         "host_tier_ranges": 2 * max(args.threads) + 2,
-                         "device_cache_ranges": 2 * max(args.threads) + 2}
+                         "host_tier_ranges": engine_layout(max(args.threads))[1],
+                         "device_cache_ranges": engine_layout(max(args.threads))[1]}
         return out
     finally:
         for r, _, _ in readers.values():

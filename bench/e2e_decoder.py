@@ -228,8 +228,8 @@ class Decoder:
 
 def profile_steps(dec, provider, inputs, warmup, steps, route, path):
     """--profile: `steps` more decode steps (the measured inputs again, from
-    `warmup` on, after their warm-up steps unprofiled) under torch.profiler, after the measured ones, so the
-    profiler's cost stays out of every figure. Writes `path`.json (Chrome
+    `warmup` on, after their warm-up steps unprofiled) under torch.profiler,
+    after the measured ones, so the profiler's cost stays out of every figure. Writes `path`.json (Chrome
     trace) and `path`.txt (ops by device time). Returns, per step: wall ms,
     the GPU's split (bench.common.gpu_time_split; null without CUDA), idle
     ms (wall - GPU busy) and the decoder's host phases in ms."""
