@@ -193,8 +193,7 @@ class OffloadController(SyncFreeDecode):
         if self.predictor is not None:
             hints = self.predictor.observe(self, step, layer, experts)
             if self._late_predict:
-                guesses = {t: _distinct(g, self.num_experts)
-                           for t, g in self.predictor.predict(self, step, layer, None).items()}
+                guesses = self._host_predict(step, layer, None)
         for target, guess in guesses.items():
             if guess.shape[0]:
                 target_step = step + (1 if target <= layer else 0)
@@ -224,6 +223,15 @@ class OffloadController(SyncFreeDecode):
             return guesses
         self.read_aheads += 1
         return {**guesses, nxt: np.arange(self.num_experts, dtype=np.int64)}
+
+    def _host_predict(self, step: int, layer: int, hidden) -> dict:
+        """The predictor's host guesses as {layer: sorted distinct experts}
+        (taken as they are from a predictor that says they already are:
+        distinct_guesses)."""
+        guesses = self.predictor.predict(self, step, layer, hidden)
+        if self._distinct_guesses:
+            return guesses
+        return {t: _distinct(g, self.num_experts) for t, g in guesses.items()}
 
     @property
     def speculation_paused(self) -> bool:
@@ -458,9 +466,7 @@ class OffloadController(SyncFreeDecode):
         layer, routed = deferred
         guesses = {}
         if self.predictor is not None and not self._late_predict:
-            guesses = self.predictor.predict(self, self.step, layer, None)
-            if not self._distinct_guesses:
-                guesses = {t: _distinct(g, self.num_experts) for t, g in guesses.items()}
+            guesses = self._host_predict(self.step, layer, None)
         guesses, hints = self.observe(layer, routed, guesses)
         if not self.handle.closed:
             self._send_guesses(layer, guesses, hints)

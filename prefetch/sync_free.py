@@ -9,7 +9,6 @@ import time
 import numpy as np
 
 from prefetch.expert_ids import EMPTY as _EMPTY
-from prefetch.expert_ids import distinct as _distinct
 
 __all__ = ["SyncFreeDecode"]
 
@@ -106,8 +105,7 @@ class SyncFreeDecode:
         use, fetch = self._use, self._fetch
         if self._host_guesses and not self.speculation_paused:
             extra = [self._owned_ids(target, g) for target, g in
-                     ((t, _distinct(g, self.num_experts))
-                      for t, g in self.predictor.predict(self, self.step, layer, hidden).items()) if g.shape[0]]
+                     self._host_predict(self.step, layer, hidden).items() if g.shape[0]]
             if extra:
                 fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
                     np.concatenate(extra))
