@@ -155,7 +155,7 @@ def test_a_model_without_any_real_weight_in_its_moe_layer_is_refused(tmp_path):
 
 
 @pytest.mark.gpu
-def test_experts_from_the_checkpoint_on_the_gpu(tmp_path):
+def test_experts_from_the_checkpoint_on_the_gpu_bf16(tmp_path):
     # The CUDA backend: the host copy read from disk is page-locked after the
     # reads and the sync-free decode reads it over PCIe; bf16 as served.
     ref = build(family_configs()["qwen3_moe"], device="cuda", dtype=torch.bfloat16,
@@ -218,3 +218,29 @@ def test_experts_on_disk_options_are_checked(tmp_path):
     with pytest.raises(ValueError, match="of the host tier"):  # smaller than one expert's extents
         offload_moe_experts(experts_on_meta(copy.deepcopy(ref)), device_budget_bytes=(num_experts + 3) * (per + 512),
                             backend="host", checkpoint=folder, host_budget_bytes=8192)
+
+
+@pytest.mark.gpu
+def test_experts_left_on_disk_on_the_gpu(tmp_path):
+    # Note [Experts on disk] on the CUDA backend: the shards read through a
+    # page-locked host tier of 4 experts into the device cache; float32 so
+    # that compute-sanitizer's initcheck runs it too (tox -e gpu-csan).
+    ref = build(family_configs()["olmoe"], device="cuda", experts_implementation="batched_mm")
+    ref.save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")
+    model = experts_on_meta(copy.deepcopy(ref))
+    per, num_experts = expert_bytes(ref)
+    stage = 3 * (-(-per // 4096) + 2) * 4096
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512),
+                              checkpoint=tmp_path / "ckpt", host_budget_bytes=4 * stage)
+    try:
+        assert ctl.handle.backend == "cuda" and ctl.host_experts is None
+        ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3)).cuda()
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        s = ctl.handle.stats()
+        assert s["disk_errors"] == 0 and s["copy_errors"] == 0
+        assert s["host_tier_evictions"] > 0 and s["host_tier_used_bytes"] <= 4 * stage
+    finally:
+        ctl.close()
