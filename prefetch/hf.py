@@ -207,6 +207,7 @@ class ExpertsOffload:
             self._local = ep.local[layer]
             self._remap[~self._local] = self.slots  # other ranks' experts: the sentinel slot
             self._foreign = torch.from_numpy(~self._local).to(device)  # expert -> not ours, on the device
+            self._own_weight = {}  # dtype -> expert -> 1 if ours else 0, on the device (_pairs)
 
     def enable_sync_free(self, universe: Universe, max_rows: int) -> None:
         self.universe = universe
@@ -266,8 +267,7 @@ class ExpertsOffload:
         index = (self._rowmap_dev if self._cuda else self._rowmap_host)[top_k_index]
         routing = top_k_index
         if self.ep is not None:  # this rank's experts, per (token, k) pair (Note [Expert parallel])
-            hidden_states, index, top_k_weights = self._pairs(hidden_states, index, top_k_weights)
-            top_k_weights = top_k_weights.masked_fill(self._foreign[routing.reshape(-1, 1)], 0)
+            hidden_states, index, top_k_weights = self._pairs(hidden_states, index, top_k_weights, routing)
         t2 = time.perf_counter_ns()
         out = fn(self._uva_stand, hidden_states, index, top_k_weights)
         t3 = time.perf_counter_ns()
@@ -284,17 +284,23 @@ class ExpertsOffload:
         ctl.host_ns += (t_end - t_start) - (t3 - t2) - engine - sync - comm
         return out
 
-    def _pairs(self, hidden_states, top_k_index, top_k_weights):
+    def _pairs(self, hidden_states, top_k_index, top_k_weights, routing):
         """Expert parallel, batched_mm and grouped_mm: each (token, k) pair
-        as a row of its own, routed to its one expert with weight 1. The
-        output is then the pair's expert output, exact, and on every rank
-        but its expert's an exact 0; the all-reduce adds those zeros and
-        `_all_reduce` weights and sums over k as the implementation does
-        (Note [Expert parallel]). Returns the inputs to call it with."""
+        as a row of its own, routed to its one expert with weight 1 where
+        this rank owns the expert (`routing`: the pairs' expert ids) and 0
+        elsewhere. The output is then the pair's expert output, exact, and
+        on every rank but its expert's an exact 0; the all-reduce adds
+        those zeros and `_all_reduce` weights and sums over k as the
+        implementation does (Note [Expert parallel]). Returns the inputs to
+        call it with: the weights are one gather from a per-expert table of
+        1s and 0s (one kernel launch, not three)."""
         k = top_k_index.shape[-1]
         self._pair_weights = top_k_weights
+        own = self._own_weight.get(top_k_weights.dtype)
+        if own is None:
+            own = self._own_weight[top_k_weights.dtype] = (~self._foreign).to(top_k_weights.dtype)
         return (hidden_states.repeat_interleave(k, dim=0), top_k_index.reshape(-1, 1),
-                torch.ones_like(top_k_weights).reshape(-1, 1))
+                own[routing.reshape(-1, 1)])
 
     def _all_reduce(self, out):
         """Expert parallel: sums the layer's output over the group (and
@@ -410,8 +416,10 @@ class ExpertsOffload:
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
         self._pair_weights = None  # nothing left from a call that raised
-        if name in _PER_PAIR:  # every rank takes this form, whatever its pieces
-            hidden_states, top_k_index, top_k_weights = self._pairs(hidden_states, top_k_index, top_k_weights)
+        per_pair = name in _PER_PAIR
+        if per_pair:  # every rank takes this form, whatever its pieces
+            hidden_states, top_k_index, top_k_weights = self._pairs(hidden_states, top_k_index, top_k_weights,
+                                                                    top_k_index)
         mine = experts[self._local[experts]]
         if mine.shape[0] > self.slots:
             t2 = time.perf_counter_ns()
@@ -433,7 +441,8 @@ class ExpertsOffload:
         sentinel_ok = name == "grouped_mm"
         self._remap[~self._local] = stand.num_experts if sentinel_ok else self._remap[mine[0]]
         index = self._slot_index(routed, top_k_index.shape)
-        weights = top_k_weights.masked_fill(self._foreign[top_k_index], 0)
+        # Per pair, other ranks' weights are 0 already (_pairs).
+        weights = top_k_weights if per_pair else top_k_weights.masked_fill(self._foreign[top_k_index], 0)
         t2 = time.perf_counter_ns()
         out = fn(stand, hidden_states, index, weights)
         return out, t2, time.perf_counter_ns()
