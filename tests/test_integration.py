@@ -861,8 +861,10 @@ class SwitchingPredictor:
     def __init__(self, trace):
         self.trace = trace
         self.right = False
+        self.calls = 0
 
     def predict(self, controller, step, layer, hidden):
+        self.calls += 1
         nxt, nstep = layer + 1, step
         if nxt == controller.num_layers:
             nxt, nstep = 0, step + 1
@@ -877,28 +879,34 @@ class SwitchingPredictor:
         return None
 
 
-def test_speculation_pauses_at_a_low_precision_and_resumes():
+@pytest.mark.parametrize("host_guesses", [True, False])  # speculated after launch / guessed before the routing
+def test_speculation_pauses_at_a_low_precision_and_resumes(host_guesses):
     # Note [Speculation by its precision]: always-wrong guesses are sent
     # until enough of them were scored, then held back (the prefetch calls
     # stop naming ids) while the acquires go on; right guesses make the
-    # recent precision climb and speculation resume.
+    # recent precision climb and speculation resume. While paused the
+    # predictor runs on one layer in eight (its guesses scored, not sent).
     layers, experts = 4, 16
-    trace = random_trace(5, layers, experts, 40)
+    trace = random_trace(5, layers, experts, 80)
     steps = trace.steps
     predictor = SwitchingPredictor(trace)
+    predictor.host_guesses = host_guesses
     ctl = oracle_controller(trace, capacity=40, predictor=predictor)
     try:
+        assert ctl._defers_speculation() is host_guesses
         half = RoutingTrace(layers, experts, steps[:20])
         decode_host_routed(ctl, half, speculate=True)
         assert ctl.speculation_paused and ctl.report()["speculation_paused_layers"] > 0
         named = ctl.handle.stats()["requests"]
         paused_before = ctl.speculation_paused_layers
-        decode_host_routed(ctl, RoutingTrace(layers, experts, steps[20:24]), speculate=True)
+        calls_before = predictor.calls
+        decode_host_routed(ctl, RoutingTrace(layers, experts, steps[20:28]), speculate=True)  # 32 layers
         assert ctl.handle.stats()["requests"] == named  # nothing speculated while paused
-        assert ctl.speculation_paused_layers > paused_before
+        assert ctl.speculation_paused_layers - paused_before == 32  # each layer counted once
+        assert predictor.calls - calls_before == 4  # probes only
         assert ctl.report()["prediction_precision"] < 0.25  # still scored
         predictor.right = True
-        decode_host_routed(ctl, RoutingTrace(layers, experts, steps[24:]), speculate=True)
+        decode_host_routed(ctl, RoutingTrace(layers, experts, steps[28:]), speculate=True)
         assert not ctl.speculation_paused
         assert ctl.handle.stats()["requests"] > named  # right guesses are sent again
     finally:
