@@ -198,11 +198,16 @@ class OffloadController(SyncFreeDecode):
             hints = self.predictor.observe(self, step, layer, experts)
             if self._late_predict and self._predicts_now():
                 guesses = self._host_predict(step, layer, None)
+        self._expect(step, layer, guesses)
+        return guesses, hints
+
+    def _expect(self, step: int, layer: int, guesses: dict) -> None:
+        """Files `guesses` ({layer: sorted distinct experts}, made at `layer`
+        of `step`) to be scored by `observe` when their layers route."""
         for target, guess in guesses.items():
             if guess.shape[0]:
                 target_step = step + (1 if target <= layer else 0)
                 self._pending[(target_step, target)] = guess
-        return guesses, hints
 
     def read_ahead(self, layer: int, experts: np.ndarray, guesses: dict) -> dict:
         """Note [Prefill read-ahead]

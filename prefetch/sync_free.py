@@ -103,12 +103,18 @@ class SyncFreeDecode:
         if self._routings and layer == 0:
             self.read_routings()
         use, fetch = self._use, self._fetch
-        if self._host_guesses and not self.speculation_paused:
-            extra = [self._owned_ids(target, g) for target, g in
-                     self._host_predict(self.step, layer, hidden).items() if g.shape[0]]
-            if extra:
-                fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
-                    np.concatenate(extra))
+        if self._host_guesses and self._predicts_now():
+            guesses = self._host_predict(self.step, layer, hidden)
+            # Scored when their layers' routings are read back, a step later
+            # (read_routings), as the synced path scores its guesses.
+            self._expect(self.step, layer, guesses)
+            if self.speculation_paused:  # a probe (Note [Speculation by its precision])
+                self.speculation_paused_layers += 1
+            else:
+                extra = [self._owned_ids(target, g) for target, g in guesses.items() if g.shape[0]]
+                if extra:
+                    fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
+                        np.concatenate(extra))
         hints = self._late_hints
         if hints and self.local is not None:
             _, hints = self._only_local({}, hints)  # expert parallel: this rank's experts only

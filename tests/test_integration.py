@@ -284,6 +284,44 @@ def test_sync_free_one_engine_call_per_layer():
         ctl.close()
 
 
+def test_sync_free_scores_host_guesses_and_pauses_wrong_ones():
+    # The sync-free path scores a host-side predictor's guesses when it reads
+    # the routings back, a step late, as the synced path scores them at once:
+    # the report's precision is the predictor's, and guesses that are always
+    # wrong pause its speculation there too (Note [Speculation by its
+    # precision]): the predictor then runs on one layer in eight.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, _ = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", sync_free=False,
+                              record_trace=True)
+    seq_ref, _ = greedy(model, ids, steps=12)
+    trace = ctl.trace
+    ctl.close()
+    for right in (True, False):
+        predictor = SwitchingPredictor(trace)
+        predictor.right = right
+        model = copy.deepcopy(ref)
+        ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", sync_free=True,
+                                  predictor=predictor)
+        try:
+            seq, _ = greedy(model, ids, steps=12)
+            assert torch.equal(seq, seq_ref)
+            r = ctl.report()
+            assert r["zero_copy_reads"] > 0 and ctl.predicted_total > 0  # sync-free steps, and scored
+            layers = 12 * cfg.num_hidden_layers
+            if right:
+                assert r["prediction_precision"] == 1.0 and r["speculation_paused_layers"] == 0
+                assert predictor.calls == layers
+            else:
+                assert r["prediction_precision"] == 0.0 and ctl.speculation_paused
+                assert r["speculation_paused_layers"] > 0 and predictor.calls < layers // 2
+        finally:
+            ctl.close()
+
+
 def test_offloaded_experts_hold_no_weights():
     model = build(family_configs()["mixtral"])
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
