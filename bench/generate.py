@@ -125,234 +125,32 @@ CPU device during its rows). It checks the logic; its timings mean nothing.
 from __future__ import annotations
 
 import argparse
-import contextlib
-import dataclasses
 import gc
 import os
-import statistics
 import sys
 import time
 
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, percentile, raw_h2d_gbps, write_json  # noqa: E402
-from bench.generate_figures import decode_counters, delta, settle  # noqa: E402
+from bench.common import machine_info, raw_h2d_gbps, write_json  # noqa: E402
+from bench.generate_figures import settle  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
     ModelState,
-    RoutingRecorder,
-    RowSkipped,
-    StepTimer,
     build_model,
-    generate,
     make_sync,
     warm_lengths,
 )
 from bench.generate_modes import (  # noqa: E402
     _HOST_EXPERTS,
-    ENGINE_ROWS,
-    FIGURES,
-    MPL_ROWS,
     ROWS,
     SHARE_FREE_ROWS,
     SHARE_ROWS,
-    AccelerateMode,
-    ByHandMode,
-    EngineMode,
-    PolicyLangMode,
-    ResidentMode,
-    cpu_sync_noop,
 )
 from bench.generate_report import explain_nulls, format_table, plot  # noqa: E402
-
-
-class Block:
-    """One model and batch: prompts, the resident reference and the routing."""
-
-    def __init__(self, torch, model, state, batch, args, cuda, device, sync):
-        self.torch, self.model, self.state, self.batch = torch, model, state, batch
-        self.args, self.cuda, self.device, self.sync = args, cuda, device, sync
-        self.timer_sync = make_sync(torch, cuda, args.timer_sync)  # the per-token clock's wait
-        vocab = model.config.vocab_size
-
-        def prompt(seed, length):
-            g = torch.Generator().manual_seed(seed)
-            return torch.randint(1, vocab, (batch, length), generator=g).to(device)
-
-        self.prompt = prompt(100 + batch, args.prompt_tokens)
-        self.warm_prompt = prompt(200 + batch, args.prompt_tokens)
-        self.ttft_prompt = prompt(300 + batch, args.ttft_tokens)
-        self.warm_ttft_prompt = prompt(400 + batch, args.ttft_tokens)
-        self.reference = None  # resident's generated ids
-        self.resident_p50 = None
-        self.resident_ttft = None
-        self.routing = None  # resident routing of the measured prompt: per step, per layer
-        self.ttft_routed = None  # distinct (layer, expert) the TTFT prompt routes
-        self.traces = {}  # share -> on-demand's recorded steps
-
-
-def make_mode(block: Block, row: str, budget, trace, out: dict):
-    """The mode that sets `row` up on the block's model; puts the device
-    bytes it holds experts in into out["device_expert_bytes"] (offloaded
-    rows)."""
-    torch, model, state = block.torch, block.model, block.state
-    if row == "resident":
-        return ResidentMode(model, None)
-    if row == "resident-eager":
-        return ResidentMode(model, "eager")
-    if row in ENGINE_ROWS:
-        mode = EngineMode(model, budget, row, trace, block.cuda)
-        out["device_expert_bytes"] = budget
-    elif row == "torch-by-hand":
-        mode = ByHandMode(torch, model, state, budget, block.device, block.cuda)
-        out["device_expert_bytes"] = mode.device_bytes
-    elif row == "accelerate-cpu-offload":
-        mode = AccelerateMode(model, state, block.device)
-        out["device_expert_bytes"] = mode.layer_bytes
-    elif row in MPL_ROWS:
-        mode = PolicyLangMode(torch, model, state, budget, row, block.device, block.cuda,
-                              block.args.mpl_capacity)
-        out["device_expert_bytes"] = mode.pool_bytes
-    else:
-        raise ValueError(row)
-    return mode
-
-
-@dataclasses.dataclass
-class Measured:
-    """What a row's generates measured (run_row turns it into figures)."""
-
-    timer: StepTimer  # the measured generate's clock at each logits call
-    t0: float  # its start
-    ids: object  # its generated ids
-    before: dict  # the mode's counters before it, at its first logits call, at its end
-    at_first: dict
-    after: dict
-    accesses: object  # distinct routed (layer, expert) of the decode steps, or None
-    extra: dict  # the mode's own figures
-    runs: list  # decode p50s (ms) of the --repeats generates after it
-    ttft_s: float
-
-
-def repeat_p50s(block: Block, mode, new_tokens: int) -> list:
-    """--repeats: the measured generate again (counters and trace are the
-    first one's); x_adjacent compares medians of the repeats."""
-    runs = []
-    for _ in range(max(0, block.args.repeats - 1)):
-        again = StepTimer(block.timer_sync)
-        generate(block.torch, block.model, block.prompt, new_tokens, block.sync, again)
-        mode.new_sequence()
-        steps = [b - a for a, b in zip(again.times, again.times[1:])]
-        if steps:
-            runs.append(statistics.median(steps) * 1e3)
-    return runs
-
-
-def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_tokens: int, out: dict) -> Measured:
-    """The warm-up, measured, repeated and TTFT generates of `row` with its
-    mode set up (the engine rows' routing trace goes to out["trace_steps"])."""
-    torch, model, sync = block.torch, block.model, block.sync
-    generate(torch, model, block.warm_prompt, warm_tokens, sync)
-    mode.new_sequence()
-    marks = {}
-
-    def first():
-        marks["counters"] = mode.counters()
-        marks["calls"] = recorder.mark() if recorder else None
-
-    timer = StepTimer(block.timer_sync, on_first=first, on_step=mode.on_step)
-    mode.start_measuring()
-    before = mode.counters()
-    ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
-    after = mode.counters()
-    accesses = recorder.distinct_accesses(marks["calls"]) if recorder else None
-    extra = mode.extra()
-    if isinstance(mode, EngineMode):
-        out["trace_steps"] = mode.trace_steps(new_tokens)
-    mode.new_sequence()
-    runs = repeat_p50s(block, mode, new_tokens)
-    if row == "resident":
-        # The floor of every row's TTFT: not the process's first
-        # prefill of this shape.
-        generate(torch, model, block.ttft_prompt, 1, sync)
-    _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
-    return Measured(timer, t0, ids, before, marks["counters"], after, accesses, extra, runs, s1 - s0)
-
-
-def row_figures(m: Measured, out: dict) -> dict:
-    """`out` with the figures of what `m` measured."""
-    times = m.timer.times
-    decode = [b - a for a, b in zip(times, times[1:])]
-    p50 = statistics.median(decode) * 1e3 if decode else None
-    out["p50_runs_ms"] = ([p50] if p50 is not None else []) + m.runs
-    out.update({
-        "p50_ms": statistics.median(out["p50_runs_ms"]) if out["p50_runs_ms"] else None,
-        "p90_ms": percentile(decode, 0.9) * 1e3 if decode else None,
-        "decode_tokens": len(decode),
-        "prefill_ms": (times[0] - m.t0) * 1e3,
-        "ttft_ms": m.ttft_s * 1e3,
-        "generated": m.ids,
-    })
-    out.update(decode_counters(m.at_first, m.after, m.accesses))
-    out["prefill_bytes"] = delta(m.before, m.at_first, "bytes")
-    out.update({k: v for k, v in m.extra.items() if k not in out})
-    return out
-
-
-def run_row(block: Block, row: str, share, trace=None) -> dict:
-    """Sets up `row`, runs the warm-up, measured and TTFT generates, tears
-    down and restores the model. Returns the figures."""
-    torch, args = block.torch, block.args
-    budget = None if share is None else int(share * block.state.total_bytes)
-    new_tokens = args.accelerate_tokens if row == "accelerate-cpu-offload" else args.new_tokens
-    warm_tokens = 1 if row == "accelerate-cpu-offload" else args.warmup_tokens
-    out = {"budget_bytes": budget, "new_tokens": new_tokens}
-    mode = None
-    recorder = None
-    try:
-        with cpu_sync_noop(torch, row in MPL_ROWS and not block.cuda):
-            mode = make_mode(block, row, budget, trace, out)
-            if mode.accesses_from_routing:
-                recorder = RoutingRecorder(block.model)
-            measured = measure_row(block, row, mode, recorder, new_tokens, warm_tokens, out)
-    finally:
-        if recorder is not None:
-            recorder.close()
-        if mode is not None:
-            with contextlib.suppress(Exception):
-                mode.close()
-        mode = None
-        block.state.restore()
-        gc.collect()
-        if block.cuda:
-            torch.cuda.empty_cache()
-    return row_figures(measured, out)
-
-
-def record_routing(block: Block):
-    """The resident model's routing of the measured prompt (per decode step)
-    and the distinct (layer, expert) the TTFT prompt routes: untimed runs
-    with router hooks."""
-    torch, model, sync = block.torch, block.model, block.sync
-    rec = RoutingRecorder(model)
-    try:
-        generate(torch, model, block.prompt, block.args.new_tokens, sync)
-        block.routing = rec.steps()
-        rec.calls = []
-        generate(torch, model, block.ttft_prompt, 1, sync)
-        block.ttft_routed = sum(len(layer) for layer in rec.steps()[0])
-    finally:
-        rec.close()
-
-
-def null_row(base: dict, reason: str) -> dict:
-    row = dict(base)
-    for key in FIGURES:
-        row.setdefault(key, None)
-    row["reason"] = reason
-    return row
+from bench.generate_rows import Block, restore_check, run_planned_row  # noqa: E402
 
 
 def build(torch, name, family, shape, args, cuda, device, dtype):
@@ -388,63 +186,6 @@ def row_plan(args) -> list:
     return plan
 
 
-def compare_to_resident(block: Block, row: str, share, trace, res: dict):
-    """Takes the generated ids and routing trace out of `res` and adds what
-    they say against the resident row (which, when `row` is it, becomes
-    the block's reference)."""
-    generated = res.pop("generated")
-    steps = res.pop("trace_steps", None)
-    if row == "resident":
-        block.reference = generated
-        block.resident_p50, block.resident_ttft = res["p50_ms"], res["ttft_ms"]
-        record_routing(block)
-    if row == "on-demand" and steps is not None:
-        block.traces[share] = steps
-    if row in ("oracle", "oracle-synced") and steps is not None:
-        res["oracle_replayed_exactly"] = steps == trace.steps
-    ref = block.reference[:, :generated.shape[1]]
-    res["tokens_equal"] = bool(block.torch.equal(generated, ref))
-    if row != "resident" and block.reference is not None:
-        repeats = block.args.repeats
-        adjacent = [v for v in (resident_p50_now(block) for _ in range(repeats)) if v is not None]
-        res["resident_adjacent_runs_ms"] = adjacent
-        res["resident_adjacent_p50_ms"] = statistics.median(adjacent) if adjacent else None
-        if res["resident_adjacent_p50_ms"] and res.get("p50_runs_ms"):
-            res["x_adjacent"] = statistics.median(res["p50_runs_ms"]) / res["resident_adjacent_p50_ms"]
-    if block.routing is not None and row in ENGINE_ROWS and steps is not None:
-        res["routing_equals_resident"] = steps == block.routing[:len(steps)]
-
-
-def run_planned_row(block: Block, name: str, row: str, share, started: float) -> dict:
-    """One row of a block's plan: its figures, or null ones with the reason
-    it did not run."""
-    args, batch = block.args, block.batch
-    base = {"model": name, "batch": batch, "share": share, "row": row}
-    if time.monotonic() - started > args.budget_s:
-        return null_row(base, f"not run: --budget-s {args.budget_s:g} s spent")
-    if row != "resident" and block.reference is None:
-        return null_row(base, "not run: the resident row did not run")
-    trace = None
-    if row in ("oracle", "oracle-synced"):
-        trace = oracle_trace(block, share)
-        if trace is None:
-            return null_row(base, "not run: no recorded routing trace (on-demand did not run)")
-    try:
-        res = run_row(block, row, share, trace)
-    except RowSkipped as exc:
-        return null_row(base, str(exc))
-    except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run
-        failed = null_row(base, f"failed: {type(exc).__name__}: {str(exc)[:300]}")
-        print(f"  {name} b{batch} {row} failed: {exc!r}", file=sys.stderr, flush=True)
-        return failed
-    compare_to_resident(block, row, share, trace, res)
-    r = {**base, **res}
-    print(f"  {name} b{batch} {fmt(share) if share is not None else '-':>5} {row:<26} p50 "
-          f"{fmt(r['p50_ms']):>9} ms  ttft {fmt(r['ttft_ms']):>9} ms  hit {fmt(r.get('hit_rate'))}  "
-          f"equal {r['tokens_equal']}", file=sys.stderr, flush=True)
-    return r
-
-
 def run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, blocks, models_info):
     sync = make_sync(torch, cuda)
     model, state, info, raw = build(torch, name, family, shape, args, cuda, device, dtype)
@@ -475,53 +216,6 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
     gc.collect()
     if cuda:
         torch.cuda.empty_cache()
-
-
-def oracle_trace(block: Block, share):
-    from prefetch.integration import RoutingTrace
-
-    steps = block.traces.get(share)
-    if steps is None and block.traces:
-        steps = next(iter(block.traces.values()))
-    if steps is None:
-        return None
-    return RoutingTrace(block.state.num_layers, block.state.num_experts, [list(map(list, s)) for s in steps])
-
-
-def resident_p50_now(block: Block):
-    """The resident model's decode p50 (ms) measured now, on the restored
-    model; None if the model is not in its resident state."""
-    try:
-        block.state.check()
-    except RuntimeError:
-        return None
-    timer = StepTimer(block.timer_sync)
-    generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
-    decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
-    return statistics.median(decode) * 1e3 if decode else None
-
-
-def restore_check(block: Block, name) -> dict:
-    """The resident generate once more after the block's rows: the model must
-    generate the same ids (the rows restored it)."""
-    out = {"model": name, "batch": block.batch, "resident_p50_ms": block.resident_p50,
-           "resident_ttft_ms": block.resident_ttft, "routing": block.routing, "traces": block.traces,
-           "ttft_routed_experts": block.ttft_routed}
-    if block.reference is None:
-        out["restore_check"] = None
-        return out
-    try:
-        block.state.check()
-    except RuntimeError as exc:
-        out["restore_check"] = False
-        out["restore_reason"] = str(exc)
-        return out
-    timer = StepTimer(block.timer_sync)
-    ids, _, _ = generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
-    decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
-    out["restore_check"] = bool(block.torch.equal(ids, block.reference))
-    out["resident_again_p50_ms"] = statistics.median(decode) * 1e3 if decode else None
-    return out
 
 
 def main(argv=None) -> int:

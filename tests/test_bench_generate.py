@@ -12,9 +12,9 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench import generate  # noqa: E402
+from bench import generate, generate_modes  # noqa: E402
 
-ENGINE_AND_BY_HAND = (*generate.ENGINE_ROWS, "torch-by-hand")
+ENGINE_AND_BY_HAND = (*generate_modes.ENGINE_ROWS, "torch-by-hand")
 
 
 def _run(tmp_path, *extra):
@@ -25,16 +25,16 @@ def _run(tmp_path, *extra):
 
 def _check_figures(row):
     """Figures are numbers where the row ran, null with a reason where not."""
-    for key in generate.FIGURES:
+    for key in generate_modes.FIGURES:
         assert key in row, (row["row"], key)
     if row.get("reason"):
-        for key in generate.FIGURES:
+        for key in generate_modes.FIGURES:
             assert row[key] is None, (row["row"], key, row[key])
         return
     for key in ("p50_ms", "p90_ms", "prefill_ms", "ttft_ms", "x_resident"):
         assert isinstance(row[key], numbers.Real) and row[key] > 0, (row["row"], key, row[key])
     assert isinstance(row["tokens_equal"], bool)
-    for key in generate.FIGURES:
+    for key in generate_modes.FIGURES:
         value = row[key]
         if value is None:
             assert row["null_reasons"][key], (row["row"], key)
@@ -54,8 +54,8 @@ def test_smoke_has_every_row(smoke):
     models = smoke["config"]["models"]
     assert set(models) == set(generate.SMOKE_MODELS)
     want = {(m, b, s, r) for m in models for b in smoke["config"]["batches"]
-            for r in generate.ROWS
-            for s in ([None] if r in generate.SHARE_FREE_ROWS else smoke["config"]["shares"])}
+            for r in generate_modes.ROWS
+            for s in ([None] if r in generate_modes.SHARE_FREE_ROWS else smoke["config"]["shares"])}
     got = [(r["model"], r["batch"], r["share"], r["row"]) for r in smoke["rows"]]
     assert len(got) == len(set(got))
     assert set(got) == want
@@ -75,7 +75,7 @@ def test_engine_and_by_hand_generate_the_resident_tokens(smoke):
             assert row["bytes_moved"] is not None
             # host time per layer over the decode steps (the prefill's excluded)
             assert row["host_us_per_layer"] > 0
-            if row["row"] in generate.ENGINE_ROWS:
+            if row["row"] in generate_modes.ENGINE_ROWS:
                 assert row["engine_us_per_layer"] > 0 and row["sync_us_per_layer"] >= 0
         if row["row"] == "resident":
             assert row["tokens_equal"] is True and row["x_resident"] > 0
@@ -131,8 +131,6 @@ def test_by_hand_gathers_its_slots_past_grouped_mm_group_limit(tmp_path, monkeyp
     slots (Qwen3-30B-A3B at 25 %: 1,536) gathers the routed slots first. The
     limit lowered to 2 makes the smoke's cache that large: same tokens, and
     the gathered path did run (each call gathers once per piece)."""
-    from bench import generate_modes
-
     monkeypatch.setattr(generate_modes, "_GROUPED_MM_MAX_GROUPS", 2)
     gathered = []
     real = generate_modes._grouped_rows
