@@ -282,6 +282,15 @@ class OffloadController(SyncFreeDecode):
             return False
         return True
 
+    def _held_back(self, guesses: dict) -> bool:
+        """Whether the predictor's `guesses` for this layer are not to be
+        sent (speculation paused: Note [Speculation by its precision]); the
+        layer then counts as paused."""
+        if guesses and self.predictor is not None and self.speculation_paused:
+            self.speculation_paused_layers += 1
+            return True
+        return False
+
     # -- the engine
 
     def ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
@@ -300,8 +309,7 @@ class OffloadController(SyncFreeDecode):
         rank's own; guesses and hints for other ranks' experts are dropped."""
         if self.local is not None:
             guesses, hints = self._only_local(guesses, hints)
-        if guesses and self.predictor is not None and self.speculation_paused:
-            self.speculation_paused_layers += 1
+        if self._held_back(guesses):
             guesses = {}
         # Every guess for this layer still queued is dropped; a right one is
         # then acquired at band 0 in the same call (queued again and issued

@@ -108,9 +108,7 @@ class SyncFreeDecode:
             # Scored when their layers' routings are read back, a step later
             # (read_routings), as the synced path scores its guesses.
             self._expect(self.step, layer, guesses)
-            if self.speculation_paused:  # a probe (Note [Speculation by its precision])
-                self.speculation_paused_layers += 1
-            else:
+            if not self._held_back(guesses):
                 extra = [self._owned_ids(target, g) for target, g in guesses.items() if g.shape[0]]
                 if extra:
                     fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
@@ -227,7 +225,7 @@ class SyncFreeDecode:
         if self._trace is not None or self.predictor is not None or self._pending:
             for i, (layer, step, _, _) in enumerate(routings):
                 guesses, hints = self.observe(layer, np.flatnonzero(routed[i]), {}, step=step)
-                if self._late_predict and not self.speculation_paused:
+                if self._late_predict and not self._held_back(guesses):
                     extra.extend(self._owned_ids(t, g) for t, g in guesses.items() if g.shape[0])
                 if hints:
                     self._late_hints.extend(hints)
