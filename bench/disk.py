@@ -328,12 +328,12 @@ def measure(prefetch, paths, size: int, args) -> dict:
                     samples[kind].append(gbps(*reader_pass(r, files, size, args.range_bytes, bufs)))
         reader_direct = all(r.file_info(files[0])["direct"] for r, files, _ in readers.values())
         out = summarize(samples, args.threads, direct and reader_direct, reason)
+        held = engine_layout(max(args.threads))[1]
         out["engine"] = {"backend": backend, "gbps": statistics.median(samples["engine"]),
                          "over_raw": ratio(samples["engine"], samples["raw"]),
                          "over_raw_parallel": ratio(samples["engine"], samples["raw-par"]),
                          "samples_gbps": samples["engine"], "reader_threads": max(args.threads),
-                         "host_tier_ranges": engine_layout(max(args.threads))[1],
-                         "device_cache_ranges": engine_layout(max(args.threads))[1]}
+                         "host_tier_ranges": held, "device_cache_ranges": held}
         return out
     finally:
         for r, _, _ in readers.values():
