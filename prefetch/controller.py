@@ -153,6 +153,13 @@ class OffloadController(SyncFreeDecode):
         come back together. Returns (routing as an int64 numpy array or None,
         {layer: sorted distinct experts} for every guess). Time spent waiting
         counts in sync_ns."""
+        if not raw:  # no guesses (the common case): the routing alone
+            if routing is None:
+                return None, {}
+            t0 = time.perf_counter_ns()
+            host = routing.reshape(-1).cpu().numpy()
+            self.sync_ns += time.perf_counter_ns() - t0
+            return host, {}
         import torch
 
         on_device = [(t, g) for t, g in raw.items() if isinstance(g, torch.Tensor) and g.device.type != "cpu"]

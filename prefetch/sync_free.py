@@ -41,6 +41,13 @@ class SyncFreeDecode:
         # where the rank owns the whole layer.
         self._pin_buf = [out if own.all() else np.empty(int(own.sum()), dtype=np.int64)
                          for out, own in zip(self._pin_out, self._owned)]
+        self._owns_all = bool(self._owned.all())
+        # Per layer, which experts the last pin_layer pinned. A noted routing
+        # keeps its layer's row (a view); pin_layer reads the noted routings
+        # before it writes a row one of them still refers to, so
+        # read_routings gathers them in one index.
+        self._pinned = np.zeros((self.num_layers, num_experts), dtype=bool)
+        self._routed_rows = {}  # (count, k) -> row of each of count x k routed ids (read_routings)
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
         # Note [Routing read-back queued early]: (routings covered, the
         # page-locked slice copied into, event after it) of the copy queued
@@ -100,7 +107,8 @@ class SyncFreeDecode:
         resident expert of `layer`. Returns (the slot offset of each expert
         of the layer, -1 where not pinned: read from host memory; the pinned
         mask)."""
-        if self._routings and layer == 0:
+        routings = self._routings
+        if routings and routings[-1][0] >= layer:  # a new step (or a layer again): its rows are rewritten below
             self.read_routings()
         use, fetch = self._use, self._fetch
         if self._host_guesses and self._predicts_now():
@@ -114,9 +122,11 @@ class SyncFreeDecode:
                     fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
                         np.concatenate(extra))
         hints = self._late_hints
-        if hints and self.local is not None:
-            _, hints = self._only_local({}, hints)  # expert parallel: this rank's experts only
-        hint_ids, hint_when = self._hint_arrays(hints)
+        hint_ids = hint_when = None
+        if hints:
+            if self.local is not None:
+                _, hints = self._only_local({}, hints)  # expert parallel: this rank's experts only
+            hint_ids, hint_when = self._hint_arrays(hints)
         if self._held is not None and stream != self._held_stream:
             self.release_held()
         held, self._held = self._held, None
@@ -132,11 +142,13 @@ class SyncFreeDecode:
         finally:
             self.engine_ns += time.perf_counter_ns() - t0
         self._use = self._fetch = None
-        self._late_hints = []
+        if hints:
+            self._late_hints = []
         if buf is not out:
             out[self._owned[layer]] = buf
-        pinned = out >= 0
-        self._held = self._layer_ids[layer][buf >= 0]
+        pinned = self._pinned[layer]
+        np.greater_equal(out, 0, out=pinned)
+        self._held = self._layer_ids[layer][pinned if buf is out else buf >= 0]
         self._held_stream = stream
         return out, pinned
 
@@ -145,11 +157,12 @@ class SyncFreeDecode:
         without expert parallel)."""
         return self.ids(layer, experts[self._owned[layer][experts]])
 
-    def note_routing(self, layer: int, top_k_index, pinned: np.ndarray) -> None:
-        """Keeps `layer`'s routing (a device tensor: no copy yet) and which
-        experts were pinned; the whole step's routings come back in one copy
-        at the next step's first layer (`read_routings`)."""
-        self._routings.append((layer, self.step, top_k_index, pinned))
+    def note_routing(self, layer: int, top_k_index) -> None:
+        """Keeps `layer`'s routing (a device tensor: no copy yet); which
+        experts were pinned stays in the layer's row of `_pinned` until the
+        routing is read. The whole step's routings come back in one copy at
+        the next step's first layer (`read_routings`)."""
+        self._routings.append((layer, self.step, top_k_index, top_k_index.numel()))
 
     def queue_read_back(self) -> None:
         """Note [Routing read-back queued early]
@@ -197,24 +210,34 @@ class SyncFreeDecode:
 
         routings, self._routings = self._routings, []
         early, self._early = self._early, None
-        flat = [r[2].reshape(-1) for r in routings]
         t0 = time.perf_counter_ns()
         if early is not None and early[0] == len(routings):
             early[2].synchronize()
             host = early[1].numpy()
             self.early_read_backs += 1
         else:  # routings noted after the queued copy (a partial step): read them all now
+            flat = [r[2].reshape(-1) for r in routings]
             host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
         self.sync_ns += time.perf_counter_ns() - t0
         count = len(routings)
-        sizes = np.fromiter((f.shape[0] for f in flat), dtype=np.int64, count=count)
-        layers = np.fromiter((r[0] for r in routings), dtype=np.int64, count=count)
+        sizes = [r[3] for r in routings]
+        layers = [r[0] for r in routings]
         routed = np.zeros((count, self.num_experts), dtype=bool)
-        routed[np.repeat(np.arange(count), sizes), host] = True
-        pinned = np.stack([r[3] for r in routings])
-        owned = routed & self._owned[layers]  # expert parallel: this rank's reads
+        k = sizes[0]
+        if sizes.count(k) == count:  # a decode step: every layer routes as many rows
+            rows = self._routed_rows.get((count, k))
+            if rows is None:
+                rows = self._routed_rows[(count, k)] = np.repeat(np.arange(count), k)
+        else:
+            rows = np.repeat(np.arange(count), sizes)
+        routed[rows, host] = True
+        # Each layer's pinned row is still the one its routing saw (pin_layer
+        # reads the routings before rewriting a row).
+        pinned = self._pinned[layers]
+        owned = routed if self._owns_all else routed & self._owned[layers]  # expert parallel: this rank's reads
         missed = owned & ~pinned
-        hits, misses = int(np.count_nonzero(owned & pinned)), int(np.count_nonzero(missed))
+        misses = int(np.count_nonzero(missed))
+        hits = int(np.count_nonzero(owned)) - misses
         self.pinned_hits += hits
         self.zero_copy_reads += misses
         if hits + misses:

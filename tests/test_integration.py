@@ -232,6 +232,43 @@ def test_each_step_takes_the_path_its_misses_call_for(gate):
         ctl.close()
 
 
+def test_sync_free_counts_a_routing_against_the_pins_it_ran_on():
+    # A noted routing's hits and host reads are those of the pins its layer
+    # made: pinning the same layer again (here without a layer 0 between,
+    # as a caller driving the layers itself might) reads the noted routings
+    # first, before the layer's pinned row is rewritten.
+    cfg = family_configs()["olmoe"]
+    model = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=4 * (per + 512), backend="host", sync_free=True)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        greedy(model, ids, steps=2)
+        ctl.flush()
+        ctl.release_held()
+        wait_drained(ctl.handle)
+        every = np.arange(num_experts)
+        slots = offloaded_experts(model)[0].__dict__["_prefetch_offload"].slots
+        assert 2 <= slots < num_experts
+        ctl.exchange(1, every[:slots], {}, None)  # layer 1 fills the cache
+        ctl.release_held()
+        _, pinned = ctl.pin_layer(1, None, None)
+        first = pinned.copy()
+        assert first.sum() == slots
+        ctl.note_routing(1, torch.from_numpy(every).view(1, -1))  # routed to every expert
+        ctl.release_held()
+        ctl.exchange(2, every[:slots], {}, None)  # layer 2 takes the whole cache
+        ctl.release_held()
+        hits, reads = ctl.pinned_hits, ctl.zero_copy_reads
+        _, pinned = ctl.pin_layer(1, None, None)
+        assert not pinned.any()  # this call pinned nothing of layer 1...
+        # ...and the routing noted before it counted the pins it ran on.
+        assert (ctl.pinned_hits - hits, ctl.zero_copy_reads - reads) == (slots, num_experts - slots)
+        assert len(ctl._routings) == 0
+    finally:
+        ctl.close()
+
+
 def test_sync_free_option():
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="batched_mm")
