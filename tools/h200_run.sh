@@ -2,7 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
-# bandwidth2proc abcompare abengine (OLD_TREE=folder)
+# bandwidth2proc abcompare abengine abbm6 (OLD_TREE=folder)
 # overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
@@ -109,6 +109,21 @@ for step in $steps; do
           echo "== $side $i"
           PYTHONPATH="$dir" python3 bench/engine_path.py --backend cuda --iterations ${ENGINE_ITERS:-2000} \
             --json "$out/ab_engine_${side}_$i.json" 2>&1 | tail -4
+        done
+      done ;;
+    abbm6)
+      # BM6 (BM6_ARGS) of an older tree (OLD_TREE, built here) and of this one, alternating
+      # (AB_ROUNDS, default 2): same-run ratios of a Python-side change on the path users run.
+      (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
+      old_dir=$(cd "$OLD_TREE" && pwd)
+      for i in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for side in new old; do
+          dir=$PWD
+          [ "$side" = old ] && dir=$old_dir
+          echo "== $side $i"
+          (cd "$dir" && PYTHONPATH="$dir" python3 bench/generate.py ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-480}" \
+            --json "$out/ab_bm6_${side}_$i.json" 2>"$out/ab_bm6_${side}_$i.log" | tee "$out/ab_bm6_${side}_$i.txt") \
+            || status=1
         done
       done ;;
     enginepath)
