@@ -239,8 +239,8 @@ def by_hand_experts_forward(self, hidden_states, top_k_index, top_k_weights):
         cache.host_s += time.perf_counter() - t0
         weights, groups, ids = (cache.gate_up, cache.down), cache.slots, slots
         if groups > _GROUPED_MM_MAX_GROUPS:
-            # grouped_mm takes at most 1024 groups (Qwen3-30B-A3B at 25 % has
-            # 1,536 slots): the piece's slots gathered, as offload_moe_experts
+            # grouped_mm takes at most 1023 groups (Qwen3-30B-A3B at 25 % has
+            # 1,536 slots, OLMoE-1B-7B at 100 % 1,024): the piece's slots gathered, as offload_moe_experts
             # does for such a cache.
             picked = torch.tensor(slots, dtype=torch.int64).to(hidden_states.device, non_blocking=True)
             weights = (cache.gate_up.index_select(0, picked), cache.down.index_select(0, picked))

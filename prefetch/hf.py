@@ -29,8 +29,8 @@ the resident model's, on the same bytes. A layer routing to more experts
 than there are slots (a long prompt on a small budget) runs in pieces of at
 most n experts: acquire, compute with the other experts' routing weights
 zeroed, release, next; the pieces are summed. torch's grouped_mm takes at
-most 1024 groups: with more slots than that (Qwen3-30B-A3B at 25 % has
-1,536), a grouped_mm call gets the routed slots' weights gathered into
+most 1023 groups: with more slots than that (Qwen3-30B-A3B at 25 % has
+1,536; OLMoE-1B-7B at 100 % has 1,024), a grouped_mm call gets the routed slots' weights gathered into
 [k, ...] tensors (one device copy of the routed experts, in prefill where
 grouped_mm runs; decode on a GPU runs batched_mm, which gathers anyway).
 """
@@ -54,10 +54,12 @@ __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", 
            "offloaded_experts", "HostExperts"]
 
 _OFFLOAD_ATTR = "_prefetch_offload"
-# torch's grouped_mm refuses more groups than this ("Can't process more than
-# 1024 groups"); a cache with more slots runs grouped_mm on a gathered copy
-# of the routed slots instead (Note [Experts on cache slots]).
-_GROUPED_MM_MAX_GROUPS = 1024
+# The most groups torch's grouped_mm takes on CUDA: it checks group_count <
+# 1024 ("Can't process more than 1024 groups"), so a cache of exactly 1024
+# slots (OLMoE-1B-7B at 100 %) is one too many (BM6, run 47). A cache with
+# more slots runs grouped_mm on a gathered copy of the routed slots instead
+# (Note [Experts on cache slots]).
+_GROUPED_MM_MAX_GROUPS = 1023
 
 
 def _wrap(name: str, inner):

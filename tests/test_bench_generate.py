@@ -127,7 +127,7 @@ def test_by_hand_runs_a_layer_in_pieces_when_slots_are_few(tmp_path):
 
 
 def test_by_hand_gathers_its_slots_past_grouped_mm_group_limit(tmp_path, monkeypatch):
-    """torch's grouped_mm takes at most 1024 groups; a by-hand cache with more
+    """torch's grouped_mm takes at most 1023 groups; a by-hand cache with more
     slots (Qwen3-30B-A3B at 25 %: 1,536) gathers the routed slots first. The
     limit lowered to 2 makes the smoke's cache that large: same tokens, and
     the gathered path did run (each call gathers once per piece)."""

@@ -850,7 +850,7 @@ def test_host_experts_are_reused_by_a_second_offload():
 
 @pytest.mark.parametrize("slots", [11, 3])
 def test_grouped_mm_over_more_slots_than_it_takes(monkeypatch, slots):
-    # torch's grouped_mm refuses more than 1024 groups; a cache with more
+    # torch's grouped_mm refuses 1024 groups or more; a cache with more
     # slots gathers the routed slots for it. Lowering the limit to 2 sends
     # every grouped_mm call here down that path (with 3 slots, in pieces).
     import prefetch.hf
@@ -869,6 +869,37 @@ def test_grouped_mm_over_more_slots_than_it_takes(monkeypatch, slots):
         if slots == 11:  # no pieces: bit-equal
             for a, b in zip(logits, logits_ref):
                 assert torch.equal(a, b)
+    finally:
+        ctl.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("slots", [1023, 1024])
+def test_grouped_mm_at_the_group_limit_on_gpu(slots):
+    # torch's CUDA grouped_mm takes fewer than 1024 groups: a cache of
+    # exactly 1024 slots (OLMoE-1B-7B at 100 %) failed every prefill with
+    # "Can't process more than 1024 groups" (BM6, run 47) and now gathers
+    # the routed slots; 1023 still runs on the slot views.
+    cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=8, num_experts=512,
+                                      num_experts_per_tok=2, head_dim=8, decoder_sparse_step=1, mlp_only_layers=[],
+                                      norm_topk_prob=True)
+    cfg.num_hidden_layers = 2
+    ref = build(cfg, device="cuda", dtype=torch.bfloat16, experts_implementation="grouped_mm")
+    model = copy.deepcopy(ref)
+    from prefetch.expert_prefetcher import _align
+
+    _, experts, _ = find_hf_moe_blocks(model)[0]
+    size = experts.gate_up_proj.element_size()
+    slot_bytes = _align(_align(experts.gate_up_proj[0].numel() * size) + experts.down_proj[0].numel() * size)
+    ctl = offload_moe_experts(model, device_budget_bytes=slots * slot_bytes, backend="cuda")
+    try:
+        assert offloaded_experts(model)[0].__dict__["_prefetch_offload"].slots == slots
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
     finally:
         ctl.close()
 
