@@ -391,8 +391,11 @@ class ExpertsOffload:
     def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
         if self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows:
             ctl = self.controller
-            if self.layer == 0:
+            if self.layer == 0:  # once a step: read the last step's routings, pick this one's path
+                t0, engine_before, sync_before = time.perf_counter_ns(), ctl.engine_ns, ctl.sync_ns
                 ctl.choose_path()
+                ctl.host_ns += (time.perf_counter_ns() - t0 - (ctl.engine_ns - engine_before)
+                                - (ctl.sync_ns - sync_before))
             if ctl.sync_free_active:
                 return self._forward_sync_free(fn, hidden_states, top_k_index, top_k_weights)
         ctl = self.controller
