@@ -881,8 +881,9 @@ def test_grouped_mm_at_the_group_limit_on_gpu_bf16(slots):
     # "Can't process more than 1024 groups" (BM6, run 47) and now gathers
     # the routed slots; 1023 still runs on the slot views. (bf16: the only
     # dtype of torch's CUDA grouped_mm. The name says so, for gpu-csan's
-    # initcheck, which leaves out the untouched bf16 models' own reports:
-    # 4,840 of them in run 48, all in the reference model's router softmax.)
+    # initcheck, which leaves out bf16 tests: the untouched bf16 model's own
+    # generate has uninitialized-read reports (run 24), and this test gave
+    # 4,840 in run 48, in the router's softmax, which both models run.)
     cfg = transformers.Qwen3MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=8, num_experts=512,
                                       num_experts_per_tok=2, head_dim=8, decoder_sparse_step=1, mlp_only_layers=[],
                                       norm_topk_prob=True)
