@@ -33,6 +33,9 @@ _PRECISION_MIN_GUESSES = 32
 # While paused, the predictor runs on one layer in this many (its guesses
 # scored, not sent).
 _PAUSED_PROBE_EVERY = 8
+# Note [Speculation with nothing to fetch]: steps in a row that copied
+# nothing before the predictor only probes.
+_IDLE_STEPS_TO_PROBE = 2
 
 
 class OffloadController(SyncFreeDecode):
@@ -99,6 +102,11 @@ class OffloadController(SyncFreeDecode):
         self._recent_guessed = 0.0
         self.speculation_paused_layers = 0
         self._paused_predicts = 0  # predictor calls asked for while paused (one in _PAUSED_PROBE_EVERY runs)
+        # Note [Speculation with nothing to fetch]
+        self.probe_when_nothing_fetched = True  # False: the predictor runs whatever the engine copies
+        self._copies_at_step = None  # the engine's copy count when this step began
+        self._idle_steps = 0  # consecutive steps that copied nothing
+        self.nothing_fetched = False  # the last two steps copied nothing: the predictor probes
 
     @property
     def trace(self):
@@ -138,6 +146,11 @@ class OffloadController(SyncFreeDecode):
             if self._seen_layer0:
                 self.step += 1
             self._seen_layer0 = True
+            if self.predictor is not None and self.probe_when_nothing_fetched:
+                copies = self.handle.stats()["copies"]
+                self._idle_steps = self._idle_steps + 1 if copies == self._copies_at_step else 0
+                self.nothing_fetched = self._idle_steps >= _IDLE_STEPS_TO_PROBE
+                self._copies_at_step = copies
         return self.step
 
     def predict(self, layer: int, hidden) -> dict:
@@ -279,9 +292,27 @@ class OffloadController(SyncFreeDecode):
 
     def _predicts_now(self) -> bool:
         """Whether this layer runs the predictor: always, but while paused
-        (Note [Speculation by its precision]) only one layer in
-        _PAUSED_PROBE_EVERY; the others count as paused layers."""
-        if not self.speculation_paused:
+        (Note [Speculation by its precision]) or after a step that fetched
+        nothing (Note [Speculation with nothing to fetch]) only one layer in
+        _PAUSED_PROBE_EVERY; the others count as paused layers.
+
+        Note [Speculation with nothing to fetch]
+        When the cache already holds what the model routes to (a budget
+        that holds the working set, after warm-up), every guess names
+        experts already resident: the predictor's host work buys nothing.
+        That work is not free: BM6's oracle spent 107-117 us a layer of
+        host work at a cache of 100 %, against on-demand's 60-64, and ran
+        1.19-1.27x the resident model against 1.13-1.19 (run 49). So at the
+        start of each step the controller reads the engine's copy count; if
+        the last _IDLE_STEPS_TO_PROBE steps copied nothing (no miss, no
+        guess that needed a copy), the predictor runs on one layer in
+        _PAUSED_PROBE_EVERY only. Those guesses are sent (unlike a precision
+        pause's probes): one that names an expert not resident copies it,
+        and any copy, a miss's or a guess's, ends the pause at the next
+        step. The price: the first step that needs something new after such
+        a pause finds most of its guesses not made. `probe_when_nothing_fetched
+        = False` keeps the predictor on every layer."""
+        if not self.speculation_paused and not self.nothing_fetched:
             return True
         self._paused_predicts += 1
         if self._paused_predicts % _PAUSED_PROBE_EVERY:

@@ -585,6 +585,10 @@ def test_trace_predictor_learns_from_past_requests():
     model = build(cfg)
     predictor = TracePredictor(distance=1)
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", predictor=predictor)
+    # The cache holds every expert: after the first steps nothing is copied
+    # and the predictor would only probe (Note [Speculation with nothing to
+    # fetch]); what is tested here is what it learned.
+    ctl.probe_when_nothing_fetched = False
     try:
         ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(4))
         greedy(model, ids)
@@ -593,6 +597,40 @@ def test_trace_predictor_learns_from_past_requests():
         greedy(model, ids)  # the same request again: the past matrix matches
         report = ctl.report()
         assert report["prediction_recall"] > 0.5
+    finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("whole", [True, False], ids=["cache-holds-all", "small-cache"])
+def test_predictor_probes_while_the_cache_fetches_nothing(whole):
+    # Note [Speculation with nothing to fetch]: with every expert cached the
+    # oracle's guesses name resident experts, so after two steps that copied
+    # nothing it runs on one layer in eight; a cache that keeps copying keeps
+    # it on every layer. Tokens are the untouched model's either way.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, _ = greedy(ref, ids, steps=12)
+    recorder = copy.deepcopy(ref)
+    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
+    greedy(recorder, ids, steps=12)
+    trace = ctl.trace
+    ctl.close()
+    model = copy.deepcopy(ref)
+    budget = (1 << 20) if whole else 3 * (per + 512)
+    ctl = offload_moe_experts(model, device_budget_bytes=budget, backend="host",
+                              predictor=OraclePredictor(trace, distance=2), sync_free=False)
+    try:
+        seq, _ = greedy(model, ids, steps=12)
+        assert torch.equal(seq, seq_ref)
+        report = ctl.report()
+        assert report["prediction_precision"] > 0.9  # the oracle is right: no precision pause
+        if whole:
+            assert ctl.nothing_fetched and report["speculation_paused_layers"] > 0
+        else:
+            assert ctl.handle.stats()["copies"] > 0
+            assert not ctl.nothing_fetched and report["speculation_paused_layers"] == 0
     finally:
         ctl.close()
 
