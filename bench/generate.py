@@ -80,6 +80,9 @@ Figures per row:
                     copy at use (its prefetched experts count as copies);
                     accelerate: no cache, hit rate null
   precision, recall engine rows: the controller's prediction scores
+  speculation_paused_layers
+                    engine rows: layers whose guesses were held back or not
+                    made (report(); over the whole row, warm-up included)
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also
