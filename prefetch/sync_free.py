@@ -122,6 +122,7 @@ class SyncFreeDecode:
                     fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
                         np.concatenate(extra))
         hints = self._late_hints
+        had_hints = bool(hints)  # cleared once sent, even if none of them is this rank's
         hint_ids = hint_when = None
         if hints:
             if self.local is not None:
@@ -142,7 +143,7 @@ class SyncFreeDecode:
         finally:
             self.engine_ns += time.perf_counter_ns() - t0
         self._use = self._fetch = None
-        if hints:
+        if had_hints:
             self._late_hints = []
         if buf is not out:
             out[self._owned[layer]] = buf

@@ -269,6 +269,24 @@ def test_sync_free_counts_a_routing_against_the_pins_it_ran_on():
         ctl.close()
 
 
+def test_sync_free_clears_hints_none_of_which_are_this_ranks():
+    # Expert parallel: the hints read from the last step are filtered to this
+    # rank's experts before they reach its engine. When none is, they are
+    # still done with: kept, they would be filtered again at every layer and
+    # pile up step after step.
+    cfg = family_configs()["olmoe"]
+    model = build(cfg, experts_implementation="batched_mm")
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True)
+    try:
+        ctl.local = np.zeros((cfg.num_hidden_layers, cfg.num_experts), dtype=bool)  # as if all were another rank's
+        ctl._late_hints = [(1, np.array([0, 1]), 5)]
+        ctl.pin_layer(0, None, None)
+        assert ctl._late_hints == []
+        ctl.release_held()
+    finally:
+        ctl.close()
+
+
 def test_sync_free_option():
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="batched_mm")
