@@ -47,7 +47,6 @@ class SyncFreeDecode:
         # before it writes a row one of them still refers to, so
         # read_routings gathers them in one index.
         self._pinned = np.zeros((self.num_layers, num_experts), dtype=bool)
-        self._routed_rows = {}  # (count, k) -> row of each of count x k routed ids (read_routings)
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
         # Note [Routing read-back queued early]: (routings covered, the
         # page-locked slice copied into, event after it) of the copy queued
@@ -224,14 +223,7 @@ class SyncFreeDecode:
         sizes = [r[3] for r in routings]
         layers = [r[0] for r in routings]
         routed = np.zeros((count, self.num_experts), dtype=bool)
-        k = sizes[0]
-        if sizes.count(k) == count:  # a decode step: every layer routes as many rows
-            rows = self._routed_rows.get((count, k))
-            if rows is None:
-                rows = self._routed_rows[(count, k)] = np.repeat(np.arange(count), k)
-        else:
-            rows = np.repeat(np.arange(count), sizes)
-        routed[rows, host] = True
+        routed[np.repeat(np.arange(count), sizes), host] = True
         # Each layer's pinned row is still the one its routing saw (pin_layer
         # reads the routings before rewriting a row).
         pinned = self._pinned[layers]
