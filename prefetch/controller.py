@@ -88,6 +88,7 @@ class OffloadController(SyncFreeDecode):
         self.zero_copy_reads = 0  # routed experts read from host memory (not resident at pin time)
         self.expert_bytes = 0  # bytes of one expert (set with sync_free)
         self.pinned_hits = 0  # routed experts read from the cache on the sync-free path
+        self._steady = None  # this step's pins are all held (Note [Steady pins] in prefetch/sync_free.py)
         self._use = None  # tensor ids read (from read_routings), for the next engine call
         self._fetch = None  # of those, the ones read from host memory: prefetched
         self._late_hints: list = []
@@ -423,6 +424,7 @@ class OffloadController(SyncFreeDecode):
     def release_held(self, stream=None) -> None:
         """Releases what the last exchange acquired (the end of a forward)."""
         held, self._held = self._held, None
+        self._steady = None  # Note [Steady pins]: a steady step's pins were held here
         if held is not None and held.shape[0]:
             t0 = time.perf_counter_ns()
             self.handle.release(held, stream=stream if stream is not None else self._held_stream)

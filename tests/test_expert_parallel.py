@@ -133,6 +133,19 @@ def scenario_tokens_and_errors(rank, group):
                                               "report": ctl.report()}
         finally:
             ctl.close()
+    # Note [Steady pins] over a rank's slice: with room for all of its
+    # experts, a second request decodes with one pin call a step, the pins
+    # written back into the rows of the experts this rank owns.
+    model = build(top4_config(), dtype=torch.bfloat16, experts_implementation="batched_mm")
+    ctl = _offload(model, group, 16, sync_free=True)
+    try:
+        greedy(model, prompt(model.config, 2), steps=6)
+        before = ctl.steady_steps
+        seq, logits = greedy(model, prompt(model.config, 2), steps=6)
+        out["steady"] = {"seq": seq, "logits": logits, "steady_steps": ctl.steady_steps - before,
+                         "pinned": ctl.handle.stats()["pinned_count"]}
+    finally:
+        ctl.close()
     # The oracle's next-use hints on sync-free steps: only this rank's
     # experts reach its engine (the others are not registered here).
     from prefetch.integration import OraclePredictor
@@ -369,6 +382,11 @@ def test_two_ranks_match_one_process(tmp_path, monkeypatch):
             if impl == "grouped_mm":  # needs the routing on the host: never read from host memory
                 assert run["report"]["zero_copy_reads"] == 0
         assert torch.equal(g["oracle_seq"], refs["batched_mm"][0])
+        steady = g["steady"]
+        assert torch.equal(steady["seq"], refs["batched_mm"][0])
+        for a, b in zip(steady["logits"], refs["batched_mm"][1]):
+            assert torch.equal(a, b)
+        assert steady["steady_steps"] > 0 and steady["pinned"] == 0
         forced = g["top4"][("batched_mm", True)]["report"]
         # Read from host memory on the first steps (8 slots for this rank's
         # 12 experts), and only this rank's experts count.

@@ -317,9 +317,14 @@ def test_sync_free_option():
         ctl.close()
 
 
-def test_sync_free_one_engine_call_per_layer():
+def test_sync_free_engine_calls_per_layer_then_per_step():
+    # A sync-free step makes one engine call a layer; once a step missed
+    # nothing and left nothing to fetch, the next ones make one call in all
+    # (Note [Steady pins]): every layer's resident experts pinned at layer
+    # 0, released once at the last layer. The same bits either way.
     cfg = family_configs()["olmoe"]
-    model = build(cfg, experts_implementation="batched_mm")
+    ref = build(cfg, experts_implementation="batched_mm")
+    model = copy.deepcopy(ref)
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
     real = ctl.handle
     ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
@@ -327,12 +332,62 @@ def test_sync_free_one_engine_call_per_layer():
     ctl.flush()
     wait_drained(real)
     assert ctl.report()["zero_copy_reads"] > 0  # the sync-free path ran
+    assert ctl.steady_steps == 0  # every step so far missed
     ctl.handle = CountingHandle(real)
     calls = ctl.handle.calls
     try:
-        greedy(model, ids, steps=3)  # the same routing: every layer holds pins, released once a forward
-        assert calls["step"] == 3 * cfg.num_hidden_layers
+        seq, logits = greedy(model, ids, steps=3)  # the same routing, now every expert cached
+        seq_ref, logits_ref = greedy(ref, ids, steps=3)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        # Three forwards (the prompt's and two decode steps), each released
+        # once; a steady one made one step call, the others one a layer.
+        # The first may be either (the last request's last step is what it
+        # reads); the decode steps after a steady one are steady.
+        steady = ctl.steady_steps
+        assert steady >= 2
+        assert calls["step"] == steady + (3 - steady) * cfg.num_hidden_layers
         assert calls["release"] == 3 and calls["other"] == 0
+        assert real.stats()["pinned_count"] == 0
+    finally:
+        ctl.handle = real
+        ctl.close()
+
+
+def test_steady_pins_end_at_a_miss():
+    # Note [Steady pins]: a request whose experts are all cached decodes with
+    # one pin call a step; another request that routes elsewhere misses,
+    # and its steps go back to one call a layer. The bits are the untouched
+    # model's throughout, and nothing stays pinned after a forward.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    model = copy.deepcopy(ref)
+    # Room for every expert: the first request, run again once its copies
+    # have landed, misses nothing; the other one's prompt and batch of 2
+    # route to experts the first never read (first reads: misses).
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True)
+    real = ctl.handle
+    try:
+        first = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        other = torch.randint(0, cfg.vocab_size, (2, 5), generator=torch.Generator().manual_seed(7))
+        greedy(model, first, steps=6)
+        ctl.flush()
+        wait_drained(real)
+        greedy(model, first, steps=6)
+        assert ctl.steady_steps >= 5  # every decode step of the second run
+        steady = ctl.steady_steps
+        ctl.handle = CountingHandle(real)
+        seq, logits = greedy(model, other, steps=6)
+        seq_ref, logits_ref = greedy(ref, other, steps=6)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert ctl.report()["zero_copy_reads"] > 0  # the other request missed...
+        # ...and its missing steps made one call a layer: more calls than forwards.
+        layered = 6 - (ctl.steady_steps - steady)
+        assert layered > 0
+        assert ctl.handle.calls["step"] >= layered * cfg.num_hidden_layers
         assert real.stats()["pinned_count"] == 0
     finally:
         ctl.handle = real
