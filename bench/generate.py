@@ -83,6 +83,9 @@ Figures per row:
   speculation_paused_layers
                     engine rows: layers whose guesses were held back or not
                     made (report(); over the whole row, warm-up included)
+  steady_steps      engine rows on the sync-free path: steps that pinned
+                    every layer in one engine call (Note [Steady pins];
+                    report(); over the whole row, warm-up included)
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also

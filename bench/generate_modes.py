@@ -115,7 +115,8 @@ class EngineMode(Mode):
         return {"precision": r.get("prediction_precision"), "recall": r.get("prediction_recall"),
                 "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer"),
                 "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
-                "declined": r.get("declined"), "speculation_paused_layers": r.get("speculation_paused_layers")}
+                "declined": r.get("declined"), "speculation_paused_layers": r.get("speculation_paused_layers"),
+                "steady_steps": r.get("steady_steps")}
 
     def trace_steps(self, n):
         trace = getattr(self.ctl, "trace", None)

@@ -15,6 +15,7 @@ import numpy as np
 from prefetch import errors as _errors
 from prefetch.errors import HandleClosedError, InvalidArgumentError
 
+cimport cython
 from cython.operator cimport dereference as deref
 from libc.stdint cimport int32_t, int64_t, uint64_t, uintptr_t
 from libcpp.memory cimport make_shared, shared_ptr, unique_ptr
@@ -61,6 +62,8 @@ include "_handle_setup.pxi"
 include "_handle_calls.pxi"
 # PrefetchHandle's base: its fields, control, inspection and test hooks.
 include "_handle_base.pxi"
+# The sync-free decode path's per-step bookkeeping (prefetch/sync_free.py).
+include "_routing.pxi"
 
 
 # Engine errors raise prefetch.errors' classes (Note in prefetch/_errors.h).

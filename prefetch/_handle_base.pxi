@@ -147,7 +147,8 @@ cdef class _HandleBase:
         Gauges, now:
 
         queue_depth       queued ids
-        bytes_in_flight   bytes being copied
+        bytes_in_flight   bytes being copied (CUDA: until the copy worker
+                          next sees them done, which may be its next copy)
         resident_count    entries in the caches
         resident_bytes    bytes of cache slots in use
         pinned_count      entries acquired and not yet released

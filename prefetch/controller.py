@@ -575,6 +575,7 @@ class OffloadController(SyncFreeDecode):
             "zero_copy_bytes": self.zero_copy_reads * self.expert_bytes,
             "read_aheads": self.read_aheads,
             "speculation_paused_layers": self.speculation_paused_layers,
+            "steady_steps": self.steady_steps if self.sync_free else None,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
             "bytes_copied": s["bytes_copied"],

@@ -8,6 +8,7 @@ import time
 
 import numpy as np
 
+from prefetch._engine import mark_pinned, read_routed
 from prefetch.expert_ids import EMPTY as _EMPTY
 
 __all__ = ["SyncFreeDecode"]
@@ -49,6 +50,16 @@ class SyncFreeDecode:
         # before it writes a row one of them still refers to, so
         # read_routings gathers them in one index.
         self._pinned = np.zeros((self.num_layers, num_experts), dtype=bool)
+        # Flat views (entry layer * experts + expert) for read_routed and
+        # mark_pinned, the bool tables as bytes; _routed: the last read's
+        # routed (layer, expert) pairs.
+        self._pinned_u8 = self._pinned.reshape(-1).view(np.uint8)
+        self._pinned_rows = list(self._pinned)
+        self._pinned_rows_u8 = list(self._pinned.view(np.uint8))
+        self._owned_u8 = self._owned.reshape(-1).view(np.uint8)
+        self._all_ids_flat = self._all_ids.reshape(-1)
+        self._routed = np.zeros((self.num_layers, num_experts), dtype=bool)
+        self._routed_u8 = self._routed.reshape(-1).view(np.uint8)
         # Note [Steady pins]: every layer's ids this rank owns, row by row, and
         # where one call pins them all; _steady: this step's pins are all held.
         self._all_owned_ids = self._all_ids[self._owned]
@@ -120,11 +131,11 @@ class SyncFreeDecode:
             self.read_routings()
         if self._steady is not None:
             if layer != 0 and stream == self._held_stream:
-                return self._pin_out[layer], self._pinned[layer]
+                return self._pin_out[layer], self._pinned_rows[layer]
             self._steady = None  # a new step (or another stream): the call below releases them
         elif layer == 0 and self._steady_step() and self._nothing_queued():
             self._pin_all(stream)
-            return self._pin_out[0], self._pinned[0]
+            return self._pin_out[0], self._pinned_rows[0]
         use, fetch = self._use, self._fetch
         if self._host_guesses and self._predicts_now():
             guesses = self._host_predict(self.step, layer, hidden)
@@ -162,11 +173,9 @@ class SyncFreeDecode:
             self._late_hints = []
         if buf is not out:
             out[self._owned[layer]] = buf
-        pinned = self._pinned[layer]
-        np.greater_equal(out, 0, out=pinned)
-        self._held = self._layer_ids[layer][pinned if buf is out else buf >= 0]
+        self._held = mark_pinned(out, self._pinned_rows_u8[layer], buf, self._layer_ids[layer])
         self._held_stream = stream
-        return out, pinned
+        return out, self._pinned_rows[layer]
 
     # -- Note [Steady pins]
     # A decode whose cache holds its working set runs sync-free steps that
@@ -193,8 +202,14 @@ class SyncFreeDecode:
                 and not self._late_hints and not self._host_guesses)
 
     def _nothing_queued(self) -> bool:
-        s = self.handle.stats()
-        return s["queue_depth"] == 0 and s["bytes_in_flight"] == 0
+        """No copy waits for a slot. (Not `bytes_in_flight == 0`: on CUDA
+        that gauge drops only when the copy worker next wakes, so after a
+        step's last copy it stayed above 0 and no step was steady on the
+        H200, run 52. A copy still in flight when its expert is pinned costs
+        a wait on its event on the stream (Note [Pins without waiting]); in
+        a steady step the last such copy was issued two steps ago or
+        earlier.)"""
+        return not self.handle.queued()  # a few us less than stats() (one device per handle here)
 
     def _pin_all(self, stream) -> None:
         """A steady step's one engine call: release what is held, pin every
@@ -216,8 +231,7 @@ class SyncFreeDecode:
         self._use = self._fetch = None
         if not self._owns_all:
             self._all_out[self._owned] = self._all_buf
-        np.greater_equal(self._all_out, 0, out=self._pinned)
-        self._held = self._all_owned_ids[self._all_buf >= 0]
+        self._held = mark_pinned(self._all_out.reshape(-1), self._pinned_u8, self._all_buf, self._all_owned_ids)
         self._held_stream = stream
         self._steady = True
         self.steady_steps += 1
@@ -289,29 +303,24 @@ class SyncFreeDecode:
             flat = [r[2].reshape(-1) for r in routings]
             host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
         self.sync_ns += time.perf_counter_ns() - t0
-        count = len(routings)
-        sizes = [r[3] for r in routings]
-        layers = [r[0] for r in routings]
-        routed = np.zeros((count, self.num_experts), dtype=bool)
-        routed[np.repeat(np.arange(count), sizes), host] = True
-        # Each layer's pinned row is still the one its routing saw (pin_layer
-        # reads the routings before rewriting a row).
-        pinned = self._pinned[layers]
-        owned = routed if self._owns_all else routed & self._owned[layers]  # expert parallel: this rank's reads
-        missed = owned & ~pinned
-        misses = int(np.count_nonzero(missed))
-        hits = int(np.count_nonzero(owned)) - misses
+        # One flat [layers x experts] table (a read holds each layer at most
+        # once: pin_layer reads the routings before a layer comes again),
+        # in one C pass (prefetch/_routing.pxi). Each layer's pinned row is
+        # still the one its routing saw (pin_layer reads the routings before
+        # rewriting a row). Expert parallel: this rank's reads only.
+        use, fetch, hits, misses = read_routed(routings, host, self.num_experts, self._routed_u8,
+                                               self._pinned_u8, None if self._owns_all else self._owned_u8,
+                                               self._all_ids_flat)
         self._last_misses = misses
         self.pinned_hits += hits
         self.zero_copy_reads += misses
         if hits + misses:
             self._step_missed = misses / (hits + misses)
-        ids = self._all_ids[layers]
-        use, fetch = ids[owned], ids[missed]
         extra = []
         if self._trace is not None or self.predictor is not None or self._pending:
-            for i, (layer, step, _, _) in enumerate(routings):
-                guesses, hints = self.observe(layer, np.flatnonzero(routed[i]), {}, step=step)
+            routed = self._routed
+            for layer, step, _, _ in routings:
+                guesses, hints = self.observe(layer, np.flatnonzero(routed[layer]), {}, step=step)
                 if self._late_predict and not self._held_back(guesses):
                     extra.extend(self._owned_ids(t, g) for t, g in guesses.items() if g.shape[0])
                 if hints:

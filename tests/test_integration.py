@@ -8,6 +8,7 @@ pieces and give the same tokens. Plus the generic block, the predictors and
 traces."""
 import copy
 import json
+import time
 
 import numpy as np
 import pytest
@@ -755,6 +756,40 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
             # Each step's routings came back through the copy its last layer
             # queued (Note [Routing read-back queued early]), not a sync.
             assert ctl.early_read_backs > 0
+    finally:
+        ctl.close()
+
+
+@pytest.mark.gpu
+def test_steady_pins_on_gpu():
+    # Note [Steady pins] on CUDA, where a copy's bytes stay counted in
+    # bytes_in_flight until the copy worker next wakes: a request whose
+    # experts are all cached decodes with one pin call a step there too
+    # (run 52 found none steady while the check waited for that gauge), with
+    # the untouched model's bits, and nothing stays pinned after it.
+    cfg = family_configs()["qwen3_moe"]
+    ref = build(cfg, device="cuda", dtype=torch.float32, experts_implementation="batched_mm")
+    model = copy.deepcopy(ref)
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
+                              sync_free=True)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1)).cuda()
+        greedy(model, ids, steps=6)  # first reads: misses, then copied
+        ctl.flush()
+        torch.cuda.synchronize()
+        deadline = time.monotonic() + 10
+        while ctl.handle.stats()["queue_depth"]:
+            assert time.monotonic() < deadline, "copies still queued"
+            time.sleep(0.001)
+        before = ctl.steady_steps
+        seq, logits = greedy(model, ids, steps=6)
+        seq_ref, logits_ref = greedy(ref, ids, steps=6)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert ctl.steady_steps - before >= 4  # the decode steps after the first
+        assert ctl.handle.stats()["pinned_count"] == 0
     finally:
         ctl.close()
 

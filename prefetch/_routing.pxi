@@ -1,0 +1,90 @@
+# Host bookkeeping of the sync-free decode path (prefetch/sync_free.py), in
+# C: inside `generate` each numpy call on a cold cache cost 5-15 us on the
+# development VM, and reading a step's routings back took ten of them (58 us
+# a step with the routings already on the host). These loops are over a
+# model's (layer, expert) table: 1,024 entries for OLMoE-1B-7B.
+from libc.stdint cimport uint8_t
+from libc.string cimport memset
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def read_routed(list routings, const int64_t[::1] host, int64_t num_experts, uint8_t[::1] routed,
+                const uint8_t[::1] pinned, const uint8_t[::1] owned, const int64_t[::1] ids):
+    """One read of a step's routings: `routings` is the list of (layer,
+    step, tensor, count) that `host` (every count's expert ids, in order)
+    came from; `routed`, `pinned`, `owned` and `ids` are flat [layers x
+    experts] tables (entry layer * num_experts + expert; owned None: all).
+    Sets `routed` to the routed (layer, expert) pairs and returns (ids of
+    the routed pairs owned here, ids of those of them not pinned, hits,
+    misses), in table order. An id or layer out of range raises ValueError
+    before anything is written."""
+    cdef Py_ssize_t n = routed.shape[0]
+    if pinned.shape[0] != n or ids.shape[0] != n or (owned is not None and owned.shape[0] != n):
+        raise ValueError("read_routed: tables of different sizes")
+    cdef Py_ssize_t pos = 0, count, base, i, j
+    cdef int64_t e
+    for r in routings:
+        count = r[3]
+        base = <Py_ssize_t>r[0] * num_experts
+        if count < 0 or pos + count > host.shape[0] or base < 0 or base + num_experts > n:
+            raise ValueError(f"read_routed: layer {r[0]} or count {count} out of range")
+        for j in range(pos, pos + count):
+            if host[j] < 0 or host[j] >= num_experts:
+                raise ValueError(f"read_routed: expert {host[j]} out of range [0, {num_experts})")
+        pos += count
+    if pos != host.shape[0]:
+        raise ValueError(f"read_routed: {host.shape[0]} routed ids for counts summing to {pos}")
+    memset(&routed[0], 0, n)
+    pos = 0
+    for r in routings:
+        count = r[3]
+        base = <Py_ssize_t>r[0] * num_experts
+        for j in range(pos, pos + count):
+            routed[base + host[j]] = 1
+        pos += count
+    cdef Py_ssize_t n_use = 0, n_miss = 0
+    for i in range(n):
+        if routed[i] and (owned is None or owned[i]):
+            n_use += 1
+            if not pinned[i]:
+                n_miss += 1
+    use = np.empty(n_use, dtype=np.int64)
+    fetch = np.empty(n_miss, dtype=np.int64)
+    cdef int64_t[::1] use_v = use
+    cdef int64_t[::1] fetch_v = fetch
+    cdef Py_ssize_t u = 0, f = 0
+    for i in range(n):
+        if routed[i] and (owned is None or owned[i]):
+            use_v[u] = ids[i]
+            u += 1
+            if not pinned[i]:
+                fetch_v[f] = ids[i]
+                f += 1
+    return use, fetch, n_use - n_miss, n_miss
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def mark_pinned(const int64_t[::1] offsets, uint8_t[::1] pinned, const int64_t[::1] pinned_into,
+                const int64_t[::1] ids):
+    """After a pin call: `pinned[i]` = `offsets[i]` >= 0 (offsets: every
+    expert's slot offset or -1), and returns the ids (`ids[j]`, what was
+    asked for) whose pin call answer `pinned_into[j]` is >= 0: those to
+    release."""
+    cdef Py_ssize_t n = offsets.shape[0], m = ids.shape[0], i, k = 0
+    if pinned.shape[0] != n or pinned_into.shape[0] != m:
+        raise ValueError("mark_pinned: arrays of different sizes")
+    for i in range(n):
+        pinned[i] = offsets[i] >= 0
+    for i in range(m):
+        if pinned_into[i] >= 0:
+            k += 1
+    held = np.empty(k, dtype=np.int64)
+    cdef int64_t[::1] held_v = held
+    k = 0
+    for i in range(m):
+        if pinned_into[i] >= 0:
+            held_v[k] = ids[i]
+            k += 1
+    return held

@@ -1,0 +1,68 @@
+"""The sync-free path's C bookkeeping (prefetch/_routing.pxi) against the
+numpy it replaced, and its refusal of out-of-range input."""
+import numpy as np
+import pytest
+from prefetch._engine import mark_pinned, read_routed
+
+LAYERS, EXPERTS = 5, 12
+
+
+def tables(seed):
+    rng = np.random.default_rng(seed)
+    pinned = rng.random((LAYERS, EXPERTS)) < 0.6
+    owned = rng.random((LAYERS, EXPERTS)) < 0.7
+    ids = np.where(owned, np.arange(LAYERS * EXPERTS).reshape(LAYERS, EXPERTS) + 100, -1)
+    return rng, pinned, owned, ids
+
+
+@pytest.mark.parametrize("seed", range(20))
+@pytest.mark.parametrize("all_owned", [True, False])
+def test_read_routed_matches_numpy(seed, all_owned):
+    rng, pinned, owned, ids = tables(seed)
+    if all_owned:
+        owned[:] = True
+        ids = np.arange(LAYERS * EXPERTS).reshape(LAYERS, EXPERTS) + 100
+    layers = sorted(rng.choice(LAYERS, rng.integers(1, LAYERS + 1), replace=False).tolist())
+    counts = [int(rng.integers(0, 9)) for _ in layers]  # duplicates across tokens: batch > 1
+    host = rng.integers(0, EXPERTS, sum(counts)).astype(np.int64)
+    routings = [(layer, 7, None, c) for layer, c in zip(layers, counts)]
+    routed_tab = np.ones((LAYERS, EXPERTS), dtype=bool)  # stale bits from a last read must go
+    use, fetch, hits, misses = read_routed(routings, host, EXPERTS, routed_tab.reshape(-1).view(np.uint8),
+                                           pinned.reshape(-1).view(np.uint8),
+                                           None if all_owned else owned.reshape(-1).view(np.uint8),
+                                           ids.reshape(-1))
+    ref = np.zeros((LAYERS, EXPERTS), dtype=bool)
+    ref[np.repeat(layers, counts), host] = True
+    mine = ref & owned
+    assert np.array_equal(routed_tab, ref)
+    assert np.array_equal(use, ids[mine]) and np.array_equal(fetch, ids[mine & ~pinned])
+    assert (hits, misses) == (int((mine & pinned).sum()), int((mine & ~pinned).sum()))
+
+
+@pytest.mark.parametrize("routings,host,match", [
+    ([(0, 0, None, 2)], [1, EXPERTS], "expert 12 out of range"),
+    ([(0, 0, None, 2)], [-1, 0], "expert -1 out of range"),
+    ([(LAYERS, 0, None, 1)], [0], "layer 5 or count 1 out of range"),
+    ([(-1, 0, None, 1)], [0], "out of range"),
+    ([(0, 0, None, 3)], [0, 1], "out of range"),
+    ([(0, 0, None, 1)], [0, 1], "2 routed ids for counts summing to 1"),
+])
+def test_read_routed_refuses_out_of_range_and_writes_nothing(routings, host, match):
+    _, pinned, owned, ids = tables(0)
+    routed = np.zeros(LAYERS * EXPERTS, dtype=np.uint8)
+    routed[3] = 1
+    with pytest.raises(ValueError, match=match):
+        read_routed(routings, np.array(host, dtype=np.int64), EXPERTS, routed, pinned.reshape(-1).view(np.uint8),
+                    None, ids.reshape(-1))
+    assert routed.sum() == 1 and routed[3] == 1
+
+
+def test_mark_pinned():
+    offsets = np.array([-1, 0, 4096, -1, 8192], dtype=np.int64)
+    pinned = np.ones(5, dtype=np.uint8)
+    answers = np.array([0, -1, 4096], dtype=np.int64)  # what a pin call wrote for the ids asked
+    held = mark_pinned(offsets, pinned, answers, np.array([11, 12, 13], dtype=np.int64))
+    assert pinned.tolist() == [0, 1, 1, 0, 1]
+    assert held.tolist() == [11, 13]
+    with pytest.raises(ValueError, match="different sizes"):
+        mark_pinned(offsets, pinned[:4], answers, np.array([11, 12, 13], dtype=np.int64))
