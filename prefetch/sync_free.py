@@ -197,9 +197,11 @@ class SyncFreeDecode:
 
     def _steady_step(self) -> bool:
         """Layer 0, routings read: the last step missed nothing and there is
-        nothing to fetch, hint or guess."""
+        nothing to fetch, hint or guess (a host-side predictor only probing
+        because nothing was fetched, Note [Speculation with nothing to
+        fetch], is not run: its guesses name cached experts)."""
         return (self._last_misses == 0 and (self._fetch is None or not self._fetch.shape[0])
-                and not self._late_hints and not self._host_guesses)
+                and not self._late_hints and (not self._host_guesses or self.nothing_fetched))
 
     def _nothing_queued(self) -> bool:
         """No copy waits for a slot. (Not `bytes_in_flight == 0`: on CUDA
@@ -235,6 +237,8 @@ class SyncFreeDecode:
         self._held_stream = stream
         self._steady = True
         self.steady_steps += 1
+        if self._host_guesses:  # its guesses are not made this step
+            self.speculation_paused_layers += self.num_layers
 
     def _owned_ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Tensor ids of those of `experts` this rank owns (all of them

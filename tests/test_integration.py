@@ -709,6 +709,35 @@ def test_predictor_probes_while_the_cache_fetches_nothing(whole):
         ctl.close()
 
 
+def test_sync_free_oracle_goes_steady_once_nothing_is_fetched():
+    # Note [Steady pins] with a host-side predictor: every expert cached,
+    # the oracle probes only (Note [Speculation with nothing to fetch]), and
+    # then its steps pin once a step without running it; tokens are the
+    # untouched model's, and nothing stays pinned.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, logits_ref = greedy(ref, ids, steps=12)
+    recorder = copy.deepcopy(ref)
+    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
+    greedy(recorder, ids, steps=12)
+    trace = ctl.trace
+    ctl.close()
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
+                              predictor=OraclePredictor(trace, distance=2), sync_free=True)
+    try:
+        seq, logits = greedy(model, ids, steps=12)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert ctl.nothing_fetched and ctl.steady_steps > 0
+        assert ctl.report()["speculation_paused_layers"] >= ctl.steady_steps * cfg.num_hidden_layers
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
 def test_belady_floor():
     # Accesses 0 1 0 2 0 1 3. Capacity 2: miss 0, 1; hit 0; miss 2 (evict 1,
     # next used later than 0); hit 0; miss 1; miss 3 -> 5 loads.
