@@ -799,9 +799,9 @@ def test_steady_pins_on_gpu():
     cfg = family_configs()["qwen3_moe"]
     ref = build(cfg, device="cuda", dtype=torch.float32, experts_implementation="batched_mm")
     model = copy.deepcopy(ref)
-    per, num_experts = expert_bytes(model)
-    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="cuda",
-                              sync_free=True)
+    per, num_experts = expert_bytes(model)  # per layer
+    ctl = offload_moe_experts(model, device_budget_bytes=cfg.num_hidden_layers * num_experts * (per + 512),
+                              backend="cuda", sync_free=True)  # room for every expert
     try:
         ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1)).cuda()
         greedy(model, ids, steps=6)  # first reads: misses, then copied
