@@ -88,3 +88,33 @@ def mark_pinned(const int64_t[::1] offsets, uint8_t[::1] pinned, const int64_t[:
             held_v[k] = ids[i]
             k += 1
     return held
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def same_offsets(const int64_t[::1] offsets, const int64_t[::1] last):
+    """Whether a layer's pinned offsets are those its row map was made from."""
+    cdef Py_ssize_t n = offsets.shape[0], i
+    if last.shape[0] != n:
+        return False
+    for i in range(n):
+        if offsets[i] != last[i]:
+            return False
+    return True
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def fill_rows(const int64_t[::1] offsets, const int64_t[::1] host_rows, int64_t arena_row0,
+              int64_t row_bytes, int64_t[::1] rows, int64_t[::1] last):
+    """A layer's expert -> row map: a pinned expert's (offset >= 0) is its
+    slot's row (arena_row0 + offset / row_bytes), another's its host row;
+    `last` keeps the offsets it was made from (same_offsets)."""
+    cdef Py_ssize_t n = offsets.shape[0], i
+    if host_rows.shape[0] != n or rows.shape[0] != n or last.shape[0] != n:
+        raise ValueError("fill_rows: arrays of different sizes")
+    if row_bytes <= 0:
+        raise ValueError(f"fill_rows: row_bytes must be > 0, got {row_bytes}")
+    for i in range(n):
+        rows[i] = arena_row0 + offsets[i] // row_bytes if offsets[i] >= 0 else host_rows[i]
+        last[i] = offsets[i]

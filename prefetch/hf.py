@@ -44,6 +44,7 @@ import types
 import numpy as np
 import torch
 
+from prefetch._engine import fill_rows, same_offsets
 from prefetch.checkpoint_experts import block_names, model_device, register_from_disk
 from prefetch.controller import OffloadController
 from prefetch.expert_ids import routed_experts as _routed_experts
@@ -237,11 +238,11 @@ class ExpertsOffload:
             if not own.size or (own < 0).any():
                 raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
             self._host_rows[~self._local] = own[0]
-        self._slot_row = np.empty(self.num_experts, dtype=np.int64)
         self._rowmap_host = torch.empty(self.num_experts, dtype=torch.int64, pin_memory=self._cuda)
         self._rowmap_np = self._rowmap_host.numpy()
         self._rowmap_dev = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)
-        self._last_offsets = b""  # the offsets the map on the device was made from (bytes); none yet
+        # The offsets the map on the device was made from (-2: none yet).
+        self._last_offsets = np.full(self.num_experts, -2, dtype=np.int64)
 
     def _forward_sync_free(self, fn, hidden_states, top_k_index, top_k_weights):
         """Note [Sync-free decode]: pin the layer's resident experts, map
@@ -256,30 +257,26 @@ class ExpertsOffload:
         offsets, pinned = ctl.pin_layer(layer, hidden_states, stream)
         # Row of each expert: its slot when pinned, else its host row. In a
         # steady decode the pins are the same every step: the map on the
-        # device is still right and nothing is sent. (Compared as bytes: a
-        # memcmp, where np.array_equal costs more than the rest of the branch
-        # test's layer.)
-        if offsets.tobytes() != self._last_offsets:
+        # device is still right and nothing is sent. (Compared and made in C,
+        # prefetch/_routing.pxi: np.array_equal alone cost more than the rest
+        # of the branch test's layer.)
+        if not same_offsets(offsets, self._last_offsets):
             rows = self._rowmap_np
             if self._rowmap_event is not None:
                 self._rowmap_event.synchronize()  # this buffer's last copy (a step ago: done)
-            np.floor_divide(offsets, _ROW_BYTES, out=self._slot_row)
-            self._slot_row += self.universe.arena_row0
-            np.copyto(rows, self._host_rows)
-            np.copyto(rows, self._slot_row, where=pinned)
+            fill_rows(offsets, self._host_rows, self.universe.arena_row0, _ROW_BYTES, rows, self._last_offsets)
             if self._local is not None:
                 # Other ranks' experts (weight 0) are still read: from the
                 # slot of an expert this call pinned where there is one (HBM,
                 # held until this layer's kernel has run), not over PCIe.
                 held = np.flatnonzero(pinned)
                 if held.shape[0]:
-                    rows[~self._local] = self._slot_row[held[0]]
+                    rows[~self._local] = rows[held[0]]
             if self._cuda:
                 self._rowmap_dev.copy_(self._rowmap_host, non_blocking=True)
                 if self._rowmap_event is None:
                     self._rowmap_event = torch.cuda.Event()
                 self._rowmap_event.record()
-            self._last_offsets = offsets.tobytes()
         # torch.take: the same gather as indexing, through less dispatch.
         index = torch.take(self._rowmap_dev if self._cuda else self._rowmap_host, top_k_index)
         routing = top_k_index

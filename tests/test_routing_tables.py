@@ -2,7 +2,7 @@
 numpy it replaced, and its refusal of out-of-range input."""
 import numpy as np
 import pytest
-from prefetch._engine import mark_pinned, read_routed
+from prefetch._engine import fill_rows, mark_pinned, read_routed, same_offsets
 
 LAYERS, EXPERTS = 5, 12
 
@@ -66,3 +66,18 @@ def test_mark_pinned():
     assert held.tolist() == [11, 13]
     with pytest.raises(ValueError, match="different sizes"):
         mark_pinned(offsets, pinned[:4], answers, np.array([11, 12, 13], dtype=np.int64))
+
+
+def test_fill_rows_and_same_offsets():
+    offsets = np.array([-1, 0, 1024, -1], dtype=np.int64)
+    host_rows = np.array([7, 8, 9, 10], dtype=np.int64)
+    rows = np.zeros(4, dtype=np.int64)
+    last = np.full(4, -2, dtype=np.int64)
+    assert not same_offsets(offsets, last)
+    fill_rows(offsets, host_rows, 100, 256, rows, last)
+    assert rows.tolist() == [7, 100, 104, 10]  # pinned: the slot's row; else the host row
+    assert same_offsets(offsets, last) and not same_offsets(offsets[:3].copy(), last)
+    with pytest.raises(ValueError, match="different sizes"):
+        fill_rows(offsets, host_rows[:3], 100, 256, rows, last)
+    with pytest.raises(ValueError, match="row_bytes must be > 0"):
+        fill_rows(offsets, host_rows, 100, 0, rows, last)
