@@ -29,7 +29,9 @@ Rows (share = device cache budget / all expert bytes; share-free rows have none)
                     routing trace the oracle replays)
   gate              ... predictor=NextLayerGatePredictor()
   oracle            ... predictor=OraclePredictor(trace of on-demand's measured
-                    generate), eviction_policy "next-use"
+                    generate), eviction_policy "next-use"; its TTFT generate
+                    replays the TTFT prompt's own routing (recorded on the
+                    resident model)
                     (all three with the default sync_free=None: on-demand and
                     oracle decode without a routing sync, Note [Sync-free
                     decode]; the gate's guesses need that sync, so it stays

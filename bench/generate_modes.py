@@ -39,6 +39,10 @@ class Mode:
     def new_sequence(self):
         pass
 
+    def before_ttft(self, steps):
+        """The TTFT generate comes next; `steps`: its prompt's recorded
+        routing (None if not recorded)."""
+
     def on_step(self):
         pass
 
@@ -101,6 +105,19 @@ class EngineMode(Mode):
 
     def new_sequence(self):
         self.ctl.new_sequence()
+
+    def before_ttft(self, steps):
+        # The oracle replays the routing of the generate it runs: for the
+        # TTFT prompt, that prompt's own (recorded on the resident model),
+        # not the measured prompt's.
+        from prefetch.integration import OraclePredictor, RoutingTrace
+
+        self.ctl.new_sequence()
+        if isinstance(self.ctl.predictor, OraclePredictor) and steps is not None:
+            trace = self.ctl.predictor.trace
+            self.ctl.predictor = OraclePredictor(RoutingTrace(trace.num_layers, trace.num_experts, steps),
+                                                 distance=self.ctl.predictor.distance,
+                                                 hints=self.ctl.predictor.hints)
 
     def start_measuring(self):
         # Score predictions on the measured generate only (as BM5 does);

@@ -53,6 +53,7 @@ class Block:
         self.resident_ttft = None
         self.routing = None  # resident routing of the measured prompt: per step, per layer
         self.ttft_routed = None  # distinct (layer, expert) the TTFT prompt routes
+        self.ttft_steps = None  # its routing (one step: the prefill), for the oracle's TTFT
         self.traces = {}  # share -> on-demand's recorded steps
 
 
@@ -140,6 +141,7 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
         # The floor of every row's TTFT: not the process's first
         # prefill of this shape.
         generate(torch, model, block.ttft_prompt, 1, sync)
+    mode.before_ttft(block.ttft_steps)
     _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
     return Measured(timer, t0, ids, before, marks["counters"], after, accesses, extra, runs, s1 - s0)
 
@@ -205,7 +207,8 @@ def record_routing(block: Block):
         block.routing = rec.steps()
         rec.calls = []
         generate(torch, model, block.ttft_prompt, 1, sync)
-        block.ttft_routed = sum(len(layer) for layer in rec.steps()[0])
+        block.ttft_steps = rec.steps()[:1]
+        block.ttft_routed = sum(len(layer) for layer in block.ttft_steps[0])
     finally:
         rec.close()
 

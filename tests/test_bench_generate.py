@@ -180,3 +180,31 @@ def test_repeats_alternate_the_row_and_the_resident_model(tmp_path):
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--repeats", "0"])
 
+
+
+def test_oracle_ttft_replays_the_ttft_prompts_routing():
+    # The oracle row's TTFT generate runs on another prompt than the trace it
+    # was given: before it, the mode swaps in that prompt's own routing (the
+    # same predictor settings, the next-use handle kept).
+    import torch
+    import transformers
+
+    from prefetch.integration import OraclePredictor, RoutingTrace
+
+    cfg = transformers.OlmoeConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                                   num_key_value_heads=2, intermediate_size=16, num_experts=4,
+                                   num_experts_per_tok=2)
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).eval()
+    measured = RoutingTrace(2, 4, [[[0, 1], [2, 3]]])
+    mode = generate_modes.EngineMode(model, 1 << 20, "oracle", measured, cuda=False)
+    try:
+        ttft = [[[1, 2, 3], [0, 3]]]
+        mode.before_ttft(ttft)
+        predictor = mode.ctl.predictor
+        assert isinstance(predictor, OraclePredictor) and predictor.trace.steps == ttft
+        assert mode.ctl.step == 0  # a new request
+        mode.before_ttft(None)  # nothing recorded: the predictor is kept
+        assert mode.ctl.predictor is predictor
+    finally:
+        mode.close()
