@@ -105,7 +105,7 @@ class OffloadController(SyncFreeDecode):
         self._paused_predicts = 0  # predictor calls asked for while paused (one in _PAUSED_PROBE_EVERY runs)
         # Note [Speculation with nothing to fetch]
         self.probe_when_nothing_fetched = True  # False: the predictor runs whatever the engine copies
-        self._copies_at_step = None  # the engine's copy count when this step began
+        self._copies_at_step = None  # copies asked of the engine when this step began
         self._idle_steps = 0  # consecutive steps that copied nothing
         self.nothing_fetched = False  # the last two steps copied nothing: the predictor probes
 
@@ -148,10 +148,12 @@ class OffloadController(SyncFreeDecode):
                 self.step += 1
             self._seen_layer0 = True
             if self.predictor is not None and self.probe_when_nothing_fetched:
-                copies = self.handle.stats()["copies"]
-                self._idle_steps = self._idle_steps + 1 if copies == self._copies_at_step else 0
+                s = self.handle.stats()
+                asked = s["enqueued"] + s["on_demand"]  # copies asked for (done or not)
+                idle = asked == self._copies_at_step and s["queue_depth"] == 0
+                self._idle_steps = self._idle_steps + 1 if idle else 0
                 self.nothing_fetched = self._idle_steps >= _IDLE_STEPS_TO_PROBE
-                self._copies_at_step = copies
+                self._copies_at_step = asked
         return self.step
 
     def predict(self, layer: int, hidden) -> dict:
@@ -304,9 +306,13 @@ class OffloadController(SyncFreeDecode):
         That work is not free: BM6's oracle spent 107-117 us a layer of
         host work at a cache of 100 %, against on-demand's 60-64, and ran
         1.19-1.27x the resident model against 1.13-1.19 (run 49). So at the
-        start of each step the controller reads the engine's copy count; if
-        the last _IDLE_STEPS_TO_PROBE steps copied nothing (no miss, no
-        guess that needed a copy), the predictor runs on one layer in
+        start of each step the controller reads how many copies the engine
+        was asked for (ids newly queued by prefetches and by misses) and how
+        many still wait in its queue, not how many completed: a copy worker
+        slow to finish, on a loaded 2-core CI machine, must not read as a
+        step that needed nothing. If the last _IDLE_STEPS_TO_PROBE steps
+        asked for none and left none waiting (no miss, no guess that needed
+        a copy), the predictor runs on one layer in
         _PAUSED_PROBE_EVERY only. Those guesses are sent (unlike a precision
         pause's probes): one that names an expert not resident copies it,
         and any copy, a miss's or a guess's, ends the pause at the next

@@ -738,6 +738,34 @@ def test_sync_free_oracle_goes_steady_once_nothing_is_fetched():
         ctl.close()
 
 
+def test_nothing_fetched_counts_copies_asked_for_not_finished():
+    # Note [Speculation with nothing to fetch]: a step that asked the engine
+    # for copies is not idle, however slow the copies are to finish (a
+    # loaded CI machine). With the copy workers paused none finishes; the
+    # oracle's guesses keep asking, so it keeps predicting on every layer.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, _ = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+    recorder = copy.deepcopy(ref)
+    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
+    seq_ref, _ = greedy(recorder, ids, steps=8)
+    trace = ctl.trace
+    ctl.close()
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", sync_free=True,
+                              predictor=OraclePredictor(trace))
+    try:
+        ctl.handle.pause()
+        seq, _ = greedy(model, ids, steps=8)
+        assert torch.equal(seq, seq_ref)
+        assert ctl.handle.stats()["queue_depth"] > 0  # asked for, not copied
+        assert not ctl.nothing_fetched and ctl.report()["speculation_paused_layers"] == 0
+    finally:
+        ctl.handle.resume()
+        ctl.close()
+
+
 def test_belady_floor():
     # Accesses 0 1 0 2 0 1 3. Capacity 2: miss 0, 1; hit 0; miss 2 (evict 1,
     # next used later than 0); hit 0; miss 1; miss 3 -> 5 loads.
