@@ -675,22 +675,31 @@ def test_trace_predictor_learns_from_past_requests():
         ctl.close()
 
 
+def recorded_olmoe(prompt_len: int, steps: int):
+    """The tiny OLMoE (batched_mm), a prompt, the untouched model's greedy
+    tokens and logits over `steps`, and the routing trace an offloaded copy
+    with room for every expert recorded of them (for an oracle to replay)."""
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    ids = torch.randint(0, cfg.vocab_size, (1, prompt_len), generator=torch.Generator().manual_seed(1))
+    seq_ref, logits_ref = greedy(ref, ids, steps=steps)
+    recorder = copy.deepcopy(ref)
+    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
+    try:
+        assert torch.equal(greedy(recorder, ids, steps=steps)[0], seq_ref)
+    finally:
+        ctl.close()
+    return cfg, ref, ids, seq_ref, logits_ref, ctl.trace
+
+
 @pytest.mark.parametrize("whole", [True, False], ids=["cache-holds-all", "small-cache"])
 def test_predictor_probes_while_the_cache_fetches_nothing(whole):
     # Note [Speculation with nothing to fetch]: with every expert cached the
     # oracle's guesses name resident experts, so after two steps that copied
     # nothing it runs on one layer in eight; a cache that keeps copying keeps
     # it on every layer. Tokens are the untouched model's either way.
-    cfg = family_configs()["olmoe"]
-    ref = build(cfg, experts_implementation="batched_mm")
+    cfg, ref, ids, seq_ref, _, trace = recorded_olmoe(6, 12)
     per, num_experts = expert_bytes(ref)
-    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
-    seq_ref, _ = greedy(ref, ids, steps=12)
-    recorder = copy.deepcopy(ref)
-    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
-    greedy(recorder, ids, steps=12)
-    trace = ctl.trace
-    ctl.close()
     model = copy.deepcopy(ref)
     budget = (1 << 20) if whole else 3 * (per + 512)
     ctl = offload_moe_experts(model, device_budget_bytes=budget, backend="host",
@@ -714,15 +723,7 @@ def test_sync_free_oracle_goes_steady_once_nothing_is_fetched():
     # the oracle probes only (Note [Speculation with nothing to fetch]), and
     # then its steps pin once a step without running it; tokens are the
     # untouched model's, and nothing stays pinned.
-    cfg = family_configs()["olmoe"]
-    ref = build(cfg, experts_implementation="batched_mm")
-    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
-    seq_ref, logits_ref = greedy(ref, ids, steps=12)
-    recorder = copy.deepcopy(ref)
-    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
-    greedy(recorder, ids, steps=12)
-    trace = ctl.trace
-    ctl.close()
+    cfg, ref, ids, seq_ref, logits_ref, trace = recorded_olmoe(6, 12)
     model = copy.deepcopy(ref)
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
                               predictor=OraclePredictor(trace, distance=2), sync_free=True)
@@ -743,15 +744,8 @@ def test_nothing_fetched_counts_copies_asked_for_not_finished():
     # for copies is not idle, however slow the copies are to finish (a
     # loaded CI machine). With the copy workers paused none finishes; the
     # oracle's guesses keep asking, so it keeps predicting on every layer.
-    cfg = family_configs()["olmoe"]
-    ref = build(cfg, experts_implementation="batched_mm")
+    cfg, ref, ids, seq_ref, _, trace = recorded_olmoe(4, 8)
     per, _ = expert_bytes(ref)
-    ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
-    recorder = copy.deepcopy(ref)
-    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 20, backend="host", record_trace=True)
-    seq_ref, _ = greedy(recorder, ids, steps=8)
-    trace = ctl.trace
-    ctl.close()
     model = copy.deepcopy(ref)
     ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", sync_free=True,
                               predictor=OraclePredictor(trace))
