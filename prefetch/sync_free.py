@@ -185,8 +185,8 @@ class SyncFreeDecode:
     # an offloaded layer adds to the resident model's. In such a step
     # nothing needs a free slot, so at layer 0 of a step whose last step
     # missed nothing, with nothing to fetch, hint or guess and no copy
-    # queued or in flight, one call pins every resident expert of every
-    # layer this rank owns (and reports the last step's uses); the other
+    # queued, one call pins every resident expert of every layer this rank
+    # owns (and reports the last step's uses); the other
     # layers make no engine call, and the last layer releases them all, as
     # it releases its own pins on the layer-by-layer path, so nothing stays
     # pinned between steps and copies queued by others find free slots
