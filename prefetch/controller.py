@@ -106,8 +106,8 @@ class OffloadController(SyncFreeDecode):
         # Note [Speculation with nothing to fetch]
         self.probe_when_nothing_fetched = True  # False: the predictor runs whatever the engine copies
         self._copies_at_step = None  # copies asked of the engine when this step began
-        self._idle_steps = 0  # consecutive steps that copied nothing
-        self.nothing_fetched = False  # the last two steps copied nothing: the predictor probes
+        self._idle_steps = 0  # consecutive steps that asked for no copy
+        self.nothing_fetched = False  # the last two steps asked for no copy: the predictor probes
 
     @property
     def trace(self):
