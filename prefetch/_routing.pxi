@@ -23,7 +23,6 @@ def read_routed(list routings, const int64_t[::1] host, int64_t num_experts, uin
     if pinned.shape[0] != n or ids.shape[0] != n or (owned is not None and owned.shape[0] != n):
         raise ValueError("read_routed: tables of different sizes")
     cdef Py_ssize_t pos = 0, count, base, i, j
-    cdef int64_t e
     for r in routings:
         count = r[3]
         base = <Py_ssize_t>r[0] * num_experts
