@@ -350,8 +350,20 @@ class ExpertsOffload:
     def _stand_for(self, name, slots: np.ndarray, experts: np.ndarray):
         """The stand-in to run `name` on, with self._remap mapping `experts`
         to its expert indices: the slot views, or for a grouped_mm over more
-        slots than it takes, the routed slots gathered (in `experts`' order)."""
-        if name != "grouped_mm" or self.slots <= _GROUPED_MM_MAX_GROUPS:
+        slots than it takes, or on the CPU, the routed slots gathered (in
+        `experts`' order).
+
+        Why the CPU gathers: grouped_mm sorts the routing (torch.sort, not
+        stable) and on the CPU a row's result depends on its position in
+        its group (MKL on an AMD EPYC host: a group of 7 or 9 rows, its rows
+        permuted, differs by an ulp). Slot ids are not in expert order, so
+        the sort breaks ties differently from the resident model's and the
+        logits differed by 3e-8 from it. Group ids in expert order (the
+        gathered slots, `experts` sorted) make the same comparisons, the same
+        order and the same bits. On CUDA, grouped_mm on slot ids gives the
+        resident model's bits (tox -e gpu, H200), and prefill is not
+        charged a copy of the routed experts."""
+        if name != "grouped_mm" or (self._cuda and self.slots <= _GROUPED_MM_MAX_GROUPS):
             self._remap[experts] = slots
             return self.stand
         picked = torch.from_numpy(slots).to(self.device)
