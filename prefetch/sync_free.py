@@ -63,7 +63,8 @@ class SyncFreeDecode:
         # Note [Steady pins]: every layer's ids this rank owns, row by row, and
         # where one call pins them all; _steady: this step's pins are all held.
         self._all_owned_ids = self._all_ids[self._owned]
-        self._all_buf = self._all_out.reshape(-1) if self._owns_all else np.empty_like(self._all_owned_ids)
+        self._all_out_flat = self._all_out.reshape(-1)  # a view
+        self._all_buf = self._all_out_flat if self._owns_all else np.empty_like(self._all_owned_ids)
         self._steady = None
         self._last_misses = None  # routed experts the last read step did not find pinned
         self.steady_steps = 0  # steps whose layers made one engine call in all (Note [Steady pins])
@@ -147,34 +148,12 @@ class SyncFreeDecode:
                 if extra:
                     fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
                         np.concatenate(extra))
-        hints = self._late_hints
-        had_hints = bool(hints)  # cleared once sent, even if none of them is this rank's
-        hint_ids = hint_when = None
-        if hints:
-            if self.local is not None:
-                _, hints = self._only_local({}, hints)  # expert parallel: this rank's experts only
-            hint_ids, hint_when = self._hint_arrays(hints)
-        if self._held is not None and stream != self._held_stream:
-            self.release_held()
-        held, self._held = self._held, None
+        hint_ids, hint_when, had_hints = self._hints_to_send()
         out, buf = self._pin_out[layer], self._pin_buf[layer]
-        t0 = time.perf_counter_ns()
-        try:
-            self.handle.step(release=held, pin=self._layer_ids[layer], pin_into=buf, use=use, prefetch=fetch,
-                             band=1, hint_ids=hint_ids, hint_when=hint_when,
-                             now=self.clock if hints else None, stream=stream)
-        except (ValueError, KeyError, TypeError, OverflowError):
-            self._held = held
-            raise
-        finally:
-            self.engine_ns += time.perf_counter_ns() - t0
-        self._use = self._fetch = None
-        if had_hints:
-            self._late_hints = []
+        self._pin_call(self._layer_ids[layer], buf, use, fetch, hint_ids, hint_when, had_hints, stream)
         if buf is not out:
             out[self._owned[layer]] = buf
         self._held = mark_pinned(out, self._pinned_rows_u8[layer], buf, self._layer_ids[layer])
-        self._held_stream = stream
         return out, self._pinned_rows[layer]
 
     # -- Note [Steady pins]
@@ -184,9 +163,11 @@ class SyncFreeDecode:
     # a layer inside generate on the H200 host (runs 49-51), a third of what
     # an offloaded layer adds to the resident model's. In such a step
     # nothing needs a free slot, so at layer 0 of a step whose last step
-    # missed nothing, with nothing to fetch, hint or guess and no copy
-    # queued, one call pins every resident expert of every layer this rank
-    # owns (and reports the last step's uses); the other
+    # missed nothing, with nothing to fetch or guess and no copy queued,
+    # one call pins every resident expert of every layer this rank owns
+    # (and reports the last step's uses and sends its next-use hints: an
+    # oracle on a next-use handle has hints every step, and run 56 found
+    # it steady on no step while a step with hints was not); the other
     # layers make no engine call, and the last layer releases them all, as
     # it releases its own pins on the layer-by-layer path, so nothing stays
     # pinned between steps and copies queued by others find free slots
@@ -197,11 +178,12 @@ class SyncFreeDecode:
 
     def _steady_step(self) -> bool:
         """Layer 0, routings read: the last step missed nothing and there is
-        nothing to fetch, hint or guess (a host-side predictor only probing
-        because nothing was fetched, Note [Speculation with nothing to
-        fetch], is not run: its guesses name cached experts)."""
+        nothing to fetch or guess (hints ride on the call; a host-side
+        predictor only probing because nothing was fetched, Note
+        [Speculation with nothing to fetch], is not run: its guesses name
+        cached experts)."""
         return (self._last_misses == 0 and (self._fetch is None or not self._fetch.shape[0])
-                and not self._late_hints and (not self._host_guesses or self.nothing_fetched))
+                and (not self._host_guesses or self.nothing_fetched))
 
     def _nothing_queued(self) -> bool:
         """No copy waits for a slot. (Not `bytes_in_flight == 0`: on CUDA
@@ -217,13 +199,42 @@ class SyncFreeDecode:
         """A steady step's one engine call: release what is held, pin every
         resident expert of every layer (rows of _pin_out and _pinned),
         report the last step's uses."""
-        use = self._use
+        hint_ids, hint_when, had_hints = self._hints_to_send()
+        self._pin_call(self._all_owned_ids, self._all_buf, self._use, None, hint_ids, hint_when, had_hints,
+                       stream)
+        if not self._owns_all:
+            self._all_out[self._owned] = self._all_buf
+        self._held = mark_pinned(self._all_out_flat, self._pinned_u8, self._all_buf, self._all_owned_ids)
+        self._steady = True
+        self.steady_steps += 1
+        if self._host_guesses:  # its guesses are not made this step
+            self.speculation_paused_layers += self.num_layers
+
+    def _hints_to_send(self):
+        """(tensor ids, next-use times, whether there were hints) of the
+        predictor's hints not sent yet; expert parallel: this rank's only.
+        `_pin_call` clears them once sent (even if none is this rank's)."""
+        hints = self._late_hints
+        if not hints:
+            return None, None, False
+        if self.local is not None:
+            _, hints = self._only_local({}, hints)
+        hint_ids, hint_when = self._hint_arrays(hints)
+        return hint_ids, hint_when, True
+
+    def _pin_call(self, pin, pin_into, use, fetch, hint_ids, hint_when, had_hints, stream) -> None:
+        """The engine call of `pin_layer` and `_pin_all`: release what is
+        held (another stream's first, in its own call), report `use`,
+        prefetch `fetch`, send the hints and pin `pin` into `pin_into`. Bad
+        arguments are refused before anything changes: what was held stays
+        held, and the uses, prefetches and hints stay to be sent."""
         if self._held is not None and stream != self._held_stream:
             self.release_held()
         held, self._held = self._held, None
         t0 = time.perf_counter_ns()
         try:
-            self.handle.step(release=held, pin=self._all_owned_ids, pin_into=self._all_buf, use=use,
+            self.handle.step(release=held, pin=pin, pin_into=pin_into, use=use, prefetch=fetch, band=1,
+                             hint_ids=hint_ids, hint_when=hint_when, now=self.clock if had_hints else None,
                              stream=stream)
         except (ValueError, KeyError, TypeError, OverflowError):
             self._held = held
@@ -231,14 +242,9 @@ class SyncFreeDecode:
         finally:
             self.engine_ns += time.perf_counter_ns() - t0
         self._use = self._fetch = None
-        if not self._owns_all:
-            self._all_out[self._owned] = self._all_buf
-        self._held = mark_pinned(self._all_out.reshape(-1), self._pinned_u8, self._all_buf, self._all_owned_ids)
+        if had_hints:
+            self._late_hints = []
         self._held_stream = stream
-        self._steady = True
-        self.steady_steps += 1
-        if self._host_guesses:  # its guesses are not made this step
-            self.speculation_paused_layers += self.num_layers
 
     def _owned_ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Tensor ids of those of `experts` this rank owns (all of them
