@@ -117,3 +117,58 @@ def fill_rows(const int64_t[::1] offsets, const int64_t[::1] host_rows, int64_t 
     for i in range(n):
         rows[i] = arena_row0 + offsets[i] // row_bytes if offsets[i] >= 0 else host_rows[i]
         last[i] = offsets[i]
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def hint_arrays(list hints, tables):
+    """A predictor's hints [(layer, experts, one time or one per expert)]
+    as (tensor ids, next-use times), two int64 arrays, in one pass:
+    `tables[layer]` maps a layer's expert to its tensor id (the
+    prefetcher's tables). An expert outside its layer's table, negative
+    ones included, raises IndexError, and a time array of another length
+    ValueError, before anything is returned."""
+    cdef Py_ssize_t total = 0, j, n, pos = 0
+    cdef const int64_t[::1] ex_v
+    cdef const int64_t[::1] table_v
+    cdef const int64_t[::1] when_v
+    cdef int64_t t
+    parts = []
+    for lyr, ex, when in hints:
+        ex_arr = np.ascontiguousarray(ex, dtype=np.int64).reshape(-1)
+        table = tables[lyr]
+        ex_v = ex_arr
+        table_v = table
+        n = ex_v.shape[0]
+        for j in range(n):
+            if ex_v[j] < 0 or ex_v[j] >= table_v.shape[0]:
+                raise IndexError(f"hint for layer {lyr}: expert {ex_v[j]} out of range "
+                                 f"[0, {table_v.shape[0]})")
+        if isinstance(when, (int, np.integer)):
+            when_arr = None
+        else:
+            when_arr = np.ascontiguousarray(when, dtype=np.int64).reshape(-1)
+            if when_arr.shape[0] != n:
+                raise ValueError(f"hint for layer {lyr}: {when_arr.shape[0]} times for {n} experts")
+        parts.append((ex_arr, table, when, when_arr))
+        total += n
+    ids = np.empty(total, dtype=np.int64)
+    times = np.empty(total, dtype=np.int64)
+    cdef int64_t[::1] ids_v = ids
+    cdef int64_t[::1] times_v = times
+    for ex_arr, table, when, when_arr in parts:
+        ex_v = ex_arr
+        table_v = table
+        n = ex_v.shape[0]
+        for j in range(n):
+            ids_v[pos + j] = table_v[ex_v[j]]
+        if when_arr is None:
+            t = when
+            for j in range(n):
+                times_v[pos + j] = t
+        else:
+            when_v = when_arr
+            for j in range(n):
+                times_v[pos + j] = when_v[j]
+        pos += n
+    return ids, times

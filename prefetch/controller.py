@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle
+from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, hint_arrays
 from prefetch.expert_ids import EMPTY as _EMPTY
 from prefetch.expert_ids import distinct as _distinct
 from prefetch.expert_ids import routed_experts as _routed_experts
@@ -406,13 +406,7 @@ class OffloadController(SyncFreeDecode):
         one time or one per expert)], or (None, None) for none."""
         if not hints:
             return None, None
-        ids, when = [], []
-        for lyr, ex, t in hints:
-            ex = np.asarray(ex, dtype=np.int64)
-            ids.append(self.ids(lyr, ex))
-            when.append(np.full(ex.shape[0], t, dtype=np.int64) if isinstance(t, (int, np.integer))
-                        else np.asarray(t, dtype=np.int64))
-        return np.concatenate(ids), np.concatenate(when)
+        return hint_arrays(hints, self.prefetcher._ids)  # one C pass (prefetch/_routing.pxi)
 
     def _only_local(self, guesses: dict, hints):
         local = self.local

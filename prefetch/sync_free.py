@@ -145,9 +145,12 @@ class SyncFreeDecode:
             self._expect(self.step, layer, guesses)
             if not self._held_back(guesses):
                 extra = [self._owned_ids(target, g) for target, g in guesses.items() if g.shape[0]]
-                if extra:
-                    fetch = np.unique(np.concatenate([fetch, *extra])) if fetch is not None else np.unique(
-                        np.concatenate(extra))
+                if fetch is not None and fetch.shape[0]:
+                    extra.append(fetch)
+                if len(extra) == 1:  # the oracle at distance 1 on a cached step: distinct already
+                    fetch = extra[0]
+                elif extra:
+                    fetch = np.unique(np.concatenate(extra))
         hint_ids, hint_when, had_hints = self._hints_to_send()
         out, buf = self._pin_out[layer], self._pin_buf[layer]
         self._pin_call(self._layer_ids[layer], buf, use, fetch, hint_ids, hint_when, had_hints, stream)
@@ -249,6 +252,8 @@ class SyncFreeDecode:
     def _owned_ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Tensor ids of those of `experts` this rank owns (all of them
         without expert parallel)."""
+        if self._owns_all:
+            return self.ids(layer, experts)
         return self.ids(layer, experts[self._owned[layer][experts]])
 
     def note_routing(self, layer: int, top_k_index) -> None:

@@ -2,7 +2,7 @@
 numpy it replaced, and its refusal of out-of-range input."""
 import numpy as np
 import pytest
-from prefetch._engine import fill_rows, mark_pinned, read_routed, same_offsets
+from prefetch._engine import fill_rows, hint_arrays, mark_pinned, read_routed, same_offsets
 
 LAYERS, EXPERTS = 5, 12
 
@@ -81,3 +81,36 @@ def test_fill_rows_and_same_offsets():
         fill_rows(offsets, host_rows[:3], 100, 256, rows, last)
     with pytest.raises(ValueError, match="row_bytes must be > 0"):
         fill_rows(offsets, host_rows, 100, 0, rows, last)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_hint_arrays_matches_numpy(seed):
+    # Hints as predictors give them: one time for a layer's experts, or one
+    # per expert; experts as arrays or lists; the tables are per layer.
+    rng = np.random.default_rng(seed)
+    tabs = {layer: rng.permutation(EXPERTS).astype(np.int64) + 1000 * layer for layer in range(LAYERS)}
+    hints = []
+    for _ in range(int(rng.integers(1, 6))):
+        layer = int(rng.integers(0, LAYERS))
+        ex = rng.choice(EXPERTS, int(rng.integers(0, EXPERTS + 1)), replace=False)
+        when = int(rng.integers(0, 50)) if rng.random() < 0.5 else rng.integers(0, 50, ex.shape[0])
+        hints.append((layer, ex.tolist() if rng.random() < 0.3 else ex, when))
+    ids, times = hint_arrays(hints, tabs)
+    ref_ids = np.concatenate([tabs[la][np.asarray(ex, dtype=np.int64)] for la, ex, _ in hints])
+    ref_times = np.concatenate([np.full(len(ex), t) if np.isscalar(t) else t for _, ex, t in hints])
+    assert ids.dtype == times.dtype == np.int64
+    assert np.array_equal(ids, ref_ids) and np.array_equal(times, ref_times)
+
+
+@pytest.mark.parametrize("expert", [-1, EXPERTS])
+def test_hint_arrays_refuses_experts_out_of_range(expert):
+    # numpy's own indexing would wrap -1 round to the last expert's id.
+    tabs = {0: np.arange(EXPERTS, dtype=np.int64)}
+    with pytest.raises(IndexError, match="out of range"):
+        hint_arrays([(0, np.array([0, expert]), 3)], tabs)
+
+
+def test_hint_arrays_refuses_times_of_another_length():
+    tabs = {0: np.arange(EXPERTS, dtype=np.int64)}
+    with pytest.raises(ValueError, match="2 times for 3 experts"):
+        hint_arrays([(0, np.array([0, 1, 2]), np.array([5, 6]))], tabs)
