@@ -1056,6 +1056,8 @@ def test_grouped_mm_over_more_slots_than_it_takes(monkeypatch, slots):
     # torch's grouped_mm refuses 1024 groups or more; a cache with more
     # slots gathers the routed slots for it. Lowering the limit to 2 sends
     # every grouped_mm call here down that path (with 3 slots, in pieces).
+    # (On the CPU every grouped_mm call gathers, for its bits: Note in
+    # ExpertsOffload._stand_for; the GPU test below covers the limit there.)
     import prefetch.hf
 
     monkeypatch.setattr(prefetch.hf, "_GROUPED_MM_MAX_GROUPS", 2)
