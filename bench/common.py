@@ -43,9 +43,11 @@ def machine_info() -> dict:
 def write_json(path: str, report: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    with open(path, "w") as f:
+    tmp = f"{path}.tmp"  # replaced in one step: a run killed mid-write leaves the last whole file
+    with open(tmp, "w") as f:
         json.dump(report, f, indent=2, sort_keys=False)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def fmt(value, digits: int = 2) -> str:

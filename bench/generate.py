@@ -118,7 +118,9 @@ Figures per row:
                     rows, measured when a model is built and after its rows;
                     the faster of the two
 A row that cannot run reports null figures with a reason; rows not started
-before --budget-s are null with that reason. During offloaded rows the
+before --budget-s are null with that reason. --json is rewritten after every
+row with "partial": true (rows not settled yet: no floors or x_resident), so a
+run cut short keeps what it measured; the last write has "partial": false. During offloaded rows the
 model's own GPU expert weights stay allocated (kept to restore the model for
 the next row; nothing reads them): device memory is not what is measured.
 After each block the resident row runs again to check the model was restored.
@@ -194,7 +196,10 @@ def row_plan(args) -> list:
     return plan
 
 
-def run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, blocks, models_info):
+def run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, blocks, models_info,
+              checkpoint=None):
+    """Every block of model `name`; `checkpoint(rows so far)`, if given, is
+    called after each row (the rows not settled yet: no floors)."""
     sync = make_sync(torch, cuda)
     model, state, info, raw = build(torch, name, family, shape, args, cuda, device, dtype)
     models_info[name] = info
@@ -204,7 +209,11 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
         # Note [Warm every sequence length]: the measured and TTFT shapes.
         warm_lengths(torch, model, [block.warm_prompt], args.new_tokens, sync)
         warm_lengths(torch, model, [block.warm_ttft_prompt], 1, sync)
-        block_rows = [run_planned_row(block, name, row, share, started) for row, share in row_plan(args)]
+        block_rows = []
+        for row, share in row_plan(args):
+            block_rows.append(run_planned_row(block, name, row, share, started))
+            if checkpoint is not None:
+                checkpoint(model_rows + block_rows)
         blocks.append(restore_check(block, name))
         model_rows.extend(block_rows)
     if cuda:
@@ -299,11 +308,20 @@ def main(argv=None) -> int:
     started = time.monotonic()
     rows = []
     torch.set_grad_enabled(False)
+
+    def checkpoint(model_rows):
+        # A run cut short (the device tool's time limit) keeps the rows done
+        # so far: the JSON is rewritten after each row, "partial" until the end.
+        if args.json:
+            write_json(args.json, {**report, "rows": rows + model_rows, "partial": True,
+                                   "wall_s": time.monotonic() - started})
+
     for name in args.models:
         family, shape = table[name]
         run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, report["blocks"],
-                  report["models"])
+                  report["models"], checkpoint)
     report["rows"] = rows
+    report["partial"] = False
     report["wall_s"] = time.monotonic() - started
     print(format_table(rows))
     if args.plot:

@@ -50,6 +50,7 @@ def smoke(tmp_path_factory):
 
 def test_smoke_has_every_row(smoke):
     assert smoke["benchmark"] == "BM6 generate"
+    assert smoke["partial"] is False
     assert smoke["machine"]["cpu_count"]
     models = smoke["config"]["models"]
     assert set(models) == set(generate.SMOKE_MODELS)
@@ -208,3 +209,26 @@ def test_oracle_ttft_replays_the_ttft_prompts_routing():
         assert mode.ctl.predictor is predictor
     finally:
         mode.close()
+
+
+def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
+    # The device tool kills a run at its time limit (run 57 lost every row
+    # of a 575 s run that way): the JSON written after each row stays.
+    real = generate.run_planned_row
+    done = []
+
+    def cut_after_two(*a, **k):
+        if len(done) == 2:
+            raise KeyboardInterrupt
+        done.append(real(*a, **k))
+        return done[-1]
+
+    monkeypatch.setattr(generate, "run_planned_row", cut_after_two)
+    path = tmp_path / "cut.json"
+    with pytest.raises(KeyboardInterrupt):
+        generate.main(["--smoke-cpu", "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "gate",
+                       "--json", str(path)])
+    report = json.loads(path.read_text())
+    assert report["partial"] is True
+    assert [r["row"] for r in report["rows"]] == [r["row"] for r in done] == ["resident", "on-demand"]
+    assert report["rows"][1]["tokens_equal"] is True
