@@ -906,6 +906,56 @@ def test_oracle_hints_make_next_use_eviction_approach_belady():
         OraclePredictor(trace, distance=0)
 
 
+def copies_of_a_second_request(first, second, capacity, prime: bool) -> int:
+    """Runs `first` then, after new_sequence, `second` through an oracle
+    controller as run_oracle_loop does (each layer's prefetches land before
+    its acquire: the count is deterministic); returns the second request's
+    copies. prime=False skips Note [Hints at a request's start]."""
+    handle = prefetch.PrefetchHandle(device_budget_bytes=capacity * 256, backend="host", eviction_policy="next-use")
+    ctl = OffloadController(handle, num_layers=first.num_layers, num_experts=first.num_experts, top_k=2,
+                            predictor=OraclePredictor(first, distance=2))
+    try:
+        for layer in range(first.num_layers):
+            for e in range(first.num_experts):
+                ctl.prefetcher.register_expert(layer, e, {"w": torch.full((64,), layer * 100 + e, dtype=torch.int32)})
+
+        def decode(trace):
+            for step in trace.steps:
+                for layer, experts in enumerate(step):
+                    ctl.on_routed(layer, None, experts)
+                    wait_drained(handle)
+                    got = ctl.prefetcher.acquire_experts(layer, experts, timeout=10)
+                    for e, w in zip(experts, got):
+                        assert torch.equal(w["w"], torch.full((64,), layer * 100 + e, dtype=torch.int32))
+                    ctl.prefetcher.release_experts(layer, experts)
+
+        decode(first)
+        ctl.new_sequence()
+        ctl.predictor = OraclePredictor(second, distance=2)
+        ctl.predictor._primed = not prime
+        before = handle.stats()["copies"]
+        decode(second)
+        return handle.stats()["copies"] - before
+    finally:
+        ctl.close()
+
+
+def test_a_request_start_hints_keep_the_residents_read_soonest():
+    # Note [Hints at a request's start]: a request whose first step (a
+    # prefill) reads every expert, after another request filled the cache.
+    # Without the hints the residents, their hints expired, went in the
+    # order they were hinted, and the oracle's guesses two layers ahead
+    # evicted ones the next layers read; with them, fewer copies.
+    layers, experts, capacity = 6, 8, 32  # 4 layers' experts: the residents of 1 of them can stay
+    first = random_trace(3, layers, experts, 12)
+    decode = random_trace(4, layers, experts, 6).steps
+    second = RoutingTrace(layers, experts, [[list(range(experts))] * layers, *decode])
+    primed = copies_of_a_second_request(first, second, capacity, prime=True)
+    unprimed = copies_of_a_second_request(first, second, capacity, prime=False)
+    assert primed < unprimed
+    assert primed == copies_of_a_second_request(first, second, capacity, prime=True)  # deterministic
+
+
 class HostListPredictor:
     """Guesses the next layer's experts from a fixed table, as host lists,
     without saying so (no host_guesses): the controller must treat it as a

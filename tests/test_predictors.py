@@ -17,9 +17,10 @@ class _Handle:
 
 
 class _Controller:
-    def __init__(self, num_layers):
+    def __init__(self, num_layers, num_experts=8):
         self.handle = _Handle()
         self.num_layers = num_layers
+        self.num_experts = num_experts
         self.clock = -1
 
 
@@ -43,7 +44,7 @@ def test_oracle_predictions_and_hints_match_the_trace(spec, distance, perturb):
     distance = min(distance, layers)  # a guess reaches at most one step ahead
     steps = [[sorted(e) for e in step] for step in raw]
     oracle = OraclePredictor(RoutingTrace(layers, experts, steps), distance=distance)
-    ctl = _Controller(layers)
+    ctl = _Controller(layers, experts)
     last = None  # (step, layer, experts, clock) routed before this layer
     for step in range(len(steps) + 1):  # one step past the trace: nothing predicted, no next use
         for layer in range(layers):
@@ -86,3 +87,47 @@ def test_oracle_refuses_a_trace_with_expert_ids_out_of_range():
     for bad in ([[[0], [-1]]], [[[0], [4]]]):
         with pytest.raises(ValueError, match="expert ids must be in 0..3"):
             OraclePredictor(RoutingTrace(2, 4, bad))
+
+
+@settings(max_examples=100, deadline=None)
+@given(traces, st.data())
+def test_a_request_start_hints_every_first_read(spec, data):
+    # Note [Hints at a request's start]: the first predict of a request
+    # hints, for every (layer, expert) the trace reads from (step, layer) on,
+    # the clock time of its first read there; later predicts do not, until
+    # the controller's new_sequence calls end_request.
+    layers, experts, raw = spec
+    steps = [[sorted(e) for e in step] for step in raw]
+    step0 = data.draw(st.integers(0, len(steps) - 1))
+    layer0 = data.draw(st.integers(0, layers - 1))
+    oracle = OraclePredictor(RoutingTrace(layers, experts, steps))
+    ctl = _Controller(layers, experts)
+    ctl.clock = 40
+    oracle.predict(ctl, step0, layer0, None)
+    got = {}
+    for lyr, ex, when in oracle._hints:
+        if not np.isscalar(when):  # the prime: one time per expert
+            for e, w in zip(ex.tolist(), when.tolist()):
+                got[(lyr, e)] = w
+    want = {}
+    for lyr in range(layers):
+        for e in range(experts):
+            first = next(((t, lyr) for t in range(step0, len(steps)) if e in steps[t][lyr]
+                          and (t, lyr) >= (step0, layer0)), None)
+            if first is not None:
+                want[(lyr, e)] = 40 + (first[0] - step0) * layers + (lyr - layer0)
+    assert got == want
+    ctl.clock += 1
+    oracle._hints.clear()
+    oracle.predict(ctl, step0, layer0, None)
+    assert all(np.isscalar(h[2]) for h in oracle._hints)  # primed once a request
+    oracle.end_request()
+    oracle._hints.clear()
+    oracle.predict(ctl, step0, layer0, None)
+    assert any(not np.isscalar(h[2]) for h in oracle._hints) == bool(want)
+
+
+def test_a_request_start_hints_nothing_without_hints():
+    oracle = OraclePredictor(RoutingTrace(2, 4, [[[0], [1]]]), hints=False)
+    oracle.predict(_Controller(2, 4), 0, 0, None)
+    assert oracle._hints == []
