@@ -867,25 +867,37 @@ def run_oracle_loop(trace, capacity, eviction, hints, distance=1):
     route, let the prefetches land, acquire, check the bytes, release);
     returns the engine's copies. Waiting for the prefetches (copies faster
     than compute) makes the victims, and so the count, deterministic."""
-    slot = 256
-    handle = prefetch.PrefetchHandle(device_budget_bytes=capacity * slot, backend="host", eviction_policy=eviction)
-    ctl = OffloadController(handle, num_layers=trace.num_layers, num_experts=trace.num_experts, top_k=2,
-                            predictor=OraclePredictor(trace, distance=distance, hints=hints))
+    ctl = loop_controller(trace, capacity, eviction, OraclePredictor(trace, distance=distance, hints=hints))
     try:
-        for layer in range(trace.num_layers):
-            for e in range(trace.num_experts):
-                ctl.prefetcher.register_expert(layer, e, {"w": torch.full((64,), layer * 100 + e, dtype=torch.int32)})
-        for step in trace.steps:
-            for layer, experts in enumerate(step):
-                ctl.on_routed(layer, None, experts)
-                wait_drained(handle)
-                got = ctl.prefetcher.acquire_experts(layer, experts, timeout=10)
-                for e, w in zip(experts, got):
-                    assert torch.equal(w["w"], torch.full((64,), layer * 100 + e, dtype=torch.int32))
-                ctl.prefetcher.release_experts(layer, experts)
-        return handle.stats()["copies"]
+        decode_loop(ctl, trace)
+        return ctl.handle.stats()["copies"]
     finally:
         ctl.close()
+
+
+def loop_controller(trace, capacity, eviction, predictor):
+    """An OffloadController on a host handle of `capacity` 256-byte slots,
+    with every (layer, expert) of `trace` registered (its bytes say which)."""
+    handle = prefetch.PrefetchHandle(device_budget_bytes=capacity * 256, backend="host", eviction_policy=eviction)
+    ctl = OffloadController(handle, num_layers=trace.num_layers, num_experts=trace.num_experts, top_k=2,
+                            predictor=predictor)
+    for layer in range(trace.num_layers):
+        for e in range(trace.num_experts):
+            ctl.prefetcher.register_expert(layer, e, {"w": torch.full((64,), layer * 100 + e, dtype=torch.int32)})
+    return ctl
+
+
+def decode_loop(ctl, trace):
+    """run_oracle_loop's decode: per layer, route, let the prefetches land,
+    acquire, check the bytes, release."""
+    for step in trace.steps:
+        for layer, experts in enumerate(step):
+            ctl.on_routed(layer, None, experts)
+            wait_drained(ctl.handle)
+            got = ctl.prefetcher.acquire_experts(layer, experts, timeout=10)
+            for e, w in zip(experts, got):
+                assert torch.equal(w["w"], torch.full((64,), layer * 100 + e, dtype=torch.int32))
+            ctl.prefetcher.release_experts(layer, experts)
 
 
 def test_oracle_hints_make_next_use_eviction_approach_belady():
@@ -911,31 +923,15 @@ def copies_of_a_second_request(first, second, capacity, prime: bool) -> int:
     controller as run_oracle_loop does (each layer's prefetches land before
     its acquire: the count is deterministic); returns the second request's
     copies. prime=False skips Note [Hints at a request's start]."""
-    handle = prefetch.PrefetchHandle(device_budget_bytes=capacity * 256, backend="host", eviction_policy="next-use")
-    ctl = OffloadController(handle, num_layers=first.num_layers, num_experts=first.num_experts, top_k=2,
-                            predictor=OraclePredictor(first, distance=2))
+    ctl = loop_controller(first, capacity, "next-use", OraclePredictor(first, distance=2))
     try:
-        for layer in range(first.num_layers):
-            for e in range(first.num_experts):
-                ctl.prefetcher.register_expert(layer, e, {"w": torch.full((64,), layer * 100 + e, dtype=torch.int32)})
-
-        def decode(trace):
-            for step in trace.steps:
-                for layer, experts in enumerate(step):
-                    ctl.on_routed(layer, None, experts)
-                    wait_drained(handle)
-                    got = ctl.prefetcher.acquire_experts(layer, experts, timeout=10)
-                    for e, w in zip(experts, got):
-                        assert torch.equal(w["w"], torch.full((64,), layer * 100 + e, dtype=torch.int32))
-                    ctl.prefetcher.release_experts(layer, experts)
-
-        decode(first)
+        decode_loop(ctl, first)
         ctl.new_sequence()
         ctl.predictor = OraclePredictor(second, distance=2)
         ctl.predictor._primed = not prime
-        before = handle.stats()["copies"]
-        decode(second)
-        return handle.stats()["copies"] - before
+        before = ctl.handle.stats()["copies"]
+        decode_loop(ctl, second)
+        return ctl.handle.stats()["copies"] - before
     finally:
         ctl.close()
 

@@ -2,22 +2,16 @@
 work) runs and reports what it says: no timing assertions, only that every
 figure exists, and that the offloaded model's calls went through the
 wrapper it times."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from conftest import load_tool
 
 pytest.importorskip("transformers")
 
-TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "layer_overhead.py"
-
 
 def load():
-    spec = importlib.util.spec_from_file_location("layer_overhead", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("layer_overhead")
 
 
 @pytest.mark.parametrize("extra", [[], ["--predictor", "oracle", "--policy", "next-use", "--share", "0.25"]],

@@ -2,22 +2,16 @@
 in engine counters) runs and reports what it says: both rows, the counters
 of the prefill alone, and the resident model's tokens. No assertion on the
 counts themselves: they depend on when the copy workers land a prefetch."""
-import importlib.util
 import json
-import pathlib
 
 import pytest
+from conftest import load_tool
 
 pytest.importorskip("transformers")
 
-TOOL = pathlib.Path(__file__).resolve().parent.parent / "tools" / "prefill_copies.py"
-
 
 def load():
-    spec = importlib.util.spec_from_file_location("prefill_copies", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_tool("prefill_copies")
 
 
 @pytest.mark.parametrize("extra", [[], ["--no-request-start-hints"]], ids=["hints", "no-hints"])
