@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     from prefetch.hf import find_hf_moe_blocks
     from prefetch.integration import OraclePredictor, offload_moe_experts
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(1)  # as layer_overhead; also keeps OpenMP threads out of the TSan suite
     ref = build(torch, transformers, "cpu")
     _, experts, _ = find_hf_moe_blocks(ref)[0]
     per = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
