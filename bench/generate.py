@@ -120,9 +120,10 @@ Figures per row:
 A row that cannot run reports null figures with a reason; rows not started
 before --budget-s are null with that reason. --json is rewritten after every
 row with "partial": true (rows not settled yet: no floors or x_resident), so a
-run cut short keeps what it measured; the last write has "partial": false. During offloaded rows the
-model's own GPU expert weights stay allocated (kept to restore the model for
-the next row; nothing reads them): device memory is not what is measured.
+run cut short keeps what it measured; the last write has "partial": false.
+During offloaded rows the model's own GPU expert weights stay allocated (kept
+to restore the model for the next row; nothing reads them): device memory is
+not what is measured.
 After each block the resident row runs again to check the model was restored.
 
 --smoke-cpu: tiny Qwen3-MoE, OLMoE and Mixtral configs (4 layers, 8 experts,

@@ -249,9 +249,12 @@ class OraclePredictor:
             return []
         out = []
         stride = self._stride
+        experts = np.arange(controller.num_experts, dtype=np.int64)
+        # Not _layers_ahead(first - 1, ...): at step 0 its key for expert 0
+        # is -1, and the sentinel minus -1 overflows int64 on a layer the
+        # trace never routes. Here the found key is compared, not subtracted.
         for lyr in range(num_layers):
             first = step if lyr >= layer else step + 1  # this step's earlier layers have read already
-            experts = np.arange(controller.num_experts, dtype=np.int64)
             reads = self._reads[lyr]
             keys = experts * stride + first
             found = reads[np.searchsorted(reads, keys, side="left")]
