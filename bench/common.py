@@ -133,10 +133,11 @@ def gpu_time_split(torch, prof) -> dict:
     """Where the GPU's time went under a finished torch.profiler `prof` (us):
     busy (the union of every kernel and copy), compute (the union of the
     kernels that are not copies), h2d (the union of host-to-device copies),
-    copy_only (busy - compute: only copies running) and, summed per event,
+    copy_only (busy - compute: only copies running), summed per event,
     device time in NCCL kernels (which includes waiting for other ranks), in
-    host-to-device copies and in every other kernel."""
-    spans, compute, h2d = [], [], []
+    host-to-device copies and in every other kernel, and the link's idle
+    time by what ran meanwhile (_link_idle_us)."""
+    spans, compute, h2d, nccl = [], [], [], []
     by_kind = {"nccl": 0.0, "h2d": 0.0, "other": 0.0}
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CUDA or ev.time_range.elapsed_us() <= 0:
@@ -148,11 +149,40 @@ def gpu_time_split(torch, prof) -> dict:
         by_kind[kind] += ev.time_range.elapsed_us()
         if kind == "h2d":
             h2d.append(span)
+        elif kind == "nccl":
+            nccl.append(span)
+            compute.append(span)
         elif "memcpy" not in name and "memset" not in name:
             compute.append(span)
     busy, compute_us = _union_us(spans), _union_us(compute)
     return {"busy_us": busy, "compute_us": compute_us, "h2d_us": _union_us(h2d), "copy_only_us": busy - compute_us,
-            **{f"{k}_event_us": v for k, v in by_kind.items()}}
+            **{f"{k}_event_us": v for k, v in by_kind.items()}, **_link_idle_us(spans, h2d, nccl)}
+
+
+def _link_idle_us(spans, h2d, nccl) -> dict:
+    """When no host-to-device copy runs, between the first device event's
+    start and the last one's end (us): the window, and the link's idle time
+    split by what the GPU did meanwhile: an NCCL kernel (expert parallel's
+    all-reduce, or its wait for another rank), another kernel or copy, or
+    nothing at all."""
+    if not spans:
+        return {"window_us": 0.0, "link_idle_nccl_us": 0.0, "link_idle_compute_us": 0.0,
+                "link_idle_gpu_idle_us": 0.0}
+    points = []
+    for kind, group in (("h2d", h2d), ("nccl", nccl), ("any", spans)):
+        for a, b in group:
+            points += [(a, 1, kind), (b, -1, kind)]
+    points.sort(key=lambda p: (p[0], p[1]))
+    active = {"h2d": 0, "nccl": 0, "any": 0}
+    idle = {"nccl": 0.0, "compute": 0.0, "gpu_idle": 0.0}
+    last = points[0][0]
+    for t, delta, kind in points:
+        if t > last and not active["h2d"]:
+            idle["nccl" if active["nccl"] else "compute" if active["any"] else "gpu_idle"] += t - last
+        active[kind] += delta
+        last = t
+    window = max(b for _, b in spans) - min(a for a, _ in spans)
+    return {"window_us": window, **{f"link_idle_{k}_us": v for k, v in idle.items()}}
 
 
 def raw_h2d_gbps(torch, nbytes_each: int, device=0, count: int = 64) -> float:

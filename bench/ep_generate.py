@@ -3,7 +3,8 @@ one GPU in the same run.
 
     torchrun --standalone --nproc-per-node 2 bench/ep_generate.py [--models olmoe-1b-7b qwen3-30b-a3b]
         [--batches 1 8] [--shares 0.25 0.5] [--predictor gate|none] [--new-tokens 64] [--warmup-tokens 8]
-        [--prompt-tokens 32] [--vocab 32000] [--no-single] [--timeout-s 1800] [--json PATH]
+        [--prompt-tokens 32] [--vocab 32000] [--no-single] [--placement balanced|activations]
+        [--timeout-s 1800] [--json PATH]
     torchrun --standalone --nproc-per-node 2 bench/ep_generate.py --smoke-cpu [--json PATH]
 
 Each rank sees only its own GPU (CUDA_VISIBLE_DEVICES is set from
@@ -17,9 +18,10 @@ bf16 weights, same seed). Per model:
      offload (`offload_moe_experts`, no group) at each share of ALL the
      experts' bytes: the "1-gpu" rows.
   2. every rank: `offload_moe_experts(..., process_group=WORLD)` at each share
-     of ITS slice's bytes (balanced placement: experts / ranks per layer),
-     the same predictor: the "ep" rows. The total device cache equals the
-     1-gpu row's at the same share.
+     of ITS slice's bytes (experts / ranks per layer, in contiguous blocks,
+     or with --placement activations assigned by activation counts recorded
+     on other prompts: `calibration_counts`), the same predictor: the "ep"
+     rows. The total device cache equals the 1-gpu row's at the same share.
 
 Before any row every rank runs the resident model over the measured lengths
 on other prompts (Note [Warm every sequence length] in
@@ -103,7 +105,8 @@ def first_mismatch(a, b):
     return int(differ[0]) if differ.numel() else None
 
 
-def run_row(torch, model, state, prompts, args, sync, timer_sync, budget, group, backend_kw, host=None):
+def run_row(torch, model, state, prompts, args, sync, timer_sync, budget, group, backend_kw, host=None,
+            placement=None):
     """Offloads, warms up, runs the measured generate, restores the model.
     Returns (figures of this rank, generated ids, the HostExperts to reuse)."""
     import prefetch
@@ -112,7 +115,7 @@ def run_row(torch, model, state, prompts, args, sync, timer_sync, budget, group,
     predictor = NextLayerGatePredictor() if args.predictor == "gate" else None
     ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor, process_group=group,
                                        host_experts=host, progress=False, sync_free=_SYNC_FREE[args.sync_free],
-                                       **backend_kw)
+                                       **(placement or {}), **backend_kw)
     marks = {}
     try:
         generate(torch, model, prompts["warm"], args.warmup_tokens, sync)
@@ -165,9 +168,11 @@ def profile_decode(torch, model, ids, tokens: int, sync, path: str) -> dict:
     measured one (the profiler's own cost stays out of the figures). Writes
     `path`.txt (ops by device time) and `path`.json (the Chrome trace).
     Returns, per generated token: wall ms, the GPU's busy ms (union of its
-    kernels and copies), and device ms in NCCL kernels (their time includes
-    waiting for the other ranks), in host-to-device copies, and in every
-    other kernel."""
+    kernels and copies), the link's busy ms (union of the host-to-device
+    copies), device ms in NCCL kernels (their time includes waiting for the
+    other ranks), in host-to-device copies, and in every other kernel
+    (summed per event), and the link's idle ms by what the GPU did
+    meanwhile: an NCCL kernel, another kernel or copy, nothing."""
     from torch.profiler import ProfilerActivity, profile
 
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
@@ -179,8 +184,10 @@ def profile_decode(torch, model, ids, tokens: int, sync, path: str) -> dict:
     prof.export_chrome_trace(path + ".json")
     per = 1e3 * tokens
     return {"tokens": tokens, "wall_ms_per_token": (t1 - t0) * 1e3 / tokens,
-            "gpu_busy_ms_per_token": split["busy_us"] / per,
-            **{f"{k}_ms_per_token": split[f"{k}_event_us"] / per for k in ("nccl", "h2d", "other")}}
+            "gpu_busy_ms_per_token": split["busy_us"] / per, "h2d_busy_ms_per_token": split["h2d_us"] / per,
+            **{f"{k}_ms_per_token": split[f"{k}_event_us"] / per for k in ("nccl", "h2d", "other")},
+            **{f"link_idle_{k}_ms_per_token": split[f"link_idle_{k}_us"] / per
+               for k in ("nccl", "compute", "gpu_idle")}}
 
 
 def pin_cpus() -> list:
@@ -212,6 +219,37 @@ def _hit_rate(a, b, delta):
     return hits / (hits + misses) if hits + misses else None
 
 
+def calibration_counts(torch, dist, model, prompts, tokens: int, sync, cuda: bool):
+    """--placement activations: how often each layer routed to each expert
+    over greedy generates of `tokens` tokens from `prompts` (other prompts
+    than the measured ones) on the resident model, counted on the device by
+    a hook on every experts module's routing (top_k_index). Rank 0's counts
+    are sent to every rank, so all place the experts alike. Returns an int64
+    numpy [layers, experts]."""
+    from prefetch.hf import find_hf_moe_blocks
+
+    blocks = find_hf_moe_blocks(model)
+    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
+    counts = torch.zeros((len(blocks), blocks[0][1].gate_up_proj.shape[0]), dtype=torch.int64, device=device)
+
+    def hook(layer):
+        def count(module, args, kwargs):
+            index = kwargs["top_k_index"] if "top_k_index" in kwargs else args[1]
+            counts[layer] += torch.bincount(index.reshape(-1), minlength=counts.shape[1]).to(counts.device)
+        return count
+
+    handles = [experts.register_forward_pre_hook(hook(i), with_kwargs=True) for i, (_, experts, _) in
+               enumerate(blocks)]
+    try:
+        for ids in prompts:
+            generate(torch, model, ids, tokens, sync)
+    finally:
+        for h in handles:
+            h.remove()
+    dist.broadcast(counts, src=0)
+    return counts.cpu().numpy()
+
+
 def _decode_ms(times):
     decode = [(y - x) * 1e3 for x, y in zip(times, times[1:])]
     return {"p50_ms": statistics.median(decode) if decode else None,
@@ -234,9 +272,14 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
         def one(seed):
             g = torch.Generator().manual_seed(seed)
             return torch.randint(1, args.vocab, (batch, args.prompt_tokens), generator=g).to(device)
-        return {"measured": one(100 + batch), "warm": one(200 + batch)}
+        return {"measured": one(100 + batch), "warm": one(200 + batch), "calib": one(300 + batch)}
 
     base = {"model": name, "layers": state.num_layers, "experts": state.num_experts}
+    placement = None
+    if args.placement == "activations":
+        counts = calibration_counts(torch, dist, model, [prompts(batch)["calib"] for batch in args.batches],
+                                    args.new_tokens, sync, cuda)
+        placement = {"expert_placement": "activations", "activation_counts": counts}
     reference, single = {}, {}
     # Every rank, the model still resident (Note [Warm every sequence length]):
     # rank 1 runs no resident or 1-gpu row, and would otherwise meet each
@@ -270,7 +313,7 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
         for share in args.shares:
             budget = int(share * slice_bytes)
             figures, ids, host = run_row(torch, model, state, p, args, sync, timer_sync, budget, dist.group.WORLD,
-                                         backend_kw, host)
+                                         backend_kw, host, placement)
             gathered = [None] * world
             dist.all_gather_object(gathered, {"figures": figures, "ids": ids.cpu()})
             if rank != 0:
@@ -332,6 +375,10 @@ def main(argv=None) -> int:
     parser.add_argument("--pin-cpus", action="store_true",
                         help="each rank runs on its own contiguous share of this host's CPUs (default: the OS "
                              "places the processes)")
+    parser.add_argument("--placement", choices=["balanced", "activations"], default="balanced",
+                        help="the ep rows' expert_placement: contiguous blocks, or the same block sizes balanced "
+                             "by activation counts recorded on other prompts (resident greedy generates of "
+                             "--new-tokens, one per batch, before any row)")
     parser.add_argument("--smoke-cpu", action="store_true", help="gloo, tiny configs in float32 on the CPU")
     args = parser.parse_args(argv)
     smoke = args.smoke_cpu
@@ -384,7 +431,7 @@ def main(argv=None) -> int:
                       "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "predictor",
                                                                 "new_tokens", "warmup_tokens", "prompt_tokens",
                                                                 "vocab", "no_single", "sync_free", "timer_sync",
-                                                                "pin_cpus")},
+                                                                "pin_cpus", "placement")},
                       "transformers": transformers.__version__,
                       "notes": ["random weights; vocab reduced to --vocab",
                                 "ep budget per rank = share x the rank's slice; 1-gpu budget = share x all experts",

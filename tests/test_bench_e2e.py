@@ -178,6 +178,10 @@ def test_gpu_time_split_takes_unions():
     assert split["h2d_us"] == 18
     assert split["copy_only_us"] == 15
     assert split["h2d_event_us"] == 18 and split["nccl_event_us"] == 5 and split["other_event_us"] == 20
+    # No copy on the link over [0, 45]: [0, 12] under the kernels, [20, 30]
+    # with the GPU idle, [40, 45] under the NCCL kernel.
+    assert split["window_us"] == 45
+    assert (split["link_idle_compute_us"], split["link_idle_gpu_idle_us"], split["link_idle_nccl_us"]) == (12, 10, 5)
 
 
 def test_on_demand_disk_reads_the_experts_from_a_file(tmp_path):

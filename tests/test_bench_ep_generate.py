@@ -23,7 +23,7 @@ def test_ep_smoke_under_torchrun(tmp_path):
     env = {**os.environ, "PYTHONPATH": ROOT + os.pathsep + os.environ.get("PYTHONPATH", "")}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
            os.path.join(ROOT, "bench", "ep_generate.py"), "--smoke-cpu", "--timeout-s", "60", "--json", str(path),
-           "--profile", str(tmp_path / "prof"), "--profile-tokens", "2"]
+           "--profile", str(tmp_path / "prof"), "--profile-tokens", "2", "--placement", "activations"]
     pinned = len(os.sched_getaffinity(0)) >= 2  # --pin-cpus needs a CPU per rank
     cmd += ["--pin-cpus"] if pinned else []
     proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -40,6 +40,7 @@ def test_ep_smoke_under_torchrun(tmp_path):
     # --pin-cpus: each rank on its own share of the CPUs this test may use
     cpus = report["cpus_per_rank"]
     assert report["config"]["pin_cpus"] is pinned and all(cpus)
+    assert report["config"]["placement"] == "activations"
     if pinned:
         assert not set(cpus[0]) & set(cpus[1]) and set(cpus[0]) | set(cpus[1]) <= os.sched_getaffinity(0)
     rows = report["rows"]
@@ -64,5 +65,6 @@ def test_ep_smoke_under_torchrun(tmp_path):
             # --profile: every rank profiled 2 tokens of this row (no GPU here: no device time)
             for rank, prof in enumerate(r["profile_per_rank"]):
                 assert prof["tokens"] == 2 and prof["wall_ms_per_token"] > 0 and prof["gpu_busy_ms_per_token"] == 0
+                assert prof["h2d_busy_ms_per_token"] == 0 and prof["link_idle_gpu_idle_ms_per_token"] == 0
                 stem = tmp_path / "prof" / f"ep_b{r['batch']}_s{r['budget_bytes_per_rank']}_rank{rank}"
                 assert (stem.with_suffix(".json")).stat().st_size > 0 and "Name" in stem.with_suffix(".txt").read_text()
