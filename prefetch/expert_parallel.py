@@ -34,7 +34,16 @@ implementation's own two ops on the same values (`_weighted_sum` in
 prefetch/hf.py): bit-equal to one process for any top-k (a partial sum per
 rank, all-reduced, rounded differently with top-8 in bf16 and turned a
 greedy token on the H200, run 25). It costs k times the all-reduce bytes
-(decode: 8 x 2048 bf16 values per token for OLMoE). The eager loop keeps
+(decode: 8 x 2048 bf16 values per token for OLMoE). batched_mm gathers
+every row's expert weights, a row routed to another rank's expert
+included: with the routing on the host (the synced path, in one piece), a
+rank computes only its own pairs and writes them into an output of exact
+zeros (`_local_pairs` in prefetch/hf.py), half the gathers and products
+on two ranks. A bmm row's bits do not depend on which other rows are in
+the batch (tools/ep_probe.py on the H200: every count of 1..64 pairs, at
+OLMoE's and Qwen3-30B-A3B's expert shapes; the CPU test checks the
+logits). The sync-free path has no routing on the host and computes every
+pair. The eager loop keeps
 the partial sums ([tokens, hidden]): its adds run in expert order, which no
 per-pair sum reproduces; bit-equal with top-2 (x + 0 + y = x + y).
 
@@ -148,6 +157,11 @@ class ExpertParallel:
         self.rank = rank
         self.world_size = world_size
         self.local = owner == rank  # [layers, experts] bool
+        # (token, k) rows of the per-pair implementations: routed to any
+        # rank, and computed here (all of them, or only this rank's:
+        # prefetch/hf.py's _local_pairs).
+        self.rows_routed = 0
+        self.rows_computed = 0
 
     def local_experts(self, layer: int) -> np.ndarray:
         return np.flatnonzero(self.local[layer])

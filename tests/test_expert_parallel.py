@@ -129,8 +129,9 @@ def scenario_tokens_and_errors(rank, group):
         ctl = _offload(model, group, 8, sync_free=sync_free)
         try:
             seq, logits = greedy(model, prompt(model.config, 2), steps=6)
+            ep = ctl.expert_parallel
             out["top4"][(impl, sync_free)] = {"seq": seq, "logits": logits, "sync_free": ctl.sync_free,
-                                              "report": ctl.report()}
+                                              "report": ctl.report(), "rows": (ep.rows_routed, ep.rows_computed)}
         finally:
             ctl.close()
     # Note [Steady pins] over a rank's slice: with room for all of its
@@ -387,10 +388,20 @@ def test_two_ranks_match_one_process(tmp_path, monkeypatch):
         for a, b in zip(steady["logits"], refs["batched_mm"][1]):
             assert torch.equal(a, b)
         assert steady["steady_steps"] > 0 and steady["pinned"] == 0
+        # Synced batched_mm computes only this rank's (token, k) pairs: the
+        # ranks split every layer's rows between them. Sync-free, the
+        # routing is not on the host: every rank computes every row.
+        routed, computed = g["top4"][("batched_mm", False)]["rows"]
+        assert 0 < computed < routed
+        forced_rows = g["top4"][("batched_mm", True)]["rows"]
+        assert forced_rows[0] == forced_rows[1] > 0
         forced = g["top4"][("batched_mm", True)]["report"]
         # Read from host memory on the first steps (8 slots for this rank's
         # 12 experts), and only this rank's experts count.
         assert forced["zero_copy_reads"] > 0 and forced["path_switches"] == 0
+
+    synced = [g["top4"][("batched_mm", False)]["rows"] for g in got]
+    assert synced[0][0] == synced[1][0] and synced[0][1] + synced[1][1] == synced[0][0]
 
     cfg = family_configs()["olmoe"]
     seq_ref, _ = greedy(build(cfg, experts_implementation="batched_mm"), prompt(cfg, 2))
