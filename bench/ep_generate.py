@@ -137,6 +137,11 @@ def run_row(torch, model, state, prompts, args, sync, timer_sync, budget, group,
             "registered": end["registered"],
             "hit_rate": _hit_rate(marks["stats"], end, delta),
             "bytes_copied": end["bytes_copied"] - marks["stats"]["bytes_copied"],
+            # What the engine did with the measured tokens' misses and guesses.
+            "engine_counts": {key: end[key] - marks["stats"][key] for key in _ENGINE_COUNTS},
+            "prediction_precision": (delta["prediction_hits"] / delta["predicted_total"]
+                                     if delta["predicted_total"] else None),
+            "speculation_paused_layers": delta["speculation_paused_layers"],
             "zero_copy_reads": delta["zero_copy_reads"],
             "allreduce_us_per_layer": (delta["comm_ns"] / layers / 1e3 if group is not None and layers else None),
         }
@@ -208,7 +213,12 @@ def pin_cpus() -> list:
 _SYNC_FREE = {"auto": None, "on": True, "off": False}
 
 # OffloadController counters read before and after the measured generate.
-_COUNTERS = ("layers_run", "comm_ns", "engine_ns", "sync_ns", "host_ns", "pinned_hits", "zero_copy_reads")
+_COUNTERS = ("layers_run", "comm_ns", "engine_ns", "sync_ns", "host_ns", "pinned_hits", "zero_copy_reads",
+             "prediction_hits", "predicted_total", "speculation_paused_layers")
+# Engine stats counted over the measured tokens: guesses queued (enqueued),
+# dropped before their copy (cancelled), refused room (declined), copied
+# but evicted unread (wasted), and misses copied by the acquirer (on_demand).
+_ENGINE_COUNTS = ("enqueued", "cancelled", "declined", "wasted", "late", "on_demand", "copies")
 
 
 def _hit_rate(a, b, delta):
@@ -328,6 +338,7 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
                    "x_1gpu": (figures["p50_ms"] / single[(batch, share)]
                               if single.get((batch, share)) and figures["p50_ms"] else None)}
             for key in ("hit_rate", "bytes_copied", "registered", "allreduce_us_per_layer", "zero_copy_reads",
+                        "engine_counts", "prediction_precision", "speculation_paused_layers",
                         "engine_us_per_layer", "sync_us_per_layer", "host_us_per_layer", "profile"):
                 row[f"{key}_per_rank"] = [f.get(key) for f in per_rank]
             rows.append(row)

@@ -59,6 +59,8 @@ def test_ep_smoke_under_torchrun(tmp_path):
             assert r["registered_per_rank"] == [16, 16]
             assert all(h is None or 0 <= h <= 1 for h in r["hit_rate_per_rank"])
             assert all(us > 0 for us in r["allreduce_us_per_layer_per_rank"])
+            for counts in r["engine_counts_per_rank"]:  # the measured tokens' copies, this rank's own
+                assert counts["copies"] > 0 and counts["on_demand"] <= counts["copies"]
             single = next(s for s in rows if s["mode"] == "1-gpu" and (s["model"], s["batch"], s["share"])
                           == (r["model"], r["batch"], r["share"]))
             assert 2 * r["budget_bytes_per_rank"] == single["budget_bytes_per_rank"]
