@@ -177,6 +177,24 @@ class OraclePredictor:
         self._routed = None  # (step, layer, experts, clock) of the last routing
         self._hints: list = []  # (layer, experts, one time or an array) not yet returned
         self._primed = False  # this request's first reads were hinted (Note [Hints at a request's start])
+        self._step_reads: dict = {}  # (step, experts) -> flat reads (step_reads)
+
+    def step_reads(self, step: int, num_experts: int):
+        """Every (layer, expert) step `step` of the trace reads, and the
+        next step's first `distance` layers (what this step's guesses would
+        name), as flat indices layer * num_experts + expert; None past the
+        trace. The sync-free path checks them against its pins at a step's
+        first layer (Note [Steady pins]). Made once per step."""
+        if not 0 <= step < len(self._experts):
+            return None
+        key = (step, num_experts)
+        flat = self._step_reads.get(key)
+        if flat is None:
+            rows = [la * num_experts + e for la, e in enumerate(self._experts[step])]
+            if step + 1 < len(self._experts):
+                rows += [la * num_experts + e for la, e in enumerate(self._experts[step + 1][: self.distance])]
+            flat = self._step_reads[key] = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+        return flat
 
     def _sends_hints(self, controller) -> bool:
         if self.hints is None:

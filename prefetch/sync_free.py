@@ -174,10 +174,13 @@ class SyncFreeDecode:
     # layers make no engine call, and the last layer releases them all, as
     # it releases its own pins on the layer-by-layer path, so nothing stays
     # pinned between steps and copies queued by others find free slots
-    # there. A copy landing during the step is not pinned: its expert is
-    # read from host memory, and that miss puts the next step back on the
-    # layer-by-layer path. The eviction policy's acquire clock ticks once
-    # for the call, not once a layer.
+    # there. A host-side predictor's guesses name cached experts only once
+    # nothing is fetched: it waits for two steps that asked for no copy, or,
+    # if it knows the whole step (the oracle), for the last pins to cover
+    # the step's reads (`_step_pinned`). A copy landing during the step is
+    # not pinned: its expert is read from host memory, and that miss puts
+    # the next step back on the layer-by-layer path. The eviction policy's
+    # acquire clock ticks once for the call, not once a layer.
 
     def _steady_step(self) -> bool:
         """Layer 0, routings read: the last step missed nothing and there is
@@ -186,7 +189,27 @@ class SyncFreeDecode:
         [Speculation with nothing to fetch], is not run: its guesses name
         cached experts)."""
         return (self._last_misses == 0 and (self._fetch is None or not self._fetch.shape[0])
-                and (not self._host_guesses or self.nothing_fetched))
+                and (not self._host_guesses or self.nothing_fetched or self._step_pinned()))
+
+    def _step_pinned(self) -> bool:
+        """A host-side predictor that knows the whole step (the oracle's
+        `step_reads`): every expert this rank owns that the step reads, and
+        the next step's first layers, was pinned by the last pins, so its
+        guesses would name cached experts only. Without this a host-side
+        predictor went steady only after _IDLE_STEPS_TO_PROBE steps that
+        asked for no copy, and each first copy of an expert started that
+        count again: the oracle was steady on 20 of BM6's steps at a full
+        cache where on-demand was on 39 (run 59). A pin that went stale
+        since (an eviction by a copy that ran after it) is read from host
+        memory on the steady step, and that miss puts the next step back
+        on the layer-by-layer path."""
+        reads = getattr(self.predictor, "step_reads", None)
+        flat = reads(self.step, self.num_experts) if reads is not None else None
+        if flat is None:
+            return False
+        if not self._owns_all:
+            flat = flat[self._owned_u8[flat].view(bool)]
+        return bool(self._pinned_u8[flat].all())
 
     def _nothing_queued(self) -> bool:
         """No copy waits for a slot. (Not `bytes_in_flight == 0`: on CUDA

@@ -745,6 +745,41 @@ def test_sync_free_oracle_goes_steady_once_nothing_is_fetched(policy):
         ctl.close()
 
 
+def test_an_oracle_step_whose_reads_are_all_pinned_goes_steady():
+    # Note [Steady pins]: a host-side predictor that knows the whole step
+    # (the oracle's step_reads: the step's reads and the next step's first
+    # `distance` layers) goes steady when the last pins cover all of it,
+    # without waiting for two steps that copied nothing; one unpinned read,
+    # or a step past the trace, keeps it layer by layer.
+    cfg, ref, ids, seq_ref, _, trace = recorded_olmoe(6, 12)
+    model = copy.deepcopy(ref)
+    oracle = OraclePredictor(trace, distance=2)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", predictor=oracle,
+                              sync_free=True)
+    try:
+        assert torch.equal(greedy(model, ids, steps=12)[0], seq_ref)
+        assert ctl.steady_steps > 0
+        num_experts = cfg.num_experts
+        reads = oracle.step_reads(3, num_experts)
+        want = {la * num_experts + e for la, row in enumerate(trace.steps[3]) for e in row}
+        want |= {la * num_experts + e for la, row in enumerate(trace.steps[4][:2]) for e in row}
+        assert set(reads.tolist()) == want
+        ctl.step = 3
+        ctl._pinned[:] = True
+        # The last step missed nothing and fetches nothing; nothing_fetched
+        # (two idle steps) is off: the pins alone decide.
+        ctl._last_misses, ctl._fetch, ctl.nothing_fetched = 0, None, False
+        assert ctl._step_pinned() and ctl._steady_step()
+        layer, expert = divmod(int(reads[-1]), num_experts)  # a read of step 4's first layers
+        ctl._pinned[layer, expert] = False
+        assert not ctl._step_pinned() and not ctl._steady_step()
+        ctl._pinned[:] = True
+        ctl.step = len(trace.steps)
+        assert oracle.step_reads(ctl.step, num_experts) is None and not ctl._step_pinned()
+    finally:
+        ctl.close()
+
+
 def test_nothing_fetched_counts_copies_asked_for_not_finished():
     # Note [Speculation with nothing to fetch]: a step that asked the engine
     # for copies is not idle, however slow the copies are to finish (a
