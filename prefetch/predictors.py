@@ -179,13 +179,15 @@ class OraclePredictor:
         self._primed = False  # this request's first reads were hinted (Note [Hints at a request's start])
         self._step_reads: dict = {}  # (step, experts) -> flat reads (step_reads)
 
-    def step_reads(self, step: int, num_experts: int):
+    def step_reads(self, step: int, num_layers: int, num_experts: int):
         """Every (layer, expert) step `step` of the trace reads, and the
         next step's first `distance` layers (what this step's guesses would
-        name), as flat indices layer * num_experts + expert; None past the
-        trace. The sync-free path checks them against its pins at a step's
-        first layer (Note [Steady pins]). Made once per step."""
-        if not 0 <= step < len(self._experts):
+        name), as flat indices layer * num_experts + expert of a model of
+        `num_layers` x `num_experts`; None past the trace or for a trace of
+        another shape. The sync-free path checks them against its pins at a
+        step's first layer (Note [Steady pins]). Made once per step."""
+        if (not 0 <= step < len(self._experts) or self.trace.num_layers != num_layers
+                or self.trace.num_experts > num_experts):
             return None
         key = (step, num_experts)
         flat = self._step_reads.get(key)

@@ -204,7 +204,7 @@ class SyncFreeDecode:
         memory on the steady step, and that miss puts the next step back
         on the layer-by-layer path."""
         reads = getattr(self.predictor, "step_reads", None)
-        flat = reads(self.step, self.num_experts) if reads is not None else None
+        flat = reads(self.step, self.num_layers, self.num_experts) if reads is not None else None
         if flat is None:
             return False
         if not self._owns_all:

@@ -760,7 +760,11 @@ def test_an_oracle_step_whose_reads_are_all_pinned_goes_steady():
         assert torch.equal(greedy(model, ids, steps=12)[0], seq_ref)
         assert ctl.steady_steps > 0
         num_experts = cfg.num_experts
-        reads = oracle.step_reads(3, num_experts)
+        layers = cfg.num_hidden_layers
+        reads = oracle.step_reads(3, layers, num_experts)
+        # A model of another shape than the trace's: nothing known.
+        assert oracle.step_reads(3, layers + 1, num_experts) is None
+        assert oracle.step_reads(3, layers, num_experts - 1) is None
         want = {la * num_experts + e for la, row in enumerate(trace.steps[3]) for e in row}
         want |= {la * num_experts + e for la, row in enumerate(trace.steps[4][:2]) for e in row}
         assert set(reads.tolist()) == want
@@ -775,7 +779,7 @@ def test_an_oracle_step_whose_reads_are_all_pinned_goes_steady():
         assert not ctl._step_pinned() and not ctl._steady_step()
         ctl._pinned[:] = True
         ctl.step = len(trace.steps)
-        assert oracle.step_reads(ctl.step, num_experts) is None and not ctl._step_pinned()
+        assert oracle.step_reads(ctl.step, layers, num_experts) is None and not ctl._step_pinned()
     finally:
         ctl.close()
 
