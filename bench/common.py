@@ -119,14 +119,38 @@ def percentile(values, q):
     return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
 
 
+def merge_spans(spans) -> list:
+    """The union of (start, end) spans as disjoint [start, end] spans, in
+    order (spans that touch are joined)."""
+    merged = []
+    for a, b in sorted(spans):
+        if merged and a <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], b)
+        else:
+            merged.append([a, b])
+    return merged
+
+
 def _union_us(spans) -> float:
     """Microseconds covered by the union of (start, end) spans."""
-    total, end = 0.0, float("-inf")
-    for a, b in sorted(spans):
-        if b > end:
-            total += b - max(a, end)
-            end = b
-    return total
+    return float(sum(b - a for a, b in merge_spans(spans)))
+
+
+def own_gpu() -> None:
+    """Under torchrun, make this process see only GPU LOCAL_RANK (of those
+    already visible), before torch initialises CUDA: the engine's cache is
+    on the process's CUDA device 0."""
+    local = os.environ.get("LOCAL_RANK")
+    if local is None:
+        return
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if visible:
+        ids = [v for v in visible.split(",") if v.strip()]
+        if int(local) >= len(ids):
+            raise SystemExit(f"LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES={visible} lists {len(ids)} GPUs")
+        os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(local)]
+    else:
+        os.environ["CUDA_VISIBLE_DEVICES"] = local
 
 
 def gpu_time_split(torch, prof) -> dict:

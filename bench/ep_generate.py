@@ -59,29 +59,13 @@ import sys
 import time
 from datetime import timedelta
 
-
-def _own_gpu() -> None:
-    """Under torchrun, make this process see only GPU LOCAL_RANK (of those
-    already visible), before torch initialises CUDA."""
-    local = os.environ.get("LOCAL_RANK")
-    if local is None or "--smoke-cpu" in sys.argv:
-        return
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    if visible:
-        ids = [v for v in visible.split(",") if v.strip()]
-        if int(local) >= len(ids):
-            raise SystemExit(f"LOCAL_RANK {local} but CUDA_VISIBLE_DEVICES={visible} lists {len(ids)} GPUs")
-        os.environ["CUDA_VISIBLE_DEVICES"] = ids[int(local)]
-    else:
-        os.environ["CUDA_VISIBLE_DEVICES"] = local
-
-
-_own_gpu()
-
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, gpu_time_split, machine_info, percentile, write_json  # noqa: E402
+from bench.common import fmt, gpu_time_split, machine_info, own_gpu, percentile, write_json  # noqa: E402
+
+if "--smoke-cpu" not in sys.argv:
+    own_gpu()  # before anything imports torch
 from bench.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,

@@ -30,11 +30,9 @@ import statistics
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-def _own_gpu() -> None:
-    local = os.environ.get("LOCAL_RANK")
-    if local is not None and "CUDA_VISIBLE_DEVICES" not in os.environ:
-        os.environ["CUDA_VISIBLE_DEVICES"] = local
+from bench.common import own_gpu  # noqa: E402
 
 
 def allreduce_costs(torch, dist, iters: int, rows_list) -> list:
@@ -130,7 +128,7 @@ def main(argv=None) -> int:
     parser.add_argument("--iters", type=int, default=200)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    _own_gpu()
+    own_gpu()
     import torch
     import torch.distributed as dist
 

@@ -23,7 +23,13 @@ from __future__ import annotations
 import argparse
 import bisect
 import json
+import os
 import statistics
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import merge_spans  # noqa: E402
 
 
 def _spans(events, pred):
@@ -40,12 +46,7 @@ def gaps(events, min_us: float) -> dict:
            "host_parts": []}
     if not h2d:
         return out
-    merged = []
-    for a, b in h2d:
-        if merged and a <= merged[-1][1]:
-            merged[-1][1] = max(merged[-1][1], b)
-        else:
-            merged.append([a, b])
+    merged = merge_spans(h2d)
     for (_, start), (end, _) in zip(merged, merged[1:]):
         if end - start < min_us:
             continue
