@@ -11,7 +11,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-
+from prefetch.read_back import to_host  # noqa: E402
 
 MODELS = {
     "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
@@ -152,6 +152,11 @@ class Decoder:
         torch = self.torch
         h = x0
         k = self.spec["top_k"]
+        if forced is not None:
+            # Every layer's allowed experts in one host-to-device copy a step.
+            sizes = [len(f) for f in forced]
+            flat = torch.tensor([e for f in forced for e in f], dtype=torch.int64, device=self.device)
+            allowed_all = flat.split(sizes)
         for layer in range(self.spec["layers"]):
             if h.device != self.devs[self.layer_dev[layer]]:
                 h = h.to(self.devs[self.layer_dev[layer]])
@@ -161,7 +166,7 @@ class Decoder:
             probs = torch.softmax((x @ self.router[layer].T).float(), dim=-1)
             top_w, top_i = torch.topk(probs, k, dim=-1)
             if forced is not None:
-                allowed = torch.tensor(forced[layer], device=x.device)
+                allowed = allowed_all[layer].to(x.device)
                 masked = torch.full_like(probs, -1.0)
                 masked[:, allowed] = probs[:, allowed]
                 top_w, top_i = torch.topk(masked, min(k, len(forced[layer])), dim=-1)
@@ -183,7 +188,12 @@ class Decoder:
                     timers["speculate"] = timers.get("speculate", 0.0) + time.perf_counter() - ts
             if timers is not None:
                 t0 = time.perf_counter()
-            experts = routed.tolist()
+            # The routing read-back, as a serving stack should make it
+            # (Note [Read-back without a pageable copy] in
+            # prefetch/read_back.py): a blocking .tolist() would hold up the
+            # engine's copy workers while the host waits. The same for
+            # every provider.
+            experts = to_host(routed).tolist()
             if timers is not None:
                 t1 = time.perf_counter()
             stacked = getattr(provider, "acquire_stacked", None) if self.grouped else None

@@ -20,6 +20,7 @@ from prefetch.expert_ids import EMPTY as _EMPTY
 from prefetch.expert_ids import distinct as _distinct
 from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import ExpertPrefetcher
+from prefetch.read_back import to_host
 from prefetch.sync_free import SyncFreeDecode
 from prefetch.trace import RoutingTrace
 
@@ -164,16 +165,17 @@ class OffloadController(SyncFreeDecode):
         return self.predictor.predict(self, self.step, layer, hidden)
 
     def read_back(self, raw: dict, routing=None):
-        """The layer's one device-to-host copy: `routing` (a device index
-        tensor, or None) and every guess in `raw` that is a device tensor
-        come back together. Returns (routing as an int64 numpy array or None,
-        {layer: sorted distinct experts} for every guess). Time spent waiting
-        counts in sync_ns."""
+        """The layer's one device-to-host copy (Note [Read-back without a
+        pageable copy]): `routing` (a device index tensor, or None) and
+        every guess in `raw` that is a device tensor come back together.
+        Returns (routing as an int64 numpy array or None, {layer: sorted
+        distinct experts} for every guess). Time spent waiting counts in
+        sync_ns."""
         if not raw:  # no guesses (the common case): the routing alone
             if routing is None:
                 return None, {}
             t0 = time.perf_counter_ns()
-            host = routing.reshape(-1).cpu().numpy()
+            host = to_host(routing)
             self.sync_ns += time.perf_counter_ns() - t0
             return host, {}
         import torch
@@ -184,7 +186,7 @@ class OffloadController(SyncFreeDecode):
         host = None
         if parts:
             t0 = time.perf_counter_ns()
-            host = (torch.cat(parts) if len(parts) > 1 else parts[0]).cpu().numpy()
+            host = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
             self.sync_ns += time.perf_counter_ns() - t0
         pos = 0 if routing is None else routing.numel()
         guesses = {}

@@ -33,8 +33,10 @@ def distinct(experts, num_experts: int) -> np.ndarray:
         if distinct and (distinct[0] < 0 or distinct[-1] >= num_experts):
             raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
         return np.array(distinct, dtype=np.int64)
-    if hasattr(experts, "detach"):  # a torch tensor: on the host, without autograd
-        experts = experts.detach().cpu().numpy()
+    if hasattr(experts, "detach"):  # a torch tensor: on the host (Note [Read-back without a pageable copy])
+        from prefetch.read_back import to_host
+
+        experts = to_host(experts)
     arr = np.asarray(experts, dtype=np.int64).reshape(-1)
     if arr.shape[0] == 0:
         return arr

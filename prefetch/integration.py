@@ -38,6 +38,7 @@ from prefetch.controller import OffloadController
 from prefetch.expert_prefetcher import expert_layout
 from prefetch.hf import HostExperts, find_hf_moe_blocks, install_experts_backend, offload_hf_model, offloaded_experts
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
+from prefetch.read_back import to_host
 from prefetch.trace import RoutingTrace, belady_misses
 
 __all__ = [
@@ -136,7 +137,7 @@ class OffloadedMoEBlock(nn.Module):
         # attention and router, before the routing read-back waits for them
         # (Note [Speculation after launch]).
         ctl.speculate()
-        experts, where = ctl.route_and_acquire(self.layer, h, routed.cpu(), stream=stream, first=cap)
+        experts, where = ctl.route_and_acquire(self.layer, h, to_host(routed), stream=stream, first=cap)
         out = torch.zeros_like(h)
         try:
             for start in range(0, experts.shape[0], cap):

@@ -10,6 +10,7 @@ import numpy as np
 
 from prefetch._engine import mark_pinned, read_routed
 from prefetch.expert_ids import EMPTY as _EMPTY
+from prefetch.read_back import to_host
 
 __all__ = ["SyncFreeDecode"]
 
@@ -339,7 +340,7 @@ class SyncFreeDecode:
             self.early_read_backs += 1
         else:  # routings noted after the queued copy (a partial step): read them all now
             flat = [r[2].reshape(-1) for r in routings]
-            host = (torch.cat(flat) if len(flat) > 1 else flat[0]).cpu().numpy()
+            host = to_host(torch.cat(flat) if len(flat) > 1 else flat[0])
         self.sync_ns += time.perf_counter_ns() - t0
         # One flat [layers x experts] table (a read holds each layer at most
         # once: pin_layer reads the routings before a layer comes again),

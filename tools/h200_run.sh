@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath bm6 bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
+# steps: tox gputests enginepath bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare abengine abbm6 (OLD_TREE=folder)
 # overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
@@ -158,6 +158,11 @@ for step in $steps; do
         --warmup "${DISK_WARMUP:-2}" --steps "${E2E_STEPS:-24}" --policies all-resident on-demand on-demand-disk --repeats "${TRACES_REPEATS:-1}" \
         --disk-dir "${DISK_DIR:-$PWD}" --budget-s "${TRACES_BUDGET_S:-150}" --json "$out/e2e_disk.json" \
         2>"$out/e2e_disk.log" | tee "$out/e2e_disk.txt" || status=1 ;;
+    ssp)
+      # tools/speculation_start_probe.py: the engine alone, one layer's misses then a GPU chain of
+      # each length, the next layer's guesses queued (SSP_ARGS: shapes; a rank's share by default).
+      python3 tools/speculation_start_probe.py ${SSP_ARGS:-} --json "$out/ssp${SSP_TAG:-}.json" 2>&1 \
+        | tee "$out/ssp${SSP_TAG:-}.txt" || status=1 ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     disk)

@@ -22,7 +22,9 @@ and the host waits for it (the routing read-back). Routings are random
 Prints, per chain length: ms per layer, and per layer the guesses queued,
 cancelled before their copy, copied, and the misses; with the chain's
 length, how many expert copies the link could have made in it (at the
-measured on-demand rate). On a machine without CUDA it runs on the host
+measured on-demand rate). With CUDA, also when (host-observed) the
+misses landed, how long after that the copy worker issued its first guess,
+and how many guesses it issued before the chain ended. On a machine without CUDA it runs on the host
 backend with a busy-wait for the chain (the copies are synchronous there:
 a check that it runs, not a measurement)."""
 from __future__ import annotations
@@ -61,6 +63,7 @@ def routings(rng, layers: int, steps: int, experts: int, routed: int, precision:
 
 def run_chain(torch, args, chain_us: float, cuda: bool, cycles_per_us: float) -> dict:
     import prefetch
+    from prefetch.read_back import to_host
 
     layers, experts = args.layers, args.experts
     size = int(args.expert_mib * (1 << 20))
@@ -77,7 +80,9 @@ def run_chain(torch, args, chain_us: float, cuda: bool, cycles_per_us: float) ->
     stream = torch.cuda.current_stream().cuda_stream if cuda else None
     rng = np.random.default_rng(args.seed)
     plan = routings(rng, layers, args.warmup_steps + args.steps, experts, args.routed, args.precision, args.guesses)
+    routing = torch.zeros(64, dtype=torch.int64, device="cuda") if cuda else None
     held = None
+    timeline = {"landed_us": [], "first_guess_us": [], "guesses_in_chain": []}
     queued = {}  # layer -> ids of its guesses queued
     times = []
     marks = None
@@ -95,9 +100,20 @@ def run_chain(torch, args, chain_us: float, cuda: bool, cycles_per_us: float) ->
             queued[nxt] = prefetch_ids
         held = acquire
         if cuda:
+            landed = torch.cuda.Event()
+            landed.record()  # the compute stream passes it once the layer's misses are in
             if chain_us > 0:
                 torch.cuda._sleep(int(chain_us * cycles_per_us))
-            torch.cuda.current_stream().synchronize()  # the routing read-back waits for the layer
+            if marks is None or args.read_back == "copy":
+                # The routing read-back as the serving path makes it: a
+                # small device-to-host copy on the compute stream, blocking.
+                routing.cpu()
+            elif args.read_back == "pinned":
+                to_host(routing)  # prefetch.read_back: page-locked buffer, event wait
+            elif args.read_back == "sync":
+                torch.cuda.current_stream().synchronize()
+            else:
+                watch(handle, landed, t0, timeline)
         else:
             end = time.perf_counter() + chain_us / 1e6
             while time.perf_counter() < end:
@@ -112,12 +128,55 @@ def run_chain(torch, args, chain_us: float, cuda: bool, cycles_per_us: float) ->
                                             "misses", "copy_seconds", "bytes_copied")}
     guess_copies = delta["copies"] - delta["on_demand"]
     rate = delta["bytes_copied"] / delta["copy_seconds"] if delta["copy_seconds"] > 0 else None
+    def med(xs):
+        return statistics.median(xs) if xs else None
+
     return {"chain_us": chain_us, "ms_per_layer": statistics.median(times) * 1e3,
+            # Host-observed, from the engine call's start, medians over the
+            # measured layers (CUDA only): the misses in (the compute
+            # stream passed an event behind their waits), the first guess's
+            # copy issued after that, and the guesses issued between the
+            # misses landing and the chain's end.
+            "misses_landed_us": med(timeline["landed_us"]),
+            "first_guess_after_landing_us": med(timeline["first_guess_us"]),
+            "layers_with_a_guess_in_chain": sum(1 for g in timeline["guesses_in_chain"] if g > 0),
+            "guesses_issued_in_chain_per_layer": (sum(timeline["guesses_in_chain"]) / n
+                                                  if timeline["guesses_in_chain"] else None),
             "guesses_queued_per_layer": delta["enqueued"] / n, "guesses_cancelled_per_layer": delta["cancelled"] / n,
             "guesses_declined_per_layer": delta["declined"] / n, "guesses_copied_per_layer": guess_copies / n,
             "misses_per_layer": delta["on_demand"] / n,
             "hit_rate": delta["hits"] / (delta["hits"] + delta["misses"]) if delta["hits"] + delta["misses"] else None,
             "copies_the_chain_could_hold": (chain_us * 1e-6 * rate / size) if rate else None}
+
+
+def watch(handle, landed, t0: float, timeline: dict) -> None:
+    """Polls (instead of one synchronize) until the compute stream is idle:
+    when the `landed` event completes, and when the copies count first
+    passes the on-demand count plus the guesses copied before, that is,
+    when the copy worker issued its first guess after the misses landed."""
+    import torch
+
+    stream = torch.cuda.current_stream()
+    s = handle.stats()
+    guesses_before = s["copies"] - s["on_demand"]
+    landed_at = first_at = None
+    at_landing = guesses_before
+    while True:
+        done = stream.query()
+        s = handle.stats()
+        now = time.perf_counter()
+        guesses = s["copies"] - s["on_demand"]
+        if landed_at is None and landed.query():
+            landed_at, at_landing = now, guesses
+        if landed_at is not None and first_at is None and guesses > at_landing:
+            first_at = now
+        if done:
+            break
+    if landed_at is not None:
+        timeline["landed_us"].append((landed_at - t0) * 1e6)
+        timeline["guesses_in_chain"].append(guesses - at_landing)
+        if first_at is not None:
+            timeline["first_guess_us"].append((first_at - landed_at) * 1e6)
 
 
 def main(argv=None) -> int:
@@ -134,6 +193,11 @@ def main(argv=None) -> int:
     parser.add_argument("--warmup-steps", type=int, default=2)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cpu", action="store_true", help="the host backend even where CUDA is present")
+    parser.add_argument("--read-back", choices=("watch", "copy", "pinned", "sync"), default="watch",
+                        help="how the host waits for the layer (CUDA): polling the stream and the engine's counts "
+                             "(the timeline below), a blocking .cpu() of a routing-sized tensor (the serving path "
+                             "before run 68), prefetch.read_back.to_host of it (the serving path since), or a "
+                             "stream synchronize")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     if not 0 <= args.precision <= 1 or args.routed > args.experts or args.guesses > args.experts:
@@ -143,17 +207,25 @@ def main(argv=None) -> int:
     cuda = torch.cuda.is_available() and not args.cpu
     cycles_per_us = 0.0
     if cuda:
+        torch.cuda._sleep(1000)  # loads the kernel: the timed call below is its run alone
+        torch.cuda.synchronize()
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         a.record()
-        torch.cuda._sleep(1_000_000)
+        torch.cuda._sleep(20_000_000)
         b.record()
         b.synchronize()
-        cycles_per_us = 1_000_000 / (a.elapsed_time(b) * 1e3)
+        cycles_per_us = 20_000_000 / (a.elapsed_time(b) * 1e3)
     rows = [run_chain(torch, args, c, cuda, cycles_per_us) for c in args.chain_us]
     print(f"{'chain us':>8} {'ms/layer':>8} {'queued':>7} {'cancelled':>9} {'declined':>8} {'copied':>7} "
           f"{'misses':>7} {'hit rate':>8} {'link room':>9}   (per layer; link room: copies the chain could hold)")
     for r in rows:
         room = r["copies_the_chain_could_hold"]
+        if r["misses_landed_us"] is not None:
+            first = r["first_guess_after_landing_us"]
+            print(f"{'':8} misses landed {r['misses_landed_us']:.0f} us after the call; first guess issued "
+                  f"{'never' if first is None else f'{first:.0f} us'} after that; guesses issued in the chain "
+                  f"{r['guesses_issued_in_chain_per_layer']:.2f} a layer ({r['layers_with_a_guess_in_chain']} "
+                  f"layers with one)")
         print(f"{r['chain_us']:8.0f} {r['ms_per_layer']:8.2f} {r['guesses_queued_per_layer']:7.1f} "
               f"{r['guesses_cancelled_per_layer']:9.1f} {r['guesses_declined_per_layer']:8.1f} "
               f"{r['guesses_copied_per_layer']:7.1f} {r['misses_per_layer']:7.1f} {r['hit_rate'] or 0:8.2f} "
