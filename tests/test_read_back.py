@@ -41,6 +41,9 @@ def test_a_device_read_waits_for_the_queued_work_and_owns_its_values():
     # Longer than the buffer so far (it grows), of another dtype, not contiguous.
     big = torch.arange(3000, dtype=torch.int32, device="cuda").reshape(1000, 3)
     assert to_host(big.t()).tolist() == big.t().reshape(-1).cpu().tolist()
+    # More distinct shapes than the views kept: each still reads its values.
+    for n in range(1, 80):
+        assert to_host(torch.full((n,), n, dtype=torch.int64, device="cuda")).tolist() == [n] * n
     # A stream of our own: the read follows that stream's work.
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
