@@ -31,6 +31,7 @@ from prefetch.errors import (
     UnknownIdError,
 )
 from prefetch.expert_prefetcher import ExpertPrefetcher, pack_expert
+from prefetch.read_back import to_host
 
 
 def __getattr__(name):
@@ -68,5 +69,6 @@ __all__ = [
     "as_id_array",
     "offload_moe_experts",
     "pack_expert",
+    "to_host",
 ]
 __version__ = "0.1.0"

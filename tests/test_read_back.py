@@ -15,6 +15,9 @@ UNDER_TOOL = os.environ.get("PREFETCH_TEST_UNDER_TOOL") == "1"
 
 
 def test_a_host_tensor_comes_back_flat_with_its_values():
+    import prefetch
+
+    assert prefetch.to_host is to_host and "to_host" in prefetch.__all__
     t = torch.tensor([[3, 1], [4, 1]], dtype=torch.int64)
     got = to_host(t)
     assert isinstance(got, np.ndarray) and got.dtype == np.int64
