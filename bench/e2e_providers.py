@@ -31,7 +31,9 @@ from bench.common import LruSlots  # noqa: E402
 def slot_views(torch, flat, slot_bytes: int, layout) -> dict:
     """Per part of `layout` (an expert's packed layout), a [slots, *shape]
     view of `flat` (a uint8 tensor holding experts `slot_bytes` apart, the
-    first at byte 0): slot s's part is view[s]. Zero-copy (as_strided)."""
+    first at its byte 0, which may lie inside a larger storage: a
+    HostExperts buffer starts at its allocation's first 256-byte boundary):
+    slot s's part is view[s]. Zero-copy (as_strided)."""
     slots = flat.numel() // slot_bytes
     views = {}
     for part in layout:
@@ -43,7 +45,7 @@ def slot_views(torch, flat, slot_bytes: int, layout) -> dict:
         for i in range(len(part.shape) - 2, -1, -1):
             strides[i] = strides[i + 1] * part.shape[i + 1]
         views[part.name] = typed.as_strided((slots, *part.shape), (slot_bytes // itemsize, *strides),
-                                            part.offset // itemsize)
+                                            typed.storage_offset() + part.offset // itemsize)
     return views
 
 

@@ -42,7 +42,10 @@ Rows (share = device cache budget / all expert bytes; share-free rows have none)
   torch-by-hand     plain PyTorch a user would write: an LRU over (layer,
                     expert) of budget // expert-bytes device slots (one
                     preallocated [slots, ...] tensor per weight), experts in
-                    pinned host memory, copy_(non_blocking=True) per miss on a
+                    pinned host memory (typed views of the block's one packed
+                    copy, which the engine rows use too: two copies of
+                    Qwen3-30B-A3B's 54 GiB do not fit a 128 GiB host),
+                    copy_(non_blocking=True) per miss on a
                     side stream with events; hooked in as a transformers
                     experts implementation, computing with grouped_mm on the
                     slot tensors (expert ids remapped to slots); a layer routed

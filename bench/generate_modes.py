@@ -62,7 +62,23 @@ class ResidentMode(Mode):
             model.config._experts_implementation = impl
 
 
-_HOST_EXPERTS = {}  # id(model) -> the packed host copy its first offload made (same weights every row)
+_HOST_EXPERTS = {}  # id(model) -> the packed host copy of its experts (same weights every row)
+
+
+def shared_host_experts(model, cuda: bool):
+    """The model's experts packed once in host memory (page-locked on CUDA),
+    for every offloaded row of its block: the engine rows offload from it
+    and the by-hand LRU copies its misses from it. One copy, not one per
+    row: Qwen3-30B-A3B's 54 GiB of experts twice did not fit the one-H200
+    machine's 128 GiB (run 37)."""
+    host = _HOST_EXPERTS.get(id(model))
+    if host is None:
+        from prefetch.hf import find_hf_moe_blocks
+        from prefetch.host_experts import HostExperts
+
+        host = HostExperts(find_hf_moe_blocks(model), pin=cuda, progress=True)
+        _HOST_EXPERTS[id(model)] = host
+    return host
 
 
 class EngineMode(Mode):
@@ -81,8 +97,7 @@ class EngineMode(Mode):
         kwargs = {} if cuda else {"backend": "host"}
         self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
                                                 handle_options=options, record_trace=True, sync_free=sync_free,
-                                                host_experts=_HOST_EXPERTS.get(id(model)), **kwargs)
-        _HOST_EXPERTS[id(model)] = self.ctl.host_experts
+                                                host_experts=shared_host_experts(model, cuda), **kwargs)
 
     def counters(self):
         r = self.ctl.report()  # reads the routings still on their way back first
@@ -149,19 +164,22 @@ class ByHandCache:
     True) on a side stream; an event per copy the compute stream waits on and
     an event per use so a slot is not overwritten while a kernel reads it."""
 
-    def __init__(self, torch, state: ModelState, budget: int, device, cuda: bool):
+    def __init__(self, torch, state: ModelState, budget: int, device, cuda: bool, host_experts):
+        """`host_experts`: the block's packed host copy (shared_host_experts),
+        read through typed views: a user's own page-locked copy would hold
+        the same bytes, and two copies of Qwen3-30B-A3B's experts do not fit
+        the one-H200 machine."""
+        from bench.e2e_providers import slot_views
+
         self.torch = torch
         self.cuda = cuda
         self.slots = max(1, budget // state.expert_bytes)
+        views = slot_views(torch, host_experts.buffer, host_experts.stride, host_experts.layout)
+        first = host_experts._row[:, 0]
         self.host = []  # per layer: (gate_up [E, 2I, H], down [E, H, I]) on the host
-        for _, _, params, _, _ in state.saved:
-            pair = []
-            for name in ModelState.NAMES:
-                src = params[name][1]
-                dst = torch.empty(src.shape, dtype=src.dtype, pin_memory=cuda)
-                dst.copy_(src)
-                pair.append(dst)
-            self.host.append(tuple(pair))
+        for layer in range(state.num_layers):
+            rows = slice(int(first[layer]), int(first[layer]) + state.num_experts)
+            self.host.append(tuple(views[name][rows] for name in ModelState.NAMES))
         gu, dn = self.host[0]
         self.gate_up = torch.empty((self.slots, *gu.shape[1:]), dtype=gu.dtype, device=device)
         self.down = torch.empty((self.slots, *dn.shape[1:]), dtype=dn.dtype, device=device)
@@ -284,7 +302,7 @@ class ByHandMode(Mode):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         ALL_EXPERTS_FUNCTIONS.register(BY_HAND_IMPL, by_hand_experts_forward)
-        self.cache = ByHandCache(torch, state, budget, device, cuda)
+        self.cache = ByHandCache(torch, state, budget, device, cuda, shared_host_experts(model, cuda))
         for layer, (_, experts, _, _, _) in enumerate(state.saved):
             experts._bench_by_hand = (self.cache, layer)
             experts.config._experts_implementation = BY_HAND_IMPL

@@ -207,3 +207,31 @@ def test_on_demand_disk_reads_the_experts_from_a_file(tmp_path):
     assert len(list(tmp_path.iterdir())) == 1  # the pool's file
     dec.remove_pool_file()
     assert not list(tmp_path.iterdir())
+
+
+def test_slot_views_start_at_the_flat_tensors_own_first_byte():
+    """A flat tensor that starts inside its storage (a HostExperts buffer
+    starts at its allocation's first 256-byte boundary): each slot's parts
+    are read from that tensor's bytes, not from the storage's start."""
+    import torch
+
+    from bench.e2e_providers import slot_views
+    from prefetch.expert_prefetcher import expert_layout
+
+    parts = {"gate_up": torch.empty(4, 2, dtype=torch.bfloat16), "down": torch.empty(2, 2, dtype=torch.bfloat16)}
+    layout = expert_layout(parts)
+    slot_bytes = 512  # parts start 256 bytes apart
+    storage = torch.zeros(64 + 3 * slot_bytes, dtype=torch.uint8)
+    flat = storage[64:]
+    want = []
+    for s in range(3):
+        gu = torch.arange(8, dtype=torch.bfloat16).reshape(4, 2) + 10 * s
+        dn = -torch.arange(4, dtype=torch.bfloat16).reshape(2, 2) - 10 * s
+        row = flat[s * slot_bytes : (s + 1) * slot_bytes]
+        for part, value in zip(layout, (gu, dn)):
+            row[part.offset : part.offset + part.nbytes].view(torch.bfloat16).copy_(value.reshape(-1))
+        want.append((gu, dn))
+    views = slot_views(torch, flat, slot_bytes, layout)
+    assert [p.name for p in layout] == ["gate_up", "down"]
+    for s, (gu, dn) in enumerate(want):
+        assert torch.equal(views["gate_up"][s], gu) and torch.equal(views["down"][s], dn)
