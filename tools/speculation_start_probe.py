@@ -3,7 +3,9 @@ chain between one layer's last miss and the next routing read-back? BM7
 and BM6 at batch 8 and a quarter of the experts cached (docs/results.md,
 runs 61-66): the gate is right on 85 % of its guesses, yet the engine
 cancels 97 % of them before their copy, and the link idles 0.6-0.8 ms a
-layer during that chain. This replays the pattern on the engine alone:
+layer during that chain. This replays the pattern on the engine alone
+(runs 67-70 found the cause with it: the host's `.cpu()` read-back held
+the copy worker up; see --read-back and prefetch/read_back.py):
 
     python3 tools/speculation_start_probe.py [--chain-us 0 300 600 1200] [--json PATH]
 
