@@ -51,21 +51,27 @@ class _PerThread(threading.local):
 _local = _PerThread()
 
 
-def _views(key):
+def _views(key, pin: bool = True):
+    """The (tensor, numpy) views of this thread's buffer for `key`'s
+    device, dtype and shape, made now. Made outside inference mode, even
+    when called inside it: a buffer or view made there could not be written
+    by a later read outside it ("Inplace update to inference tensor outside
+    InferenceMode"). `pin`: page-locked (False only in tests without CUDA)."""
+    import torch
+
     index, dtype, shape = key
     n = 1
     for d in shape:
         n *= d
-    buffer = _local.buffers.get((index, dtype))
-    if buffer is None or buffer.shape[0] < n:
-        import torch
-
-        buffer = torch.empty(max(n, 1024), dtype=dtype, pin_memory=True)
-        _local.buffers[(index, dtype)] = buffer
-        _local.views = {k: v for k, v in _local.views.items() if k[:2] != (index, dtype)}
-    if len(_local.views) >= _MAX_SHAPES:
-        _local.views = {}
-    views = _local.views[key] = (buffer[:n].view(shape), buffer.numpy()[:n])
+    with torch.inference_mode(False):
+        buffer = _local.buffers.get((index, dtype))
+        if buffer is None or buffer.shape[0] < n:
+            buffer = torch.empty(max(n, 1024), dtype=dtype, pin_memory=pin)
+            _local.buffers[(index, dtype)] = buffer
+            _local.views = {k: v for k, v in _local.views.items() if k[:2] != (index, dtype)}
+        if len(_local.views) >= _MAX_SHAPES:
+            _local.views = {}
+        views = _local.views[key] = (buffer[:n].view(shape), buffer.numpy()[:n])
     return views
 
 

@@ -310,7 +310,8 @@ class SyncFreeDecode:
         n = sum(f.shape[0] for f in flat)
         buf = self._early_buf
         if buf is None or buf.shape[0] < n or buf.dtype != flat[0].dtype:
-            buf = self._early_buf = torch.empty(max(n, 1024), dtype=flat[0].dtype, pin_memory=True)
+            with torch.inference_mode(False):  # a later step outside inference mode writes it too
+                buf = self._early_buf = torch.empty(max(n, 1024), dtype=flat[0].dtype, pin_memory=True)
         # The buffer's last copy was read by the read_routings that emptied
         # the list (nothing is queued on it now).
         dst = buf[:n]

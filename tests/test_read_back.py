@@ -26,6 +26,24 @@ def test_a_host_tensor_comes_back_flat_with_its_values():
     assert to_host(torch.empty(0, dtype=torch.int64)).shape == (0,)
 
 
+def test_buffers_made_in_inference_mode_can_be_written_outside_it():
+    # A serving stack may read its first routing inside torch.inference_mode
+    # and a later one outside it: the buffer and views must be normal tensors.
+    from prefetch import read_back
+
+    key = (-1, torch.int64, torch.Size([2, 3]))  # a device index no read uses
+    with torch.inference_mode():
+        view, array = read_back._views(key, pin=False)
+    assert not view.is_inference()
+    view.copy_(torch.arange(6).reshape(2, 3))  # outside inference mode now
+    assert array.tolist() == list(range(6))
+    with torch.inference_mode():
+        view.copy_(torch.zeros(2, 3, dtype=torch.int64))
+    assert array.tolist() == [0] * 6
+    read_back._local.buffers.pop((-1, torch.int64))
+    read_back._local.views.pop(key)
+
+
 @pytest.mark.gpu
 def test_a_device_read_waits_for_the_queued_work_and_owns_its_values():
     stream = torch.cuda.current_stream()
@@ -47,6 +65,10 @@ def test_a_device_read_waits_for_the_queued_work_and_owns_its_values():
     # More distinct shapes than the views kept: each still reads its values.
     for n in range(1, 80):
         assert to_host(torch.full((n,), n, dtype=torch.int64, device="cuda")).tolist() == [n] * n
+    # First read of a shape inside inference mode, the next outside it.
+    with torch.inference_mode():
+        assert to_host(torch.full((3, 5), 4, device="cuda")).tolist() == [4] * 15
+    assert to_host(torch.full((3, 5), 6, device="cuda")).tolist() == [6] * 15
     # A stream of our own: the read follows that stream's work.
     side = torch.cuda.Stream()
     with torch.cuda.stream(side):
