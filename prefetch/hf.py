@@ -239,9 +239,12 @@ class ExpertsOffload:
             if not own.size or (own < 0).any():
                 raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
             self._host_rows[~self._local] = own[0]
-        self._rowmap_host = torch.empty(self.num_experts, dtype=torch.int64, pin_memory=self._cuda)
-        self._rowmap_np = self._rowmap_host.numpy()
-        self._rowmap_dev = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)
+        # Written with copy_ at each step: made outside inference mode, so an
+        # offload done inside it does not fail a later generate outside it.
+        with torch.inference_mode(False):
+            self._rowmap_host = torch.empty(self.num_experts, dtype=torch.int64, pin_memory=self._cuda)
+            self._rowmap_np = self._rowmap_host.numpy()
+            self._rowmap_dev = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)
         # The offsets the map on the device was made from (-2: none yet).
         self._last_offsets = np.full(self.num_experts, -2, dtype=np.int64)
 

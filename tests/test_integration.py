@@ -1326,3 +1326,28 @@ def test_speculation_never_pauses_with_min_precision_zero_or_right_guesses():
     finally:
         ctl.close()
         oracle.close()
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_an_offload_inside_inference_mode_generates_outside_it_too(device):
+    # A serving stack may offload and serve its first request under
+    # torch.inference_mode and a later one outside it (or the reverse): every
+    # buffer the offload or a step makes and a later step writes is a normal
+    # tensor, so neither fails with "Inplace update to inference tensor".
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, device=device, experts_implementation="batched_mm")
+    per, _ = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).to(device)
+    seq_ref, _ = greedy(ref, ids, steps=6)
+    for sync_free in (True, None):
+        model = copy.deepcopy(ref)
+        backend = "cuda" if device == "cuda" else "host"
+        with torch.inference_mode():
+            ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend=backend,
+                                      sync_free=sync_free)
+            inside, _ = greedy(model, ids, steps=6)
+        try:
+            outside, _ = greedy(model, ids, steps=6)
+            assert torch.equal(inside, seq_ref) and torch.equal(outside, seq_ref)
+        finally:
+            ctl.close()
