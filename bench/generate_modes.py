@@ -174,8 +174,10 @@ class ByHandCache:
         self.torch = torch
         self.cuda = cuda
         self.slots = max(1, budget // state.expert_bytes)
+        if host_experts.experts is not None:
+            raise ValueError("the by-hand LRU needs a host copy of every expert, not an expert-parallel slice")
         views = slot_views(torch, host_experts.buffer, host_experts.stride, host_experts.layout)
-        first = host_experts._row[:, 0]
+        first = host_experts._row[:, 0]  # every expert packed: a layer's rows are consecutive
         self.host = []  # per layer: (gate_up [E, 2I, H], down [E, H, I]) on the host
         for layer in range(state.num_layers):
             rows = slice(int(first[layer]), int(first[layer]) + state.num_experts)
