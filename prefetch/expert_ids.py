@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefetch.read_back import to_host
+
 __all__ = ["EMPTY", "routed_experts", "distinct"]
 
 EMPTY = np.empty(0, dtype=np.int64)
@@ -34,8 +36,6 @@ def distinct(experts, num_experts: int) -> np.ndarray:
             raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
         return np.array(distinct, dtype=np.int64)
     if hasattr(experts, "detach"):  # a torch tensor: on the host (Note [Read-back without a pageable copy])
-        from prefetch.read_back import to_host
-
         experts = to_host(experts)
     arr = np.asarray(experts, dtype=np.int64).reshape(-1)
     if arr.shape[0] == 0:

@@ -111,7 +111,7 @@ def run_chain(torch, args, chain_us: float, cuda: bool, cycles_per_us: float) ->
                 # small device-to-host copy on the compute stream, blocking.
                 routing.cpu()
             elif args.read_back == "pinned":
-                to_host(routing)  # prefetch.read_back: page-locked buffer, event wait
+                to_host(routing)  # prefetch.read_back: a blocking copy into page-locked memory
             elif args.read_back == "sync":
                 torch.cuda.current_stream().synchronize()
             else:
