@@ -32,8 +32,9 @@ own):
   trace            engine + activation-matrix predictor trained on --train
                    other requests first
   oracle           engine + replay of the routing this request really takes,
-                   with next-use hints and eviction_policy="next-use"
-                   (Belady's rule: the ceiling)
+                   --oracle-distance layers ahead (default 2), with next-use
+                   hints and eviction_policy="next-use" (Belady's rule: the
+                   ceiling)
   oracle-cyclic    the same prefetches, no hints, --eviction's policy
   torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
                    side stream into an LRU of device slots kept in Python
@@ -91,7 +92,7 @@ from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
-               eviction="cyclic", profile=None, disk_dir=None):
+               eviction="cyclic", profile=None, disk_dir=None, oracle_distance=2):
     """Decodes `inputs` (one tensor per step) under `policy`. Returns the
     measured step latencies (after `warmup` steps), the provider's counters
     over the measured steps, and the routing trace (all-resident only).
@@ -102,7 +103,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
     def route(i):
         return forced[i % len(forced)] if forced else None
 
-    provider = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir)
+    provider = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir, oracle_distance=oracle_distance)
     try:
         if policy == "trace":  # learn from other requests first
             for request in train_inputs:
@@ -202,6 +203,8 @@ def main(argv=None) -> int:
                         help="split the layers over this many GPUs (one cache, queue and stream each)")
     parser.add_argument("--eviction", default="cyclic", choices=["cyclic", "lru"],
                         help="engine eviction policy of the engine policies but oracle (always next-use)")
+    parser.add_argument("--oracle-distance", type=int, default=2,
+                        help="layers ahead the oracle and oracle-cyclic policies guess (default 2)")
     parser.add_argument("--expert-compute", default="grouped", choices=["grouped", "loop"],
                         help="routed experts in two batched matmuls, or one expert at a time")
     parser.add_argument("--profile", metavar="DIR",
@@ -320,6 +323,7 @@ def main(argv=None) -> int:
                         else:
                             lat, delta, _ = run_policy(torch, dec, policy, inputs, args.warmup, budget, trace, train,
                                                        forced=forced, eviction=args.eviction, disk_dir=args.disk_dir,
+                                                       oracle_distance=args.oracle_distance,
                                                        profile=(profile_of(args, name, batch, policy, share)
                                                                 if rnd == 0 else None))
                         record_round(row, lat, delta, compute_p50, floor_s, res_round)
@@ -349,7 +353,7 @@ def main(argv=None) -> int:
         torch.cuda.empty_cache()
     report = {"benchmark": "BM5 e2e", "machine": machine_info(), "warmup": args.warmup, "steps": args.steps,
               "pool": args.pool, "devices": args.devices, "eviction": args.eviction,
-              "expert_compute": args.expert_compute, "rows": rows,
+              "oracle_distance": args.oracle_distance, "expert_compute": args.expert_compute, "rows": rows,
               "timeline": timeline_summary}
     print(format_table(rows))
     if args.plots:

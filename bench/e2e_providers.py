@@ -55,21 +55,29 @@ class SlotIndex:
     locked buffers; an event per buffer, recorded after its copy, is waited
     on before the buffer is written again (the wait is free in BM5: the
     layer's routing read-back in between synchronised the stream). On the
-    CPU: the numbers as a tensor, no copy. (A non_blocking copy from
-    pageable memory needs no buffer of its own and took 6 us a call on an
-    idle H200 host against this one's 15, but ~130 us behind queued GPU
-    work: the page-locked copy only enqueues, whatever the stream holds.)"""
+    CPU: the numbers as a tensor, no copy. The copy goes into a device
+    buffer of the ring's, so each call is one copy_ and an event record;
+    the index returned is that buffer, written again `depth` sends later on
+    the same stream, so it is read (gathered with) before then. (A
+    non_blocking copy from pageable memory needs no buffer of its own and
+    took 6 us a call on an idle H200 host against this one's 15, but ~130
+    us behind queued GPU work: the page-locked copy only enqueues, whatever
+    the stream holds.)"""
 
     def __init__(self, torch, device, capacity: int, depth: int = 2):
         self.torch = torch
         self.device = device
         self.cuda = device.type == "cuda"
-        self.host = self.host_np = self.done = None
+        self.host = self.host_np = self.done = self.dev = None
         self.next = 0
         if self.cuda:
             self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(depth)]
             self.host_np = [h.numpy() for h in self.host]
             self.done = [torch.cuda.Event() for _ in range(depth)]
+            # Per buffer and length, the (host, device) views a send copies
+            # between: one copy_ a call, no slicing or allocation.
+            self.dev = [torch.empty(capacity, dtype=torch.int64, device=device) for _ in range(depth)]
+            self.views = [{} for _ in range(depth)]
 
     def send(self, slots):
         """`slots`: an int64 numpy array or a list of ints. The copy goes on
@@ -83,9 +91,14 @@ class SlotIndex:
         self.done[i].synchronize()  # this buffer's previous copy has been read
         n = len(slots)
         self.host_np[i][:n] = slots
-        index = self.host[i][:n].to(self.device, non_blocking=True)
+        views = self.views[i].get(n)
+        if views is None:
+            views = self.views[i][n] = (self.host[i][:n], self.dev[i][:n])
+        # The device buffer is rewritten by a later send on the same stream,
+        # so after the gathers that read this one.
+        views[1].copy_(views[0], non_blocking=True)
         self.done[i].record(torch.cuda.current_stream(self.device))
-        return index
+        return views[1]
 
 
 class ResidentProvider:
@@ -335,7 +348,8 @@ class ByHandProvider:
             c.slots = c.gate_up = c.down = None
 
 
-def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None, disk_dir=None):
+def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None, disk_dir=None,
+                  oracle_distance=2):
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
     spec = dec.spec
@@ -349,7 +363,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
     elif policy == "trace":
         predictor = TracePredictor(distance=2)
     elif policy in ("oracle", "oracle-cyclic"):
-        predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=2,
+        predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=oracle_distance,
                                     hints=policy == "oracle")
     disk = None
     if policy == "on-demand-disk":

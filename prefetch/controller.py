@@ -39,6 +39,18 @@ _PAUSED_PROBE_EVERY = 8
 _IDLE_STEPS_TO_PROBE = 2
 
 
+class _TensorHints:
+    """Hints already as the engine takes them: tensor ids and next-use
+    times (from a predictor's plan, Note [The oracle's plan] in
+    prefetch/predictors.py)."""
+
+    __slots__ = ("ids", "when")
+
+    def __init__(self, ids: np.ndarray, when: np.ndarray):
+        self.ids = ids
+        self.when = when
+
+
 class OffloadController(SyncFreeDecode):
     """Owns the engine, the (layer, expert) mapping, the predictor and the
     accounting for one offloaded model."""
@@ -98,6 +110,8 @@ class OffloadController(SyncFreeDecode):
         self.read_ahead_slots = 0
         self.read_aheads = 0
         self._deferred = None  # (layer, routed experts): Note [Speculation after launch]
+        self._flat_ids = None  # (prefetcher version, [layers * experts] tensor ids): _plan's hints
+        self._unsent = None  # (layer, guesses, hints, clock): Note [Speculation rides on the next acquire]
         # Note [Speculation by its precision]
         self.speculation_min_precision = 0.25
         self._recent_hits = 0.0
@@ -207,6 +221,18 @@ class OffloadController(SyncFreeDecode):
         (guesses, hints). `step`: the step the routing belongs to (default:
         the current one; the sync-free path reads routings late)."""
         step = self.step if step is None else step
+        self._score(step, layer, experts)
+        hints = None
+        if self.predictor is not None:
+            hints = self.predictor.observe(self, step, layer, experts)
+            if self._late_predict and self._predicts_now():
+                guesses = self._host_predict(step, layer, None)
+        self._expect(step, layer, guesses)
+        return guesses, hints
+
+    def _score(self, step: int, layer: int, experts: np.ndarray) -> None:
+        """Scores the guesses made for (step, layer) against its routing
+        and records it in the trace."""
         predicted = self._pending.pop((step, layer), None)
         if predicted is not None:
             # Both sorted and distinct: the overlap of two short lists.
@@ -218,13 +244,40 @@ class OffloadController(SyncFreeDecode):
             self._recent_guessed = self._recent_guessed * _PRECISION_DECAY + int(predicted.shape[0])
         if self._trace is not None:
             self._trace.add(step, layer, experts)
-        hints = None
-        if self.predictor is not None:
-            hints = self.predictor.observe(self, step, layer, experts)
-            if self._late_predict and self._predicts_now():
-                guesses = self._host_predict(step, layer, None)
-        self._expect(step, layer, guesses)
-        return guesses, hints
+
+    def observe_and_guess(self, layer: int, experts: np.ndarray) -> tuple[dict, object]:
+        """For a predictor with host guesses (`host_guesses`; their
+        `predict` need not run before the routing is read back): runs its
+        predict, if this layer predicts, then `observe`, for layer `layer`
+        of this step routed to `experts` (sorted distinct int64). A
+        predictor with a plan (Note [The oracle's plan] in
+        prefetch/predictors.py) gives both at once, its hints already as
+        tensor ids. Returns (guesses, hints) for `exchange`."""
+        step = self.step
+        predicts = self.predictor is not None and not self._late_predict and self._predicts_now()
+        plan = getattr(self.predictor, "plan", None)
+        if plan is not None and self.local is None:
+            got = plan(self, step, layer, experts, predicts)
+            if got is not None:
+                guesses, keys, times = got
+                self._score(step, layer, experts)
+                self._expect(step, layer, guesses)
+                return guesses, (None if keys is None else _TensorHints(self._flat_table()[keys], times))
+        guesses = self._host_predict(step, layer, None) if predicts else {}
+        return self.observe(layer, experts, guesses)
+
+    def _flat_table(self) -> np.ndarray:
+        """Tensor ids by layer * num_experts + expert (-1: not registered),
+        made again after a registration."""
+        version = self.prefetcher.version
+        if self._flat_ids is None or self._flat_ids[0] != version:
+            table = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)
+            for layer, ids in self.prefetcher._ids.items():
+                if layer < self.num_layers:
+                    n = min(ids.shape[0], self.num_experts)
+                    table[layer, :n] = ids[:n]
+            self._flat_ids = (version, table.reshape(-1))
+        return self._flat_ids[1]
 
     def _expect(self, step: int, layer: int, guesses: dict) -> None:
         """Files `guesses` ({layer: sorted distinct experts}, made at `layer`
@@ -346,14 +399,18 @@ class OffloadController(SyncFreeDecode):
         return self.prefetcher._ids[layer][experts]
 
     def exchange(self, layer: int, experts: np.ndarray, guesses: dict, hints, *, stream=None,
-                 timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:
+                 timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S, now: int | None = None) -> np.ndarray:
         """The one engine call of a layer: release what the last exchange
         acquired, cancel this layer's guesses still queued,
         send hints, acquire `experts` of `layer` (distinct expert indices;
         held until the next exchange or `release_held`) and queue the
         guesses ({layer: experts}; band = distance in layers). Returns
         acquire's (offset, device) rows. Expert parallel: `experts` are this
-        rank's own; guesses and hints for other ranks' experts are dropped."""
+        rank's own; guesses and hints for other ranks' experts are dropped.
+        `now`: the hint clock the hints were made at (default: the
+        routing clock)."""
+        if self._unsent is not None:
+            self._send_unsent()
         if self.local is not None:
             guesses, hints = self._only_local(guesses, hints)
         if self._held_back(guesses):
@@ -387,7 +444,7 @@ class OffloadController(SyncFreeDecode):
         try:
             where = self.handle.step(acquire, release=held, prefetch=prefetch, band=band, cancel=cancel,
                                      hint_ids=hint_ids, hint_when=hint_when,
-                                     now=self.clock if hints is not None else None,
+                                     now=(self.clock if now is None else now) if hints is not None else None,
                                      stream=stream, timeout=timeout)
             if extra is not None:
                 for ids, b in extra:
@@ -408,6 +465,8 @@ class OffloadController(SyncFreeDecode):
         one time or one per expert)], or (None, None) for none."""
         if not hints:
             return None, None
+        if type(hints) is _TensorHints:
+            return hints.ids, hints.when
         return hint_arrays(hints, self.prefetcher._ids)  # one C pass (prefetch/_routing.pxi)
 
     def _only_local(self, guesses: dict, hints):
@@ -425,6 +484,8 @@ class OffloadController(SyncFreeDecode):
 
     def release_held(self, stream=None) -> None:
         """Releases what the last exchange acquired (the end of a forward)."""
+        if self._unsent is not None:
+            self._send_unsent()
         held, self._held = self._held, None
         self._steady = None  # Note [Steady pins]: a steady step's pins were held here
         if held is not None and held.shape[0]:
@@ -514,15 +575,54 @@ class OffloadController(SyncFreeDecode):
         piece by piece."""
         if first is not None and first < 1:
             raise ValueError(f"first must be >= 1, got {first}")
-        self.speculate()
+        self.speculate(with_next_acquire=True)
         if self._defers_speculation():
-            self.begin_layer(layer)
             routed = _distinct(experts, self.num_experts)
-            where = self.exchange(layer, routed[:first], {}, None, stream=stream, timeout=timeout)
+            self.begin_layer(layer)
+            if self._unsent is not None:
+                where = self._acquire_with_unsent(layer, routed[:first], stream, timeout)
+            else:
+                where = self.exchange(layer, routed[:first], {}, None, stream=stream, timeout=timeout)
             self._deferred = (layer, routed)
             return routed, where
+        if self._unsent is not None:
+            self._send_unsent()
         routed, guesses, hints = self._host_routed(layer, hidden, experts)
         return routed, self.exchange(layer, routed[:first], guesses, hints, stream=stream, timeout=timeout)
+
+    def _acquire_with_unsent(self, layer: int, experts: np.ndarray, stream, timeout: float) -> np.ndarray:
+        """Note [Speculation rides on the next acquire]
+        `speculate(with_next_acquire=True)` makes the last layer's guesses
+        and hints on the host and leaves them for this call: one engine
+        crossing a layer instead of two (the issue's "one call per layer";
+        a crossing is 4-8 us of the engine's own on a desktop host, twice
+        that on the H200 host, plus the controller's work around it). The
+        guesses lose only the routing read-back's wait, during which the
+        GPU computes the layer's attention and router: the guesses for
+        this very layer are dropped (its acquire takes them at band 0),
+        the later ones queue at their distance from this layer, and the
+        hints keep the clock they were made at, so this layer's acquire
+        evicts as a call made then would."""
+        src, guesses, hints, clock = self._unsent
+        self._unsent = None
+        if layer in guesses:
+            guesses = {t: g for t, g in guesses.items() if t != layer}
+        # This layer's queued guesses are cancelled by the acquire; the
+        # last layer's own entry goes where its send would have put it.
+        return self.exchange(layer, experts, guesses, hints, stream=stream, timeout=timeout, now=clock)
+
+    def _send_unsent(self) -> None:
+        """Sends the guesses and hints `speculate(with_next_acquire=True)`
+        left when something other than the next acquire comes first."""
+        layer, guesses, hints, clock = self._unsent
+        self._unsent = None
+        if not self.handle.closed and (guesses or hints or layer in self._queued_guess):
+            held = self._held
+            self._held = None
+            try:
+                self.exchange(layer, _EMPTY, guesses, hints, now=clock)
+            finally:
+                self._held = held
 
     def acquire_more(self, layer: int, experts: np.ndarray, *, stream=None,
                      timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:
@@ -532,20 +632,25 @@ class OffloadController(SyncFreeDecode):
         engine call. Returns their (offset, device) rows."""
         return self.exchange(layer, experts, {}, None, stream=stream, timeout=timeout)
 
-    def speculate(self) -> None:
+    def speculate(self, with_next_acquire: bool = False) -> None:
         """The deferred part of the last `route_and_acquire` (Note
         [Speculation after launch]): score and record its routing, run the
         predictor, queue its guesses and send its hints in one engine call.
-        Nothing to do after a call that did it all, or twice."""
+        Nothing to do after a call that did it all, or twice.
+        `with_next_acquire`: the guesses and hints go with the next
+        `route_and_acquire`'s engine call instead (Note [Speculation rides
+        on the next acquire]); for a caller about to make it (any other
+        engine call sends them first)."""
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
         layer, routed = deferred
-        guesses = {}
-        if self.predictor is not None and not self._late_predict and self._predicts_now():
-            guesses = self._host_predict(self.step, layer, None)
-        guesses, hints = self.observe(layer, routed, guesses)
-        if not self.handle.closed:
+        guesses, hints = self.observe_and_guess(layer, routed)
+        if self.handle.closed:
+            return
+        if with_next_acquire:
+            self._unsent = (layer, guesses, hints, self.clock)
+        else:
             self._send_guesses(layer, guesses, hints)
 
     def new_sequence(self) -> None:
@@ -599,6 +704,7 @@ class OffloadController(SyncFreeDecode):
             self.read_routings()  # the trace stays complete; nothing more is prefetched
         self._use = self._fetch = None
         self._held = None
+        self._unsent = None  # nothing more is prefetched
         deferred, self._deferred = self._deferred, None
         if deferred is not None:  # scored and recorded; nothing more is prefetched
             self.observe(*deferred, {})

@@ -102,6 +102,7 @@ class ExpertPrefetcher:
         # Automatic ids skip the engine's: needs `in` (PrefetchHandle has it).
         self._skip_taken = first_tensor_id is None and hasattr(type(engine), "__contains__")
         self._ids: dict[int, np.ndarray] = {}  # layer -> expert-indexed ids, -1 = none
+        self.version = 0  # moves at every registration (tables made from _ids compare it)
         self._layouts: dict[int, tuple[PartLayout, ...]] = {}  # tensor id -> parts
         # Views reused while an expert's slot stays put (see _acquire_cached):
         # engines with acquire_slots and arena only.
@@ -201,6 +202,7 @@ class ExpertPrefetcher:
             table = grown
             self._ids[layer_id] = table
         table[expert_id] = tensor_id
+        self.version += 1
         self._layouts[tensor_id] = tuple(layout)
         return tensor_id
 

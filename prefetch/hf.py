@@ -461,9 +461,17 @@ class ExpertsOffload:
         layer = self.layer
         ctl.begin_layer(layer)
         sync_before = ctl.sync_ns
-        routed, guesses = ctl.read_back(ctl.predict(layer, hidden_states), top_k_index)
+        # A predictor with host guesses predicts after the read-back, in one
+        # go with observe (with a plan: Note [The oracle's plan] in
+        # prefetch/predictors.py); the others' guesses may be device
+        # tensors, read back with the routing.
+        host_guesses = getattr(ctl.predictor, "host_guesses", False)
+        routed, guesses = ctl.read_back({} if host_guesses else ctl.predict(layer, hidden_states), top_k_index)
         experts = _routed_experts(routed, self.num_experts)
-        guesses, hints = ctl.observe(layer, experts, guesses)
+        if host_guesses:
+            guesses, hints = ctl.observe_and_guess(layer, experts)
+        else:
+            guesses, hints = ctl.observe(layer, experts, guesses)
         guesses = ctl.read_ahead(layer, experts, guesses)
         stream = self._stream()
         engine_before = ctl.engine_ns

@@ -135,8 +135,9 @@ class OffloadedMoEBlock(nn.Module):
         routed = top_i.flatten().unique()
         # The last block's guesses and hints, while the GPU runs this block's
         # attention and router, before the routing read-back waits for them
-        # (Note [Speculation after launch]).
-        ctl.speculate()
+        # (Note [Speculation after launch]); their engine call is this
+        # block's (Note [Speculation rides on the next acquire]).
+        ctl.speculate(with_next_acquire=True)
         experts, where = ctl.route_and_acquire(self.layer, h, to_host(routed), stream=stream, first=cap)
         out = torch.zeros_like(h)
         try:

@@ -176,6 +176,7 @@ class OraclePredictor:
                        for s in range(steps)]
         self._routed = None  # (step, layer, experts, clock) of the last routing
         self._hints: list = []  # (layer, experts, one time or an array) not yet returned
+        self._plans = [[self._plan_arrays(s, la) for la in range(layers)] for s in range(steps)]
         self._primed = False  # this request's first reads were hinted (Note [Hints at a request's start])
         self._step_reads: dict = {}  # (step, experts) -> flat reads (step_reads)
 
@@ -197,6 +198,90 @@ class OraclePredictor:
                 rows += [la * num_experts + e for la, e in enumerate(self._experts[step + 1][: self.distance])]
             flat = self._step_reads[key] = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
         return flat
+
+    def _plan_arrays(self, step: int, layer: int):
+        """Note [The oracle's plan]: what `plan` returns for (step, layer),
+        made once: (guesses, hint keys and time offsets without the
+        guesses' reads, the same with them, positions of the hints that
+        are NO_NEXT_USE). A key is layer * experts + expert of the trace's
+        shape; a time is the offset plus the routing's clock."""
+        layers, num_experts = self.trace.num_layers, self.trace.num_experts
+        flat, offset, never = [], [], None
+        prev_step, prev_layer = (step, layer - 1) if layer else (step - 1, layers - 1)
+        if prev_step >= 0:  # the predecessor's next reads; it routed one clock tick ago
+            prev = self._experts[prev_step][prev_layer]
+            ahead, never = self._ahead[prev_step][prev_layer]
+            flat.append(prev_layer * num_experts + prev)
+            offset.append(ahead - 1)
+        experts = self._experts[step][layer]
+        flat.append(layer * num_experts + experts)  # read now
+        offset.append(np.zeros(experts.shape[0], dtype=np.int64))
+        observed = (np.concatenate(flat), np.concatenate(offset))
+        guesses = {}
+        for d in range(1, self.distance + 1):
+            target, target_step = layer + d, step
+            if target >= layers:
+                target -= layers
+                target_step += 1
+            if (target_step >= len(self._experts) or target >= layers  # a distance past one step
+                    or not self._experts[target_step][target].shape[0]):
+                continue
+            guess = self._experts[target_step][target]
+            guesses[target] = guess
+            flat.append(target * num_experts + guess)
+            offset.append(np.full(guess.shape[0], d, dtype=np.int64))
+        predicted = (np.concatenate(flat), np.concatenate(offset))
+        return guesses, observed, predicted, never
+
+    def plan(self, controller, step: int, layer: int, experts: np.ndarray, predict: bool):
+        """Note [The oracle's plan]
+        `predict` and `observe` make a layer's guesses and hints from the
+        trace with a dozen array operations and a list of hint tuples the
+        controller turns into tensor ids, 60-110 us of host time per layer
+        on the H200 host (BM5's gemma-4 replay, run 71: the oracle's
+        speculation took 107 us a layer of a step the host's work decides).
+        Yet when the model routes as the trace says, and the last routing
+        was the trace's one clock tick before, all of it is known when the
+        trace is loaded. `plan` returns it, made once per (step, layer):
+        (guesses {layer: experts} as `predict` would return them, or {}
+        when `predict` is False; hint keys layer * num_experts + expert;
+        their times on the controller's clock), the same as `predict` then
+        `observe` would give, in one array each (None, None without
+        hints). It returns None when the plan does not hold: another
+        routing, another previous routing, the request's first hints not
+        sent yet, a model of another shape; the controller then calls
+        `predict` and `observe`. The predictor's state moves as theirs
+        would."""
+        if (controller.num_layers != self.trace.num_layers or controller.num_experts != self.trace.num_experts
+                or not 0 <= step < len(self._plans) or self._hints):
+            return None
+        hints = self._sends_hints(controller)
+        now = controller.clock
+        if hints:
+            if not self._primed:
+                return None
+            prev = self._routed
+            if prev is None and (step or layer):
+                return None
+            if prev is not None:
+                prev_step, prev_layer = (step, layer - 1) if layer else (step - 1, self.trace.num_layers - 1)
+                if (prev[0] != prev_step or prev[1] != prev_layer or prev[3] != now - 1
+                        or prev[2].tobytes() != self._experts[prev_step][prev_layer].tobytes()):
+                    return None
+        ours = self._experts[step][layer]
+        if experts.tobytes() != ours.tobytes():
+            return None
+        guesses, observed, predicted, never = self._plans[step][layer]
+        self._routed = (step, layer, ours, now)
+        if not predict:
+            guesses = {}
+        if not hints:
+            return guesses, None, None
+        keys, offset = predicted if predict else observed
+        times = offset + now
+        if never is not None:
+            times[never] = NO_NEXT_USE
+        return guesses, keys, times
 
     def _sends_hints(self, controller) -> bool:
         if self.hints is None:

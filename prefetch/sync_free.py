@@ -376,6 +376,8 @@ class SyncFreeDecode:
         otherwise wait for the next forward). A host-routed layer's
         deferred speculation runs too."""
         self.speculate()
+        if self._unsent is not None:
+            self._send_unsent()
         if self._routings:
             self.read_routings()
         if (self._use is not None or self._fetch is not None) and not self.handle.closed:

@@ -1017,15 +1017,16 @@ def oracle_controller(trace, capacity, predictor=None, record_trace=True):
     return ctl
 
 
-def decode_host_routed(ctl, trace, speculate: bool):
+def decode_host_routed(ctl, trace, speculate):
     """route_and_acquire per layer as OffloadedMoEBlock calls it, checking the
     bytes; `speculate` calls speculate() before each layer's call (as the
-    block does before its routing read-back) and after a step's last layer
-    (as the block does), else the next call runs it."""
+    block does before its routing read-back; "ride": with_next_acquire, as
+    the block does) and after a step's last layer (as the block does), else
+    the next call runs it."""
     for step in trace.steps:
         for layer, experts in enumerate(step):
             if speculate:
-                ctl.speculate()
+                ctl.speculate(with_next_acquire=speculate == "ride")
             routed, where = ctl.route_and_acquire(layer, None, list(experts), timeout=10)
             got = ctl.prefetcher.weights_in_slots(ctl.ids(layer, routed), where)
             for e, w in zip(routed.tolist(), got):
@@ -1057,7 +1058,7 @@ def test_host_routed_speculation_runs_after_the_acquire():
     finally:
         ctl.close()
     copies = {}
-    for speculate in (True, False):
+    for speculate in (True, False, "ride"):
         ctl = oracle_controller(trace, capacity=12)
         try:
             decode_host_routed(ctl, trace, speculate)
@@ -1069,8 +1070,47 @@ def test_host_routed_speculation_runs_after_the_acquire():
             copies[speculate] = ctl.handle.stats()["copies"]
         finally:
             ctl.close()
-    assert copies[True] == copies[False]
+    assert copies[True] == copies[False] == copies["ride"]
     assert belady_misses(trace, 12) <= copies[True]
+
+
+def test_speculation_rides_on_the_next_acquire():
+    # Note [Speculation rides on the next acquire]: one engine call a layer,
+    # and one more a step for the last layer's guesses; the guesses land as
+    # the separate calls would land them, and what is left unsent goes with
+    # whatever engine call comes first.
+    trace = random_trace(12, 4, 8, 10)
+    ctl = oracle_controller(trace, capacity=12)
+    real = ctl.handle
+    ctl.handle = counting = CountingHandle(real)
+    try:
+        decode_host_routed(ctl, trace, "ride")
+        assert counting.calls["step"] == len(trace.steps) * (trace.num_layers + 1)
+        # a riding call guesses one layer (the other is its own); the last
+        # layer's call two, the farther in a prefetch_tensors (band 2),
+        # except after the trace's last step
+        assert counting.calls["other"] == len(trace.steps) - 1
+        r = ctl.report()
+        assert r["prediction_precision"] == 1.0 and r["prediction_recall"] == 1.0
+    finally:
+        ctl.handle = real
+        ctl.close()
+    steps = trace.steps
+    ctl = oracle_controller(trace, capacity=12)
+    try:
+        ctl.route_and_acquire(0, None, steps[0][0], timeout=10)
+        ctl.speculate(with_next_acquire=True)
+        assert ctl.handle.stats()["enqueued"] == 0  # left for the next acquire
+        ctl.release_held()  # comes first: sends them
+        guessed = len(steps[0][1]) + len(steps[0][2])
+        assert ctl.handle.stats()["enqueued"] == guessed
+        wait_drained(ctl.handle)
+        ctl.route_and_acquire(1, None, steps[0][1], timeout=10)
+        s = ctl.handle.stats()
+        assert s["enqueued"] == guessed and s["misses"] == len(steps[0][0])  # layer 1 hit: its guesses landed
+        ctl.release_held()
+    finally:
+        ctl.close()
 
 
 def test_host_routed_speculation_is_not_deferred_for_other_predictors():
@@ -1232,9 +1272,11 @@ def test_generic_block_larger_than_the_cache_runs_in_pieces(predictor):
                 b = b + off_layer(b)
             assert torch.equal(a, b)
             assert real.stats()["pinned_count"] == 0
-        # two pieces a block; the oracle's guesses and hints go in one more call
-        # a block (the last block's right after it: nothing left deferred)
-        assert counting.calls["step"] == 2 * 3 * 2 + (3 * 2 if predictor == "oracle" else 0)
+        # two pieces a block; the oracle's guesses and hints ride on the next
+        # block's first call (Note [Speculation rides on the next acquire]),
+        # the last block's go in one more call right after it (nothing left
+        # deferred): one a forward
+        assert counting.calls["step"] == 2 * 3 * 2 + (2 if predictor == "oracle" else 0)
         assert ctl.trace.steps == [[list(range(6))] * 3] * 2  # the whole routing, not a piece
     finally:
         ctl.handle = real

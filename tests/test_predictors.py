@@ -131,3 +131,63 @@ def test_a_request_start_hints_nothing_without_hints():
     oracle = OraclePredictor(RoutingTrace(2, 4, [[[0], [1]]]), hints=False)
     oracle.predict(_Controller(2, 4), 0, 0, None)
     assert oracle._hints == []
+
+
+class _NoPlan(OraclePredictor):
+    plan = None  # the controller falls back to predict and observe
+
+
+def _controller(predictor, layers, experts):
+    import torch
+
+    import prefetch
+    from prefetch.controller import OffloadController
+
+    handle = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", eviction_policy="next-use")
+    ctl = OffloadController(handle, num_layers=layers, num_experts=experts, top_k=3, predictor=predictor)
+    for layer in range(layers):
+        for e in range(experts):
+            ctl.prefetcher.register_expert(layer, e, {"w": torch.zeros(4)})
+    return ctl
+
+
+@settings(max_examples=60, deadline=None)
+@given(traces, st.integers(1, 3), st.sets(st.integers(0, 40), max_size=4))
+def test_the_oracles_plan_gives_what_predict_and_observe_give(spec, distance, off_trace):
+    # Note [The oracle's plan]: two controllers over the same routing, one
+    # whose oracle plans and one that predicts and observes; every layer's
+    # guesses, hints (as the engine takes them) and scores must agree,
+    # including where the routing leaves the trace (the layers numbered in
+    # `off_trace` route with expert 0 toggled) and the layer after it.
+    layers, experts, raw = spec
+    steps = [[sorted(e) for e in step] for step in raw]
+    trace = RoutingTrace(layers, experts, steps)
+    planned = _controller(OraclePredictor(trace, distance=distance, hints=True), layers, experts)
+    plain = _controller(_NoPlan(trace, distance=distance, hints=True), layers, experts)
+    used = 0
+    try:
+        for step in range(len(steps) + 1):  # one step past the trace: the plan does not hold
+            for layer in range(layers):
+                routed = steps[step][layer] if step < len(steps) else [0]
+                if step * layers + layer in off_trace:
+                    routed = sorted(set(routed) ^ {0})
+                routed = np.array(routed, dtype=np.int64)
+                got = []
+                for ctl in (planned, plain):
+                    ctl.begin_layer(layer)
+                    guesses, hints = ctl.observe_and_guess(layer, routed)
+                    ids, when = ctl._hint_arrays(hints)
+                    got.append(({t: g.tolist() for t, g in guesses.items()},
+                                None if ids is None else ids.tolist(), None if when is None else when.tolist()))
+                    if ctl is planned:
+                        used += type(hints).__name__ == "_TensorHints"
+                assert got[0] == got[1]
+            assert planned._pending.keys() == plain._pending.keys()
+            assert (planned.prediction_hits, planned.predicted_total) == (plain.prediction_hits,
+                                                                          plain.predicted_total)
+    finally:
+        planned.close()
+        plain.close()
+    # the plan holds from the request's second layer on while the routing is the trace's
+    if not off_trace and len(steps) * layers > 1:
+        assert used >= len(steps) * layers - 1
