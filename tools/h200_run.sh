@@ -138,10 +138,11 @@ for step in $steps; do
         ${BM7_ARGS:-} --json "$out/bm7${BM7_TAG:-}.json" 2>"$out/bm7${BM7_TAG:-}.log" | tee "$out/bm7${BM7_TAG:-}.txt" || status=1 ;;
     e2etraces)
       # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run);
-      # TRACES_PROFILE=1 adds --profile (GPU and host split of a few more steps per policy).
+      # TRACES_PROFILE=1 adds --profile (GPU and host split of a few more steps per policy);
+      # TRACES_POLICIES replaces the policies, TRACES_ARGS adds arguments (--oracle-distance 4).
       for t in ${TRACES:-traces/*.json}; do
         python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares ${TRACES_SHARES:-0.25} --batches 1 --warmup 2 --steps "${E2E_STEPS:-24}" \
-          --policies all-resident on-demand next-layer-gate oracle torch-by-hand --budget-s "${TRACES_BUDGET_S:-150}" \
+          --policies ${TRACES_POLICIES:-all-resident on-demand next-layer-gate oracle torch-by-hand} --budget-s "${TRACES_BUDGET_S:-150}" ${TRACES_ARGS:-} \
           --repeats "${TRACES_REPEATS:-1}" ${TRACES_PROFILE:+--profile "$out/prof_$(basename "$t" .json)"} \
           --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
