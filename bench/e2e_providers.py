@@ -218,8 +218,10 @@ class EngineProvider:
         """The last layer's predictor part (Note [Speculation after launch]
         in prefetch/controller.py): the decoder calls this once it has
         queued this layer's attention and router and before it reads the
-        routing back, so the host runs it while the GPU works."""
-        self.ctl.speculate()
+        routing back, so the host runs it while the GPU works. Its engine
+        call rides on this layer's acquire (Note [Speculation rides on the
+        next acquire])."""
+        self.ctl.speculate(with_next_acquire=True)
 
     def release(self, layer, experts):
         """The next layer's engine call releases this layer's experts (one
