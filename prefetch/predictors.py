@@ -20,6 +20,11 @@ with the layer's acquire in one engine call (`PrefetchHandle.step`).
 A predictor whose guesses depend on this layer's routing sets
 ``reads_routing = True``: its `predict` then runs after `observe` and
 returns host sequences only.
+
+A predictor whose guesses are host data (``host_guesses = True``) may also
+offer `plan(controller, step, layer, experts, predict)`: the guesses and
+hints of `predict` then `observe` in one go, hints as flat keys and times,
+or None where it cannot tell them that way (Note [The oracle's plan]).
 """
 from __future__ import annotations
 
