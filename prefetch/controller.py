@@ -595,20 +595,21 @@ class OffloadController(SyncFreeDecode):
         `speculate(with_next_acquire=True)` makes the last layer's guesses
         and hints on the host and leaves them for this call: one engine
         crossing a layer instead of two (the issue's "one call per layer";
-        a crossing is 4-8 us of the engine's own on a desktop host, twice
-        that on the H200 host, plus the controller's work around it). The
+        a call is 4-8 us of the engine's own on this project's development
+        VM and 10.9 us on the H200 host, bench/engine_path.py in run 60,
+        plus the controller's work around it: tools/speculation_cost.py). The
         guesses lose only the routing read-back's wait, during which the
         GPU computes the layer's attention and router: the guesses for
         this very layer are dropped (its acquire takes them at band 0),
         the later ones queue at their distance from this layer, and the
         hints keep the clock they were made at, so this layer's acquire
         evicts as a call made then would."""
-        src, guesses, hints, clock = self._unsent
+        _, guesses, hints, clock = self._unsent
         self._unsent = None
-        if layer in guesses:
+        if layer in guesses:  # still scored (observe_and_guess filed them), not sent
             guesses = {t: g for t, g in guesses.items() if t != layer}
-        # This layer's queued guesses are cancelled by the acquire; the
-        # last layer's own entry goes where its send would have put it.
+        # The guesses for this layer queued by earlier calls are cancelled
+        # by this call, as ever (exchange's `stale`).
         return self.exchange(layer, experts, guesses, hints, stream=stream, timeout=timeout, now=clock)
 
     def _send_unsent(self) -> None:
