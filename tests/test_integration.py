@@ -718,6 +718,39 @@ def test_predictor_probes_while_the_cache_fetches_nothing(whole):
         ctl.close()
 
 
+def test_the_oracles_plan_serves_the_synced_transformers_path():
+    # Note [The oracle's plan]: on the synced path a host-guess predictor
+    # predicts after the routing read-back, so with a next-use handle the
+    # oracle's guesses and hints come from its plan on every layer but the
+    # request's first; tokens are the untouched model's, and its guesses
+    # are scored right.
+    cfg, ref, ids, seq_ref, logits_ref, trace = recorded_olmoe(6, 12)
+    per, _ = expert_bytes(ref)
+    model = copy.deepcopy(ref)
+    oracle = OraclePredictor(trace, distance=2)
+    made = {"plan": 0, "none": 0}
+    plan = oracle.plan
+
+    def counted(*args):
+        got = plan(*args)
+        made["none" if got is None else "plan"] += 1
+        return got
+
+    oracle.plan = counted
+    ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host", predictor=oracle,
+                              sync_free=False, handle_options={"eviction_policy": "next-use"})
+    try:
+        seq, logits = greedy(model, ids, steps=12)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert made["none"] == 1 and made["plan"] == 12 * cfg.num_hidden_layers - 1
+        assert ctl.report()["prediction_precision"] == 1.0
+        assert ctl.handle.hint_clock() == ctl.clock  # the last layer's hints went with its call
+    finally:
+        ctl.close()
+
+
 @pytest.mark.parametrize("policy", ["lru", "next-use"])
 def test_sync_free_oracle_goes_steady_once_nothing_is_fetched(policy):
     # Note [Steady pins] with a host-side predictor: every expert cached,
