@@ -537,7 +537,9 @@ class OffloadController(SyncFreeDecode):
         layer, cancel this layer's stale guesses, acquire) and the rest runs
         in `speculate`, which the caller calls once the layer's compute is
         queued, while the GPU works; the next `route_and_acquire` (or
-        `flush`) runs it if the caller did not. Measured on BM5 with the
+        `flush`) runs it if the caller did not. Its engine call then goes
+        with the next acquire's (Note [Speculation rides on the next
+        acquire]). Measured on BM5 with the
         oracle on the gemma-4 trace (H200 host, before this): the
         predictor's part took 4.5-5.7 ms of a 37 ms step at a hit rate of
         1.00. The best moment is the next layer's, just before its routing
