@@ -1,5 +1,9 @@
 """BM5's logic on the CPU: every policy (engine on the host backend, the
 by-hand LRU, predictors) must compute exactly what all-resident computes."""
+import numpy as np
+import pytest
+import torch
+
 from bench import e2e
 
 
@@ -235,3 +239,21 @@ def test_slot_views_start_at_the_flat_tensors_own_first_byte():
     assert [p.name for p in layout] == ["gate_up", "down"]
     for s, (gu, dn) in enumerate(want):
         assert torch.equal(views["gate_up"][s], gu) and torch.equal(views["down"][s], dn)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_slot_index_rings_give_each_send_its_own_slots(device):
+    # BM5's SlotIndex reuses a ring of page-locked and device buffers: every
+    # send's index must gather that send's slots, also when later sends
+    # (more than the ring's depth, of other lengths) were queued behind it
+    # on the same stream before anything ran.
+    from bench.e2e_providers import SlotIndex
+
+    dev = torch.device(device)
+    table = torch.arange(100, dtype=torch.int64, device=dev) * 10
+    index = SlotIndex(torch, dev, capacity=16, depth=2)
+    rng = np.random.default_rng(3)
+    sends = [rng.choice(100, size=int(rng.integers(1, 17)), replace=False).tolist() for _ in range(9)]
+    got = [table.index_select(0, index.send(slots)) for slots in sends]
+    for slots, out in zip(sends, got):
+        assert out.cpu().tolist() == [10 * s for s in slots]
