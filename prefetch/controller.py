@@ -512,14 +512,15 @@ class OffloadController(SyncFreeDecode):
         _, guesses, hints = self._host_routed(layer, hidden, experts)
         self._send_guesses(layer, guesses, hints)
 
-    def _send_guesses(self, layer: int, guesses: dict, hints) -> None:
+    def _send_guesses(self, layer: int, guesses: dict, hints, now: int | None = None) -> None:
         """An engine call that queues guesses and sends hints only: what is
-        held stays held."""
+        held stays held. `now`: the clock the hints were made at (default:
+        the routing clock)."""
         if guesses or hints or layer in self._queued_guess:
             held = self._held
             self._held = None
             try:
-                self.exchange(layer, _EMPTY, guesses, hints)
+                self.exchange(layer, _EMPTY, guesses, hints, now=now)
             finally:
                 self._held = held
 
@@ -619,13 +620,8 @@ class OffloadController(SyncFreeDecode):
         left when something other than the next acquire comes first."""
         layer, guesses, hints, clock = self._unsent
         self._unsent = None
-        if not self.handle.closed and (guesses or hints or layer in self._queued_guess):
-            held = self._held
-            self._held = None
-            try:
-                self.exchange(layer, _EMPTY, guesses, hints, now=clock)
-            finally:
-                self._held = held
+        if not self.handle.closed:
+            self._send_guesses(layer, guesses, hints, now=clock)
 
     def acquire_more(self, layer: int, experts: np.ndarray, *, stream=None,
                      timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> np.ndarray:

@@ -223,15 +223,7 @@ class OraclePredictor:
         offset.append(np.zeros(experts.shape[0], dtype=np.int64))
         observed = (np.concatenate(flat), np.concatenate(offset))
         guesses = {}
-        for d in range(1, self.distance + 1):
-            target, target_step = layer + d, step
-            if target >= layers:
-                target -= layers
-                target_step += 1
-            if (target_step >= len(self._experts) or target >= layers  # a distance past one step
-                    or not self._experts[target_step][target].shape[0]):
-                continue
-            guess = self._experts[target_step][target]
+        for d, target, guess in self._guesses(step, layer, layers):
             guesses[target] = guess
             flat.append(target * num_experts + guess)
             offset.append(np.full(guess.shape[0], d, dtype=np.int64))
@@ -304,19 +296,26 @@ class OraclePredictor:
         if hints and not self._primed:
             self._primed = True
             self._hints.extend(self._first_reads(controller, step, layer))
+        for d, target, experts in self._guesses(step, layer, controller.num_layers):
+            out[target] = experts
+            if hints:  # read d layers from now
+                self._hints.append((target, experts, controller.clock + d))
+        return out
+
+    def _guesses(self, step: int, layer: int, num_layers: int):
+        """(d, target layer, its experts) for the layers d = 1..distance
+        after (step, layer) of a model of `num_layers` that the trace
+        routes to at least one expert (`predict`'s guesses; the plan's)."""
         for d in range(1, self.distance + 1):
             target, target_step = layer + d, step
-            if target >= controller.num_layers:
-                target -= controller.num_layers
+            if target >= num_layers:
+                target -= num_layers
                 target_step += 1
             if not 0 <= target_step < len(self._experts) or target >= len(self._experts[target_step]):
                 continue
             experts = self._experts[target_step][target]
             if experts.shape[0]:
-                out[target] = experts
-                if hints:  # read d layers from now
-                    self._hints.append((target, experts, controller.clock + d))
-        return out
+                yield d, target, experts
 
     def observe(self, controller, step, layer, experts):
         if not self._sends_hints(controller):
