@@ -113,6 +113,18 @@ class LruSlots:
         return slot, False
 
 
+def host_steal_s():
+    """Seconds of CPU time the hypervisor gave to others (the steal column of
+    /proc/stat's cpu line, all CPUs), cumulative; None where not readable
+    (not Linux, or no such column)."""
+    try:
+        with open("/proc/stat") as f:
+            fields = f.readline().split()
+        return int(fields[8]) / os.sysconf("SC_CLK_TCK") if fields[0] == "cpu" and len(fields) > 8 else None
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def percentile(values, q):
     """Nearest-rank percentile `q` (0..1) of `values`."""
     ordered = sorted(values)

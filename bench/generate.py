@@ -112,6 +112,13 @@ Figures per row:
                     generates run right after it (resident_adjacent_runs_ms):
                     the host's speed drifts over a block; these are seconds
                     apart
+  x_adjacent_best   the fastest of the row's --repeats p50s over the fastest
+                    of those resident generates (Note [Best of the repeats]
+                    in bench/generate_rows.py: slow spells of the host only
+                    add time)
+  steal_runs_ms     host CPU time the hypervisor gave to others during each
+                    measured generate (/proc/stat; null where unreadable);
+                    resident_adjacent_steal_ms likewise
   io_floor_ms       Belady's fewest loads (prefetch.integration.belady_misses
                     over the recorded routing, decode steps, capacity = budget
                     slots) x expert bytes / raw H2D GB/s / decode tokens;
@@ -259,7 +266,8 @@ def main(argv=None) -> int:
     parser.add_argument("--plot", help="PNG of ms/token per row per share")
     parser.add_argument("--repeats", type=int, default=1,
                         help="measured generates per row, and resident generates right after it; x_adjacent is "
-                             "the ratio of their medians (the host's speed drifts over seconds)")
+                             "the ratio of their medians, x_adjacent_best of their fastest (the host's speed "
+                             "drifts over seconds)")
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
                              "background copies too) or the compute stream only (what a caller reading tokens "

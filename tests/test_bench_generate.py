@@ -178,6 +178,12 @@ def test_repeats_alternate_the_row_and_the_resident_model(tmp_path):
     assert len(row["resident_adjacent_runs_ms"]) == 3
     want = statistics.median(row["p50_runs_ms"]) / statistics.median(row["resident_adjacent_runs_ms"])
     assert row["x_adjacent"] == pytest.approx(want)
+    # Note [Best of the repeats]: the fastest of each side's three.
+    best = min(row["p50_runs_ms"]) / min(row["resident_adjacent_runs_ms"])
+    assert row["x_adjacent_best"] == pytest.approx(best)
+    # One host steal reading per generate of each side (null off Linux).
+    assert len(row["steal_runs_ms"]) == 3 and len(row["resident_adjacent_steal_ms"]) == 3
+    assert all(s is None or s >= 0 for s in row["steal_runs_ms"] + row["resident_adjacent_steal_ms"])
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--repeats", "0"])
 
