@@ -125,6 +125,26 @@ def host_steal_s():
         return None
 
 
+def best_of_ratio(runs, resident_runs) -> float:
+    """Note [Best of the repeats]
+    The GPU machine's host runs the same generate at a few distinct speeds
+    and switches between them every few seconds, whatever runs:
+    tools/host_noise_probe.py (run 78, OLMoE-1B-7B shapes, batch 1, 48
+    tokens) saw the resident model's per-generate p50 at 19-21, 25, 30 and
+    39 ms a token, each level held for tens of tokens; holding the serving
+    thread to one CPU or turning the garbage collector off did not remove
+    it. A slow spell only ever adds time, and it lands on a row or on its
+    adjacent resident generates by chance, so the median of two or three
+    generates still moved a row's ratio by 0.2-0.4 between runs (run 74).
+    The fastest of the row's --repeats generates over the fastest of as
+    many resident generates right after it is the ratio of their costs on
+    an undisturbed host (each side's p50 of one generate: its misses and
+    copies count). Both sides take the best of the same number of
+    generates. Reported as x_adjacent_best next to x_adjacent (medians),
+    not instead of it."""
+    return min(runs) / min(resident_runs)
+
+
 def percentile(values, q):
     """Nearest-rank percentile `q` (0..1) of `values`."""
     ordered = sorted(values)

@@ -86,7 +86,8 @@ def plot_latency(rows, path):
 
 def format_table(rows) -> str:
     head = (f"{'model':<14}{'b':>3}{'share':>6}  {'policy':<16}{'p50 ms':>9}{'p90 ms':>9}{'stall':>8}"
-            f"{'hit':>6}{'GB moved':>9}{'GB/s':>7}{'prec':>6}{'recall':>7}{'floor':>8}{'x floor':>8}")
+            f"{'hit':>6}{'GB moved':>9}{'GB/s':>7}{'prec':>6}{'recall':>7}{'floor':>8}{'x floor':>8}"
+            f"{'x adj':>7}{'x best':>7}")
     lines = [head]
     for r in rows:
         gb = None if r.get("bytes_moved") is None else r["bytes_moved"] / 1e9
@@ -95,6 +96,7 @@ def format_table(rows) -> str:
             f"{fmt(r['p90_ms']):>9}{fmt(r.get('stall_ms')):>8}{fmt(r.get('hit_rate')):>6}{fmt(gb):>9}"
             f"{fmt(r.get('achieved_gbps'), 1):>7}{fmt(r.get('precision')):>6}{fmt(r.get('recall')):>7}"
             f"{fmt(r['floor_ms']):>8}{fmt(r.get('over_floor')):>8}"
+            f"{fmt(r.get('x_adjacent')):>7}{fmt(r.get('x_adjacent_best')):>7}"
         )
     return "\n".join(lines)
 

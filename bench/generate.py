@@ -114,7 +114,7 @@ Figures per row:
                     apart
   x_adjacent_best   the fastest of the row's --repeats p50s over the fastest
                     of those resident generates (Note [Best of the repeats]
-                    in bench/generate_rows.py: slow spells of the host only
+                    in bench/common.py: slow spells of the host only
                     add time)
   steal_runs_ms     host CPU time the hypervisor gave to others during each
                     measured generate (/proc/stat; null where unreadable);

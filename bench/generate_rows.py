@@ -15,7 +15,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, host_steal_s, percentile  # noqa: E402
+from bench.common import best_of_ratio, fmt, host_steal_s, percentile  # noqa: E402
 from bench.generate_figures import decode_counters, delta  # noqa: E402
 from bench.generate_model import RoutingRecorder, RowSkipped, StepTimer, generate, make_sync  # noqa: E402
 from bench.generate_modes import (  # noqa: E402
@@ -262,26 +262,6 @@ def compare_to_resident(block: Block, row: str, share, trace, res: dict):
             res["x_adjacent_best"] = best_of_ratio(res["p50_runs_ms"], adjacent)
     if block.routing is not None and row in ENGINE_ROWS and steps is not None:
         res["routing_equals_resident"] = steps == block.routing[:len(steps)]
-
-
-def best_of_ratio(runs, resident_runs) -> float:
-    """Note [Best of the repeats]
-    The GPU machine's host runs the same generate at a few distinct speeds
-    and switches between them every few seconds, whatever runs:
-    tools/host_noise_probe.py (run 78, OLMoE-1B-7B shapes, batch 1, 48
-    tokens) saw the resident model's per-generate p50 at 19-21, 25, 30 and
-    39 ms a token, each level held for tens of tokens; holding the serving
-    thread to one CPU or turning the garbage collector off did not remove
-    it. A slow spell only ever adds time, and it lands on a row or on its
-    adjacent resident generates by chance, so the median of two or three
-    generates still moved a row's ratio by 0.2-0.4 between runs (run 74).
-    The fastest of the row's --repeats generates over the fastest of as
-    many resident generates right after it is the ratio of their costs on
-    an undisturbed host (each side's p50 of one generate: its misses and
-    copies count). Both sides take the best of the same number of
-    generates. Reported as x_adjacent_best next to x_adjacent (medians),
-    not instead of it."""
-    return min(runs) / min(resident_runs)
 
 
 def run_planned_row(block: Block, name: str, row: str, share, started: float) -> dict:

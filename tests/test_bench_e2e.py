@@ -88,6 +88,7 @@ def test_repeats_take_the_median_round_and_its_adjacent_resident():
     assert row["p50_ms"] == 30.0  # the median round
     assert row["p90_runs_ms"] == [30.0, 24.0, 50.0] and row["p90_ms"] == 30.0
     assert row["x_adjacent"] == 1.5  # median of 1.5, 1.2, 2.0
+    assert row["x_adjacent_best"] == 24.0 / 20.0  # the fastest round over the fastest resident round
     assert row["hit_rate"] == 0.75 and row["bytes_moved"] == 8  # the first round's counters
 
 
