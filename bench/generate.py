@@ -32,10 +32,11 @@ Rows (share = device cache budget / all expert bytes; share-free rows have none)
                     generate), eviction_policy "next-use"; its TTFT generate
                     replays the TTFT prompt's own routing (recorded on the
                     resident model)
-                    (all three with the default sync_free=None: on-demand and
-                    oracle decode without a routing sync, Note [Sync-free
-                    decode]; the gate's guesses need that sync, so it stays
-                    on the synced path)
+                    (all three with the default sync_free=None: each step
+                    picks its path, Note [Which path a step takes]; a step
+                    that misses little runs without a routing sync, Note
+                    [Sync-free decode]; the gate guesses only on synced
+                    steps, whose routing sync carries its guesses)
   on-demand-synced / oracle-synced
                     the same with sync_free=False: every layer reads its
                     routing on the host first
