@@ -3,7 +3,8 @@
     python bench/generate.py [--models olmoe-1b-7b qwen3-30b-a3b] [--batches 1 8]
         [--shares 0.1 0.25 0.5] [--rows ROW ...] [--new-tokens 64] [--warmup-tokens 8]
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
-        [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--json PATH] [--plot PATH.png]
+        [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
+        [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -117,6 +118,11 @@ Figures per row:
                     of those resident generates (Note [Best of the repeats]
                     in bench/common.py: slow spells of the host only
                     add time)
+  x_paired          with --paired N: the median over N pairs of the row's
+                    generate's p50 over a second resident copy's, run
+                    right after or before it (Note [Paired generates] in
+                    bench/generate_rows.py); paired_runs_ms the pairs; the
+                    resident row's own x_paired is the estimator's bias
   steal_runs_ms     host CPU time the hypervisor gave to others during each
                     measured generate (/proc/stat; null where unreadable);
                     resident_adjacent_steal_ms likewise
@@ -172,7 +178,7 @@ from bench.generate_modes import (  # noqa: E402
     SHARE_ROWS,
 )
 from bench.generate_report import explain_nulls, format_table, plot  # noqa: E402
-from bench.generate_rows import Block, restore_check, run_planned_row  # noqa: E402
+from bench.generate_rows import Block, make_twin, restore_check, run_planned_row  # noqa: E402
 
 
 def build(torch, name, family, shape, args, cuda, device, dtype):
@@ -221,6 +227,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
         # Note [Warm every sequence length]: the measured and TTFT shapes.
         warm_lengths(torch, model, [block.warm_prompt], args.new_tokens, sync)
         warm_lengths(torch, model, [block.warm_ttft_prompt], 1, sync)
+        make_twin(block)  # Note [Paired generates]
         block_rows = []
         for row, share in row_plan(args):
             block_rows.append(run_planned_row(block, name, row, share, started))
@@ -269,6 +276,11 @@ def main(argv=None) -> int:
                         help="measured generates per row, and resident generates right after it; x_adjacent is "
                              "the ratio of their medians, x_adjacent_best of their fastest (the host's speed "
                              "drifts over seconds)")
+    parser.add_argument("--paired", type=int, default=0,
+                        help="pairs of generates per row against a second resident copy of the model; x_paired is "
+                             "the median of the pairs' ratios (Note [Paired generates] in bench/generate_rows.py)")
+    parser.add_argument("--paired-tokens", type=int, default=None, help="tokens of each paired generate "
+                        "(default 32; smoke 4)")
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
                              "background copies too) or the compute stream only (what a caller reading tokens "
@@ -287,7 +299,7 @@ def main(argv=None) -> int:
                     else [0.1, 0.25, 0.5], new_tokens=4 if smoke else 64, warmup_tokens=2 if smoke else 8,
                     prompt_tokens=8 if smoke else 32, ttft_tokens=32 if smoke else 512,
                     accelerate_tokens=3 if smoke else 4, vocab=128 if smoke else 32000,
-                    budget_s=300 if smoke else 540)
+                    budget_s=300 if smoke else 540, paired_tokens=4 if smoke else 32)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -300,13 +312,15 @@ def main(argv=None) -> int:
         parser.error("--new-tokens and --accelerate-tokens must be >= 2 (the decode figure excludes the prefill)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.paired < 0 or args.paired_tokens < 2:
+        parser.error("--paired must be >= 0 and --paired-tokens >= 2")
 
     cuda = not smoke and torch.cuda.is_available()
     report = {"benchmark": "BM6 generate", "machine": machine_info(), "smoke_cpu": smoke,
               "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "rows", "new_tokens",
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
-                                                        "timer_sync", "repeats")},
+                                                        "timer_sync", "repeats", "paired", "paired_tokens")},
               "transformers": transformers.__version__,
               "notes": [f"vocab reduced to {args.vocab} (the real models' are 50304 and 151936)",
                         "random weights; routing is the random model's, not a trained one's"],

@@ -23,8 +23,8 @@ ENGINE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced
 MPL_ROWS = ("moe-policylang-lru", "moe-policylang-lookahead")
 BY_HAND_IMPL = "bench_torch_by_hand"
 FIGURES = ("p50_ms", "p90_ms", "prefill_ms", "ttft_ms", "tokens_equal", "hit_rate", "bytes_moved", "copies",
-           "precision", "recall", "host_us_per_layer", "x_resident", "x_adjacent", "x_adjacent_best", "over_floor",
-           "ttft_over_floor")
+           "precision", "recall", "host_us_per_layer", "x_resident", "x_adjacent", "x_adjacent_best", "x_paired",
+           "over_floor", "ttft_over_floor")
 
 
 class Mode:

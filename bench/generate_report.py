@@ -24,6 +24,8 @@ def why_null(row: str, key: str, cuda: bool, share) -> str:
         return "the engine's counters were not readable"
     if key in ("precision", "recall"):
         return "no predictions scored for this row" if row in ENGINE_ROWS else "no predictor in this row"
+    if key == "x_paired":
+        return "not measured: --paired 0, or no second resident copy (the block's twin_reason)"
     if key in ("x_adjacent", "x_adjacent_best") and row == "resident":
         return "the reference row"
     if key == "host_us_per_layer":
@@ -55,7 +57,7 @@ def explain_nulls(rows, cuda: bool):
 
 def format_table(rows) -> str:
     head = (f"{'model':<16}{'b':>3}{'share':>6}  {'row':<26}{'p50 ms':>9}{'p90 ms':>9}{'x res':>7}{'x adj':>7}"
-            f"{'x best':>7}{'equal':>6}"
+            f"{'x best':>7}{'x pair':>7}{'equal':>6}"
             f"{'hit':>6}{'GB moved':>9}{'host us':>8}{'ttft ms':>9}{'x ttft fl':>10}{'x floor':>8}  reason")
     lines = [head]
     for r in rows:
@@ -65,7 +67,7 @@ def format_table(rows) -> str:
         lines.append(
             f"{r['model']:<16}{r['batch']:>3}{share:>6}  {r['row']:<26}{fmt(r.get('p50_ms')):>9}"
             f"{fmt(r.get('p90_ms')):>9}{fmt(r.get('x_resident')):>7}{fmt(r.get('x_adjacent')):>7}"
-            f"{fmt(r.get('x_adjacent_best')):>7}{eq:>6}"
+            f"{fmt(r.get('x_adjacent_best')):>7}{fmt(r.get('x_paired')):>7}{eq:>6}"
             f"{fmt(r.get('hit_rate')):>6}"
             f"{fmt(gb, 3):>9}{fmt(r.get('host_us_per_layer'), 0):>8}{fmt(r.get('ttft_ms')):>9}"
             f"{fmt(r.get('ttft_over_floor')):>10}{fmt(r.get('over_floor')):>8}  {r.get('reason') or ''}")

@@ -5,6 +5,7 @@ resident row, and check the model was restored after the block."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import gc
 import os
@@ -55,6 +56,9 @@ class Block:
         self.ttft_routed = None  # distinct (layer, expert) the TTFT prompt routes
         self.ttft_steps = None  # its routing (one step: the prefill), for the oracle's TTFT
         self.traces = {}  # share -> on-demand's recorded steps
+        self.twin = None  # Note [Paired generates]: a second resident copy of the model, or None
+        self.twin_ids = None  # its generated ids for the measured prompt
+        self.twin_reason = "not measured: --paired 0"
 
 
 def make_mode(block: Block, row: str, budget, trace, out: dict):
@@ -99,6 +103,7 @@ class Measured:
     runs: list  # decode p50s (ms) of the --repeats generates after it
     ttft_s: float
     steal: list  # host steal (ms or None) during the measured generate and each repeat
+    pairs: list  # Note [Paired generates]: [row p50, twin p50] (ms) per pair
 
 
 def repeat_p50s(block: Block, mode, new_tokens: int, steal: list) -> list:
@@ -122,6 +127,59 @@ def steal_ms(start):
     """ms of host steal since `start` (a host_steal_s reading), or None."""
     end = host_steal_s()
     return None if start is None or end is None else (end - start) * 1e3
+
+
+def make_twin(block: Block) -> None:
+    """Note [Paired generates]
+    Best-of and adjacent ratios still moved by 0.1-0.3 between cells that
+    should match (run 80): the H200 host's slow spells last seconds, as
+    long as a row's three generates, and the resident generates that follow
+    the row land in another spell. With --paired N a block keeps a second
+    resident copy of the model (the twin: the same weights, never
+    offloaded), and each row, after its measured and repeated generates,
+    runs N pairs of --paired-tokens generates: the row's model, then the
+    twin (odd pairs the twin first), each pair within a second or so. A
+    pair's ratio compares two generates made in the same spell most of the
+    time, and x_paired, the median of the N ratios, drops the pairs a
+    spell change split. The resident row is paired with the twin too: its
+    x_paired is the estimator's own bias and spread (ideally 1.00). Both
+    copies are on the GPU at once, so the twin is made only where the
+    device has room for it and the largest share's cache (Qwen3-30B-A3B's
+    61 GB do not fit twice with a cache on a 141 GB H200); without it
+    x_paired is null with the reason. The twin's generated ids are checked
+    against the resident row's."""
+    args, torch, model = block.args, block.torch, block.model
+    if not args.paired:
+        return
+    if block.cuda:
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        need = weights + max(args.shares, default=0) * block.state.total_bytes + (2 << 30)
+        free, _ = torch.cuda.mem_get_info(block.device)
+        if free < need:
+            block.twin_reason = (f"not measured: a second resident copy and the largest cache need "
+                                 f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
+            return
+    block.twin = copy.deepcopy(model)
+    block.twin_ids = generate(torch, block.twin, block.prompt, args.new_tokens, block.sync)[0]
+    block.twin_reason = None
+
+
+def paired_p50s(block: Block, mode) -> list:
+    """Note [Paired generates]: [row p50, twin p50] (ms) per pair."""
+    if block.twin is None:
+        return []
+    pairs = []
+    for i in range(block.args.paired):
+        got = {}
+        for m in ((block.model, block.twin) if i % 2 == 0 else (block.twin, block.model)):
+            timer = StepTimer(block.timer_sync)
+            generate(block.torch, m, block.prompt, block.args.paired_tokens, block.sync, timer)
+            if m is block.model:
+                mode.new_sequence()
+            steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
+            got[m is block.model] = statistics.median(steps) * 1e3
+        pairs.append([got[True], got[False]])
+    return pairs
 
 
 def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_tokens: int, out: dict) -> Measured:
@@ -149,13 +207,15 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
         out["trace_steps"] = mode.trace_steps(new_tokens)
     mode.new_sequence()
     runs = repeat_p50s(block, mode, new_tokens, steal)
+    pairs = paired_p50s(block, mode)
     if row == "resident":
         # The floor of every row's TTFT: not the process's first
         # prefill of this shape.
         generate(torch, model, block.ttft_prompt, 1, sync)
     mode.before_ttft(block.ttft_steps)
     _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
-    return Measured(timer, t0, ids, before, marks["counters"], after, accesses, extra, runs, s1 - s0, steal)
+    return Measured(timer, t0, ids, before, marks["counters"], after, accesses, extra, runs, s1 - s0, steal,
+                    pairs)
 
 
 def row_figures(m: Measured, out: dict) -> dict:
@@ -165,6 +225,8 @@ def row_figures(m: Measured, out: dict) -> dict:
     p50 = statistics.median(decode) * 1e3 if decode else None
     out["p50_runs_ms"] = ([p50] if p50 is not None else []) + m.runs
     out["steal_runs_ms"] = m.steal
+    out["paired_runs_ms"] = m.pairs
+    out["x_paired"] = statistics.median(r / t for r, t in m.pairs) if m.pairs else None
     out.update({
         "p50_ms": statistics.median(out["p50_runs_ms"]) if out["p50_runs_ms"] else None,
         "p90_ms": percentile(decode, 0.9) * 1e3 if decode else None,
@@ -326,7 +388,10 @@ def restore_check(block: Block, name) -> dict:
     generate the same ids (the rows restored it)."""
     out = {"model": name, "batch": block.batch, "resident_p50_ms": block.resident_p50,
            "resident_ttft_ms": block.resident_ttft, "routing": block.routing, "traces": block.traces,
-           "ttft_routed_experts": block.ttft_routed}
+           "ttft_routed_experts": block.ttft_routed, "twin_reason": block.twin_reason,
+           "twin_tokens_equal": (None if block.twin_ids is None or block.reference is None
+                                 else bool(block.torch.equal(block.twin_ids, block.reference)))}
+    block.twin = None  # Note [Paired generates]: its memory goes with the block
     if block.reference is None:
         out["restore_check"] = None
         return out

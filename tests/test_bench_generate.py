@@ -189,6 +189,32 @@ def test_repeats_alternate_the_row_and_the_resident_model(tmp_path):
 
 
 
+def test_paired_generates_against_a_second_resident_copy(tmp_path):
+    # Note [Paired generates]: each row, the resident one included, runs
+    # --paired pairs of --paired-tokens generates against a second resident
+    # copy of the model; x_paired is the median of the pairs' ratios. The
+    # copy generates the resident row's tokens.
+    import statistics
+
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "torch-by-hand",
+                  "--paired", "3", "--paired-tokens", "3", "--new-tokens", "3")
+    (block,) = report["blocks"]
+    assert block["twin_reason"] is None and block["twin_tokens_equal"] is True
+    for row in report["rows"]:
+        assert row.get("reason") is None and row["tokens_equal"] is True, row
+        pairs = row["paired_runs_ms"]
+        assert len(pairs) == 3 and all(len(p) == 2 and min(p) > 0 for p in pairs)
+        assert row["x_paired"] == pytest.approx(statistics.median(r / t for r, t in pairs))
+        _check_figures(row)
+    # Without --paired nothing is paired, and the figure says why it is null.
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "--new-tokens", "3")
+    assert report["blocks"][0]["twin_reason"] == "not measured: --paired 0"
+    for row in report["rows"]:
+        assert row["x_paired"] is None and row["paired_runs_ms"] == []
+        assert "--paired 0" in row["null_reasons"]["x_paired"]
+    with pytest.raises(SystemExit):
+        generate.main(["--smoke-cpu", "--paired", "-1"])
+
 def test_oracle_ttft_replays_the_ttft_prompts_routing():
     # The oracle row's TTFT generate runs on another prompt than the trace it
     # was given: before it, the mode swaps in that prompt's own routing (the
