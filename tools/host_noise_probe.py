@@ -54,13 +54,13 @@ def topology() -> dict:
     return out
 
 
-def pick_cpu(siblings: dict) -> int:
-    """A CPU away from 0 (interrupts), alone on its core where the machine
-    says so."""
-    alone = [c for c, s in siblings.items() if s == str(c) and c != 0]
+def pick_cpu(siblings: dict, allowed: list) -> int:
+    """A CPU this process may run on, away from 0 (interrupts), alone on
+    its core where the machine says so."""
+    alone = [c for c in allowed if siblings.get(c) == str(c) and c != 0]
     if alone:
         return alone[len(alone) // 2]
-    return sorted(siblings)[len(siblings) // 2]
+    return allowed[len(allowed) // 2]
 
 
 def main(argv=None) -> int:
@@ -99,8 +99,8 @@ def main(argv=None) -> int:
 
     from bench.generate_modes import shared_host_experts
 
-    everything = list(range(os.cpu_count() or 1))
-    cpu = pick_cpu(topo["siblings"])
+    everything = topo["affinity"]  # what the process may use, as it started
+    cpu = pick_cpu(topo["siblings"], everything)
 
     def run(label):
         timer = StepTimer(sync)
