@@ -144,9 +144,10 @@ def make_twin(block: Block) -> None:
     spell change split. The resident row is paired with the twin too: its
     x_paired is the estimator's own bias and spread (ideally 1.00). Both
     copies are on the GPU at once, so the twin is made only where the
-    device has room for it and the largest share's cache (Qwen3-30B-A3B's
-    61 GB do not fit twice with a cache on a 141 GB H200); without it
-    x_paired is null with the reason. The twin's generated ids are checked
+    device has room for it and the block's largest cache (Qwen3-30B-A3B's
+    57 GiB twice and a cache of every expert do not fit a 140 GiB H200; at
+    a quarter they should); without it x_paired is null with the
+    reason. The twin's generated ids are checked
     against the resident row's."""
     args, torch, model = block.args, block.torch, block.model
     if not args.paired:
