@@ -135,13 +135,17 @@ def best_of_ratio(runs, resident_runs) -> float:
     thread to one CPU or turning the garbage collector off did not remove
     it. A slow spell only ever adds time, and it lands on a row or on its
     adjacent resident generates by chance, so the median of two or three
-    generates still moved a row's ratio by 0.2-0.4 between runs (run 74).
+    generates still moved a row's ratio by 0.2-0.4 between cells that
+    should match (run 74).
     The fastest of the row's --repeats generates over the fastest of as
     many resident generates right after it is the ratio of their costs on
     an undisturbed host (each side's p50 of one generate: its misses and
     copies count). Both sides take the best of the same number of
     generates. Reported as x_adjacent_best next to x_adjacent (medians),
-    not instead of it."""
+    not instead of it. Run 80 found spells as long as a row's three
+    generates, so the best of three does not cancel them either: Note
+    [Paired generates] in bench/generate_rows.py pairs each generate with a
+    resident one a second apart."""
     return min(runs) / min(resident_runs)
 
 
