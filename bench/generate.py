@@ -280,7 +280,8 @@ def main(argv=None) -> int:
                         help="pairs of generates per row against a second resident copy of the model; x_paired is "
                              "the median of the pairs' ratios (Note [Paired generates] in bench/generate_rows.py)")
     parser.add_argument("--paired-tokens", type=int, default=None, help="tokens of each paired generate "
-                        "(default 32; smoke 4)")
+                        "(default 32; smoke 4; accelerate's rows: --accelerate-tokens); a row takes about "
+                        "2 x --paired x this x its ms per token more")
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
                              "background copies too) or the compute stream only (what a caller reading tokens "

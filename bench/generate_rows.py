@@ -165,16 +165,19 @@ def make_twin(block: Block) -> None:
     block.twin_reason = None
 
 
-def paired_p50s(block: Block, mode) -> list:
-    """Note [Paired generates]: [row p50, twin p50] (ms) per pair."""
+def paired_p50s(block: Block, mode, new_tokens: int) -> list:
+    """Note [Paired generates]: [row p50, twin p50] (ms) per pair, each
+    generate of --paired-tokens, or of the row's own `new_tokens` where
+    that is fewer (accelerate's few)."""
     if block.twin is None:
         return []
+    tokens = min(block.args.paired_tokens, new_tokens)
     pairs = []
     for i in range(block.args.paired):
         got = {}
         for m in ((block.model, block.twin) if i % 2 == 0 else (block.twin, block.model)):
             timer = StepTimer(block.timer_sync)
-            generate(block.torch, m, block.prompt, block.args.paired_tokens, block.sync, timer)
+            generate(block.torch, m, block.prompt, tokens, block.sync, timer)
             if m is block.model:
                 mode.new_sequence()
             steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
@@ -208,7 +211,7 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
         out["trace_steps"] = mode.trace_steps(new_tokens)
     mode.new_sequence()
     runs = repeat_p50s(block, mode, new_tokens, steal)
-    pairs = paired_p50s(block, mode)
+    pairs = paired_p50s(block, mode, new_tokens)
     if row == "resident":
         # The floor of every row's TTFT: not the process's first
         # prefill of this shape.
