@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     everything = topo["affinity"]  # what the process may use, as it started
     cpu = pick_cpu(topo["siblings"], everything)
 
-    def run(label):
+    def run():
         timer = StepTimer(sync)
         tokens = generate(torch, model, ids, args.tokens, sync, timer)[0]
         steps = [(b - a) * 1e3 for a, b in zip(timer.times, timer.times[1:])]
@@ -132,7 +132,7 @@ def main(argv=None) -> int:
                         gc.freeze()
                         gc.disable()
                     try:
-                        out = run(row)
+                        out = run()
                     finally:
                         gc.enable()
                         gc.unfreeze()
