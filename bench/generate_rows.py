@@ -112,14 +112,10 @@ def repeat_p50s(block: Block, mode, new_tokens: int, steal: list) -> list:
     generate's host steal (ms, or None) to `steal`."""
     runs = []
     for _ in range(max(0, block.args.repeats - 1)):
-        again = StepTimer(block.timer_sync)
-        s0 = host_steal_s()
-        generate(block.torch, block.model, block.prompt, new_tokens, block.sync, again)
-        steal.append(steal_ms(s0))
+        _, p50 = decode_p50(block, block.model, new_tokens, steal)
         mode.new_sequence()
-        steps = [b - a for a, b in zip(again.times, again.times[1:])]
-        if steps:
-            runs.append(statistics.median(steps) * 1e3)
+        if p50 is not None:
+            runs.append(p50)
     return runs
 
 
@@ -127,6 +123,19 @@ def steal_ms(start):
     """ms of host steal since `start` (a host_steal_s reading), or None."""
     end = host_steal_s()
     return None if start is None or end is None else (end - start) * 1e3
+
+
+def decode_p50(block: Block, model, new_tokens: int, steal: list | None = None):
+    """One generate of the measured prompt on `model`: (its generated ids,
+    its decode p50 in ms, None without a decode step). Appends the
+    generate's host steal (ms, or None) to `steal` if given."""
+    timer = StepTimer(block.timer_sync)
+    s0 = host_steal_s()
+    ids = generate(block.torch, model, block.prompt, new_tokens, block.sync, timer)[0]
+    if steal is not None:
+        steal.append(steal_ms(s0))
+    decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
+    return ids, (statistics.median(decode) * 1e3 if decode else None)
 
 
 def make_twin(block: Block) -> None:
@@ -176,12 +185,9 @@ def paired_p50s(block: Block, mode, new_tokens: int) -> list:
     for i in range(block.args.paired):
         got = {}
         for m in ((block.model, block.twin) if i % 2 == 0 else (block.twin, block.model)):
-            timer = StepTimer(block.timer_sync)
-            generate(block.torch, m, block.prompt, tokens, block.sync, timer)
+            got[m is block.model] = decode_p50(block, m, tokens)[1]
             if m is block.model:
                 mode.new_sequence()
-            steps = [b - a for a, b in zip(timer.times, timer.times[1:])]
-            got[m is block.model] = statistics.median(steps) * 1e3
         pairs.append([got[True], got[False]])
     return pairs
 
@@ -379,12 +385,7 @@ def resident_p50_now(block: Block, steal: list):
         block.state.check()
     except RuntimeError:
         return None
-    timer = StepTimer(block.timer_sync)
-    s0 = host_steal_s()
-    generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
-    steal.append(steal_ms(s0))
-    decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
-    return statistics.median(decode) * 1e3 if decode else None
+    return decode_p50(block, block.model, block.args.new_tokens, steal)[1]
 
 
 def restore_check(block: Block, name) -> dict:
@@ -405,9 +406,6 @@ def restore_check(block: Block, name) -> dict:
         out["restore_check"] = False
         out["restore_reason"] = str(exc)
         return out
-    timer = StepTimer(block.timer_sync)
-    ids, _, _ = generate(block.torch, block.model, block.prompt, block.args.new_tokens, block.sync, timer)
-    decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
+    ids, out["resident_again_p50_ms"] = decode_p50(block, block.model, block.args.new_tokens)
     out["restore_check"] = bool(block.torch.equal(ids, block.reference))
-    out["resident_again_p50_ms"] = statistics.median(decode) * 1e3 if decode else None
     return out
