@@ -30,3 +30,16 @@ def test_gaps_split_at_the_routing_read_back(tmp_path, capsys):
     assert link_gaps.main([str(path), "--tokens", "2"]) == 0
     out = capsys.readouterr().out
     assert "1.0 gaps, 0.10 ms idle per token: gpu chain 0.03, host 0.02, other 0.05" in out
+    # busy [0,100] [200,300] [400,500] [510,520] = 310 us of a 520 us span
+    assert (g["busy_us"], g["span_us"], g["copies"]) == (310, 520, 5)
+    assert "link busy 0.15 of 0.26 ms per token (60%), 2.5 copies" in out
+
+
+def test_link_rate_counts_the_copies_bytes_over_the_busy_time():
+    link_gaps = load_tool("link_gaps")
+    h2d = "Memcpy HtoD (Pinned -> Device)"
+    events = [dict(_ev(h2d, "gpu_memcpy", 0, 100), args={"bytes": 4_000_000}),
+              dict(_ev(h2d, "gpu_memcpy", 300, 100), args={"bytes": 2_000_000}),
+              dict(_ev("Memcpy DtoH (Device -> Pinned)", "gpu_memcpy", 150, 10), args={"bytes": 64})]
+    g = link_gaps.gaps(events, 20.0)
+    assert (g["h2d_bytes"], g["busy_us"]) == (6_000_000, 200)  # the read-back's bytes are not the link's

@@ -143,10 +143,15 @@ for step in $steps; do
       for t in ${TRACES:-traces/*.json}; do
         python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares ${TRACES_SHARES:-0.25} --batches 1 --warmup 2 --steps "${E2E_STEPS:-24}" \
           --policies ${TRACES_POLICIES:-all-resident on-demand next-layer-gate oracle torch-by-hand} --budget-s "${TRACES_BUDGET_S:-150}" ${TRACES_ARGS:-} \
-          --repeats "${TRACES_REPEATS:-1}" ${TRACES_PROFILE:+--profile "$out/prof_$(basename "$t" .json)"} \
+          --repeats "${TRACES_REPEATS:-1}" ${TRACES_PROFILE:+--profile "$out/prof_$(basename "$t" .json)" --profile-steps "${TRACES_PROFILE_STEPS:-4}"} \
           --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
-        # The Chrome traces are too large to bring back; the op tables (.txt) and the rows' "profile" stay.
+        # The Chrome traces are too large to bring back; the op tables (.txt), the rows' "profile" and
+        # tools/link_gaps.py's reading of each trace stay.
+        if [ -n "${TRACES_PROFILE:-}" ]; then
+          python3 tools/link_gaps.py "$out/prof_$(basename "$t" .json)"/*.json --tokens "${TRACES_PROFILE_STEPS:-4}" \
+            2>&1 | tee "$out/link_gaps_$(basename "$t" .json).txt"
+        fi
         rm -f "$out/prof_$(basename "$t" .json)"/*.json
       done ;;
     e2edisk)

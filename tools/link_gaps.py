@@ -17,7 +17,9 @@ device-to-host copy that ends inside it:
 A gap with no device-to-host copy inside counts as "other" (the GPU idle or
 busy for another reason: sync-free layers, the token's read-back, the lm
 head). Prints, per trace, the gaps' count and milliseconds (per token with
---tokens) and the medians of the two parts."""
+--tokens) and the medians of the two parts; then the link's busy time, its
+bytes (the copies' "bytes" argument) and the rate while busy, so a link
+that runs slow is told apart from one that idles."""
 from __future__ import annotations
 
 import argparse
@@ -43,10 +45,14 @@ def gaps(events, min_us: float) -> dict:
     h2d = _spans(dev, lambda e: "htod" in e["name"].lower().replace(" ", ""))
     d2h_ends = sorted(b for _, b in _spans(dev, lambda e: "dtoh" in e["name"].lower().replace(" ", "")))
     out = {"gaps": 0, "gap_us": 0.0, "gpu_us": 0.0, "host_us": 0.0, "other_us": 0.0, "gpu_parts": [],
-           "host_parts": []}
+           "host_parts": [], "busy_us": 0.0, "span_us": 0.0, "h2d_bytes": 0, "copies": len(h2d)}
     if not h2d:
         return out
     merged = merge_spans(h2d)
+    out["busy_us"] = float(sum(b - a for a, b in merged))
+    out["span_us"] = float(merged[-1][1] - merged[0][0])
+    out["h2d_bytes"] = sum(int(e.get("args", {}).get("bytes", 0)) for e in dev
+                           if "htod" in e["name"].lower().replace(" ", ""))
     for (_, start), (end, _) in zip(merged, merged[1:]):
         if end - start < min_us:
             continue
@@ -79,6 +85,11 @@ def main(argv=None) -> int:
         print(f"{path}: {g['gaps'] / args.tokens:.1f} gaps, {g['gap_us'] / per:.2f} ms idle per token: "
               f"gpu chain {g['gpu_us'] / per:.2f}, host {g['host_us'] / per:.2f}, other {g['other_us'] / per:.2f}; "
               f"median per gap: gpu {med['gpu_parts']:.0f} us, host {med['host_parts']:.0f} us")
+        if g["busy_us"]:
+            rate = g["h2d_bytes"] / g["busy_us"] / 1e3 if g["h2d_bytes"] else float("nan")
+            print(f"  link busy {g['busy_us'] / per:.2f} of {g['span_us'] / per:.2f} ms per token "
+                  f"({g['busy_us'] / g['span_us']:.0%}), {g['copies'] / args.tokens:.1f} copies and "
+                  f"{g['h2d_bytes'] / 1e6 / args.tokens:.1f} MB per token, {rate:.1f} GB/s while busy")
     return 0
 
 
