@@ -3,7 +3,7 @@
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare abengine abbm6 (OLD_TREE=folder)
-# overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -169,6 +169,10 @@ for step in $steps; do
       # each length, the next layer's guesses queued (SSP_ARGS: shapes; a rank's share by default).
       python3 tools/speculation_start_probe.py ${SSP_ARGS:-} --json "$out/ssp${SSP_TAG:-}.json" 2>&1 \
         | tee "$out/ssp${SSP_TAG:-}.txt" || status=1 ;;
+    interference)
+      # tools/copy_interference_probe.py: BM5's resident decoder with copy traffic beside it (INTERFERENCE_ARGS).
+      python3 tools/copy_interference_probe.py ${INTERFERENCE_ARGS:-} --json "$out/interference.json" 2>&1 \
+        | tee "$out/interference.txt" || status=1 ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     disk)
