@@ -156,7 +156,12 @@ def make_twin(block: Block) -> None:
     device has room for it and the block's largest cache (Qwen3-30B-A3B's
     57 GiB twice and a cache of every expert do not fit a 140 GiB H200; at
     a quarter they should); without it x_paired is null with the
-    reason. The twin's generated ids are checked
+    reason. The room is an estimate (the saved resident experts stay on the
+    GPU during a row, and a row needs more than its cache): at Qwen3-30B-A3B
+    and a quarter the offloaded rows ran out of memory beside the twin (run
+    85), so a row that runs out of memory while the twin exists frees it
+    and runs again, and the rows from there on are unpaired (the block's
+    twin_reason says which row). The twin's generated ids are checked
     against the resident row's."""
     args, torch, model = block.args, block.torch, block.model
     if not args.paired:
@@ -172,6 +177,15 @@ def make_twin(block: Block) -> None:
     block.twin = copy.deepcopy(model)
     block.twin_ids = generate(torch, block.twin, block.prompt, args.new_tokens, block.sync)[0]
     block.twin_reason = None
+
+
+def drop_twin(block: Block, reason: str) -> None:
+    """Frees the twin; the rows after this are not paired (`reason`)."""
+    print(f"  twin {reason}", file=sys.stderr, flush=True)
+    block.twin = None
+    block.twin_reason = reason
+    if block.cuda:
+        block.torch.cuda.empty_cache()
 
 
 def paired_p50s(block: Block, mode, new_tokens: int) -> list:
@@ -351,7 +365,16 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
         if trace is None:
             return null_row(base, "not run: no recorded routing trace (on-demand did not run)")
     try:
-        res = run_row(block, row, share, trace)
+        try:
+            res = run_row(block, row, share, trace)
+        except block.torch.OutOfMemoryError:
+            if block.twin is None:
+                raise
+            # Note [Paired generates]: the twin's room was an estimate; a
+            # row it crowds out runs again without it, unpaired.
+            where = "" if share is None else f" at {share:.0%}"
+            drop_twin(block, f"dropped: {row}{where} ran out of GPU memory beside it")
+            res = run_row(block, row, share, trace)
     except RowSkipped as exc:
         return null_row(base, str(exc))
     except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run

@@ -215,6 +215,47 @@ def test_paired_generates_against_a_second_resident_copy(tmp_path):
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--paired", "-1"])
 
+def test_a_row_crowded_out_by_the_twin_runs_again_unpaired(tmp_path, monkeypatch):
+    # Note [Paired generates]: the twin's room is an estimate (run 85: Qwen3
+    # at a quarter ran out of memory beside it). A row that runs out of
+    # memory while the twin exists frees it and runs again; the rows from
+    # there on are unpaired, and the block says which row dropped it.
+    import torch
+
+    from bench import generate_rows
+
+    real = generate_rows.run_row
+    calls = []
+
+    def short_of_memory_beside_the_twin(block, row, share, trace):
+        calls.append((row, block.twin is not None))
+        if row == "on-demand" and block.twin is not None:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(block, row, share, trace)
+
+    monkeypatch.setattr(generate_rows, "run_row", short_of_memory_beside_the_twin)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--shares", "0.5", "--rows", "resident", "on-demand",
+                  "torch-by-hand", "--paired", "2", "--paired-tokens", "3", "--new-tokens", "3")
+    assert calls == [("resident", True), ("on-demand", True), ("on-demand", False), ("torch-by-hand", False)]
+    (block,) = report["blocks"]
+    assert block["twin_reason"].startswith("dropped: on-demand at 50%")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert len(rows["resident"]["paired_runs_ms"]) == 2 and rows["resident"]["x_paired"] is not None
+    for name in ("on-demand", "torch-by-hand"):
+        row = rows[name]
+        assert row.get("reason") is None and row["tokens_equal"] is True, row
+        assert row["x_paired"] is None and row["paired_runs_ms"] == []
+        assert "twin_reason" in row["null_reasons"]["x_paired"]  # which points at the block's, above
+    # An out-of-memory error without a twin is the row's own failure.
+    monkeypatch.setattr(generate_rows, "run_row",
+                        lambda block, row, share, trace: (_ for _ in ()).throw(torch.OutOfMemoryError("x"))
+                        if row == "on-demand" else real(block, row, share, trace))
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--shares", "0.5", "--rows", "resident", "on-demand",
+                  "--new-tokens", "3")
+    (row,) = [r for r in report["rows"] if r["row"] == "on-demand"]
+    assert row["reason"].startswith("failed: OutOfMemoryError")
+
+
 def test_oracle_ttft_replays_the_ttft_prompts_routing():
     # The oracle row's TTFT generate runs on another prompt than the trace it
     # was given: before it, the mode swaps in that prompt's own routing (the
