@@ -57,14 +57,16 @@ the fastest round's p50 over the fastest all-resident round's (Note [Best
 of the repeats] in bench/common.py). Each row also has
 host_us_per_layer (the first round's host time per decode layer by phase of
 the step: speculate, sync, acquire, compute launch, release, and the engine
-calls' share of them), late (acquires that found their copy under way) and
-speculation_paused_layers (Note [Speculation by its precision]).
+calls' share of them), late (acquires that found their copy under way),
+speculation_paused_layers (Note [Speculation by its precision]) and the
+engine's counts of where the copies and guesses went (ENGINE_COUNTS).
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
 in src_cpp/eviction_policy.h). --devices N splits the layers into N contiguous
 runs, one per GPU, with the cache budget split by layers; the IO floor is then
 the slowest device's (each device's Belady loads over its own raw bandwidth).
---profile DIR: after each policy's first measured run, --profile-steps more
-steps (a new sequence from step 0, its warm-up unprofiled) under
+--profile DIR: after each policy's first measured run, a fresh provider (an
+empty cache, as the measured run started) runs the warm-up steps unprofiled
+and then --profile-steps steps of the measured inputs under
 torch.profiler (Chrome traces and op tables in DIR); the row's "profile" has
 per step the wall time, the GPU's busy, compute, host-to-device and
 copy-only time and its idle time (wall - busy), and the decoder's host
@@ -92,6 +94,12 @@ from bench.e2e_providers import (  # noqa: E402
 )
 from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
+# The engine's counts over the measured steps that say where a guess went
+# (null for the rows without the engine): copied on demand, upgraded to
+# band 0 by its layer's acquire, declined by admission control, cancelled
+# before its copy, evicted unused (wasted).
+ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted")
+
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
                eviction="cyclic", profile=None, disk_dir=None, oracle_distance=2):
@@ -105,13 +113,17 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
     def route(i):
         return forced[i % len(forced)] if forced else None
 
-    provider = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir, oracle_distance=oracle_distance)
-    try:
+    def fresh():
+        made = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir, oracle_distance=oracle_distance)
         if policy == "trace":  # learn from other requests first
             for request in train_inputs:
                 for i, x in enumerate(request):
-                    dec.step(x, provider, route(i))
-                provider.ctl.new_sequence()
+                    dec.step(x, made, route(i))
+                made.ctl.new_sequence()
+        return made
+
+    provider = fresh()
+    try:
         def score_from_here():  # predictions are scored on measured steps only
             if hasattr(provider, "ctl"):
                 provider.ctl.prediction_hits = provider.ctl.predicted_total = provider.ctl.actual_total = 0
@@ -121,7 +133,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
                                            at_warmup_end=score_from_here)
         delta = {key: after[key] - before.get(key, 0)
                  for key in ("hits", "misses", "bytes", "disk_read_bytes", "late", "engine_ns",
-                             "speculation_paused_layers")
+                             "speculation_paused_layers", *ENGINE_COUNTS)
                  if after.get(key) is not None}
         # Host time per decode layer of the measured steps, by phase of
         # Decoder.step (wall clock of the one Python thread; "engine" is the
@@ -132,9 +144,18 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
             delta["host_us_per_layer"]["engine"] = delta.pop("engine_ns") * per_layer / 1e9
         delta["precision"] = after.get("precision")
         delta["recall"] = after.get("recall")
+        out_trace = getattr(provider, "trace", None)
         if profile is not None:
+            # A fresh provider, so the profiled steps start from the state
+            # the measured ones did (an empty cache after the warm-up
+            # steps): replaying the measured steps on the same provider
+            # found every expert cached (run 83: no copy in the profile of
+            # an IO-bound row).
+            if hasattr(provider, "close"):
+                provider.close()
+            provider = fresh()
             delta["profile"] = profile_steps(dec, provider, inputs, warmup, profile[1], route, profile[0])
-        return lat, delta, getattr(provider, "trace", None)
+        return lat, delta, out_trace
     finally:
         if hasattr(provider, "close"):
             provider.close()
@@ -179,6 +200,7 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         "late": delta.get("late"),
         "speculation_paused_layers": delta.get("speculation_paused_layers"),
         "host_us_per_layer": delta.get("host_us_per_layer"),
+        **{key: delta.get(key) for key in ENGINE_COUNTS},
     })
     if "profile" in delta:
         row["profile"] = delta["profile"]

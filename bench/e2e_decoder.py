@@ -239,10 +239,13 @@ class Decoder:
 def profile_steps(dec, provider, inputs, warmup, steps, route, path):
     """--profile: `steps` more decode steps (the measured inputs again, from
     `warmup` on, after their warm-up steps unprofiled) under torch.profiler,
-    after the measured ones, so the profiler's cost stays out of every figure. Writes `path`.json (Chrome
+    after the measured ones, so the profiler's cost stays out of every
+    figure; run_policy passes a fresh provider, so they start from the
+    state the measured steps started from. Writes `path`.json (Chrome
     trace) and `path`.txt (ops by device time). Returns, per step: wall ms,
     the GPU's split (bench.common.gpu_time_split; null without CUDA), idle
-    ms (wall - GPU busy) and the decoder's host phases in ms."""
+    ms (wall - GPU busy) and the decoder's host phases in ms; and over the
+    profiled steps the provider's hits, misses and bytes copied."""
     from torch.profiler import ProfilerActivity, profile
 
     from bench.common import gpu_time_split
@@ -261,6 +264,7 @@ def profile_steps(dec, provider, inputs, warmup, steps, route, path):
         ctl.new_sequence()
     for i in range(warmup):
         dec.step(inputs[i], provider, route(i) if route is not None else None)
+    before = provider.stats()
     with profile(activities=activities) as prof:
         dec.timers = timers
         try:
@@ -277,8 +281,11 @@ def profile_steps(dec, provider, inputs, warmup, steps, route, path):
     with open(path + ".txt", "w") as f:
         f.write(prof.key_averages().table(sort_by="self_device_time_total" if dec.cuda else "self_cpu_time_total",
                                           row_limit=40))
+    after = provider.stats()
     out = {"steps": steps, "wall_ms_per_step": wall * 1e3 / steps,
            "host_phase_ms_per_step": {k: v * 1e3 / steps for k, v in timers.items()}}
+    for key in ("hits", "misses", "bytes"):  # the profiled steps' own (null for the resident reference)
+        out[key] = after[key] - before[key] if key in after and key in before else None
     split = gpu_time_split(torch, prof) if dec.cuda else None
     for key in ("busy", "compute", "h2d", "copy_only"):
         out[f"gpu_{key}_ms_per_step"] = split[f"{key}_us"] / 1e3 / steps if split else None

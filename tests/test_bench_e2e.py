@@ -125,6 +125,47 @@ def test_main_loop_with_repeats_on_the_cpu(monkeypatch, tmp_path, capsys):
     assert rows[2]["precision"] == 1.0 and rows[2]["recall"] == 1.0  # the oracle replays the routing
 
 
+def _cpu_main_loop(monkeypatch):
+    """BM5's measured path needs CUDA; its device probes pointed at the CPU
+    (host backend, a tiny model) so the loop itself runs."""
+    from functools import partial
+
+    from bench.e2e_decoder import Decoder
+
+    monkeypatch.setitem(e2e.MODELS, "tiny", dict(layers=3, experts=8, top_k=2, hidden=16, inter=8))
+    monkeypatch.setattr(e2e, "Decoder", partial(Decoder, device="cpu"))
+    monkeypatch.setattr(e2e, "raw_h2d_gbps", lambda torch, nbytes, device: 50.0)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(e2e, "machine_info", lambda: {"host": "test"})
+
+
+def test_profiled_steps_start_from_the_measured_runs_state(monkeypatch, tmp_path):
+    # --profile runs the measured steps again on a fresh provider: at a
+    # cache that holds every expert the steps route to, replaying them on
+    # the measured provider would copy nothing (run 83's profiles of an
+    # IO-bound row); from an empty cache they miss what the measured run
+    # missed.
+    import json
+
+    _cpu_main_loop(monkeypatch)
+    out = tmp_path / "e2e.json"
+    assert e2e.main(["--models", "tiny", "--batches", "1", "--shares", "1.0", "--policies", "all-resident",
+                     "on-demand", "--warmup", "1", "--steps", "3", "--pool", "4", "--train", "0",
+                     "--profile", str(tmp_path / "prof"), "--profile-steps", "3", "--json", str(out)]) == 0
+    rows = {r["policy"]: r for r in json.loads(out.read_text())["rows"]}
+    od = rows["on-demand"]
+    assert od["profile"]["misses"] > 0
+    measured_misses = round((1 - od["hit_rate"]) * (od["profile"]["hits"] + od["profile"]["misses"]))
+    assert od["profile"]["misses"] == measured_misses
+    assert od["profile"]["bytes"] == od["bytes_moved"]  # the same copies, from the same state
+    assert rows["all-resident"]["profile"]["misses"] is None
+    # Where the copies went: the engine's counts for the engine row, null for the reference.
+    assert od["on_demand"] > 0 and od["declined"] == 0 and od["cancelled"] == 0
+    assert all(rows["all-resident"][key] is None for key in e2e.ENGINE_COUNTS)
+
+
 def test_profile_steps_split_a_step_on_the_cpu(tmp_path):
     # --profile's figures for a real engine run on the host backend: the
     # decoder's host phases are there (the oracle's before_sync work as
