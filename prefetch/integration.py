@@ -209,6 +209,7 @@ def offload_moe_experts(
     sync_free: bool | None = None,
     checkpoint=None,
     host_budget_bytes: int | None = None,
+    preload: bool | None = None,
 ) -> OffloadController:
     """Moves every MoE expert of `model` into the engine (page-locked host
     memory on CUDA) and rewires the MoE blocks to acquire their routed
@@ -259,7 +260,18 @@ def offload_moe_experts(
     its own eviction (Note [Experts on disk]; Note [Host tier] in
     src_cpp/archer_prefetch_handle.h), so host memory holds at most that
     much of them; the sync-free path, which reads missing experts from a
-    full host copy, is off."""
+    full host copy, is off.
+
+    `preload` (Note [Preload] in prefetch/controller.py): True queues, at
+    the least urgent band, as many experts as the cache holds (all of them
+    where they fit, else the first ones of every layer in turn), so the
+    first tokens find them cached; the copies run in the background. None
+    (default): only where every expert fits (then each would be copied on
+    its first use anyway, and none is ever evicted), and not from a
+    checkpoint's files through a host tier. False: the cache starts
+    empty."""
+    if preload not in (None, True, False):
+        raise TypeError(f"preload must be True, False or None, not {preload!r}")
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts,
@@ -279,13 +291,20 @@ def offload_moe_experts(
     handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **options)
     try:
         if hf_blocks:
-            return offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
-                                    progress=progress, host_experts=host_experts, ep=ep, sync_free=sync_free,
-                                    checkpoint=checkpoint)
-        return _offload_generic(generic, handle, predictor, record_trace)
+            controller = offload_hf_model(model, hf_blocks, handle, predictor=predictor, record_trace=record_trace,
+                                          progress=progress, host_experts=host_experts, ep=ep,
+                                          sync_free=sync_free, checkpoint=checkpoint)
+            slots = controller.read_ahead_slots
+        else:
+            slots = generic[0].capacity(handle.budget_bytes(0))  # before attach, which drops the host copies
+            controller = _offload_generic(generic, handle, predictor, record_trace)
     except BaseException:
         handle.close()
         raise
+    registered = sum(1 for _ in controller.prefetcher.registered_experts())
+    if preload or (preload is None and registered <= slots and host_budget_bytes is None):
+        controller.preload(slots)
+    return controller
 
 
 def layer_handle_options(num_layers: int, handle_options: dict | None = None) -> dict:

@@ -113,8 +113,10 @@ def test_sync_free_decode_matches_original(family, slots):
     traces = {}
     for sync_free in (None, False):
         model = copy.deepcopy(ref)
+        # preload=False: the first reads of every expert come from host
+        # memory (a preloaded cache would hold them all at "all").
         ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
-                                  record_trace=True, sync_free=sync_free)
+                                  record_trace=True, sync_free=sync_free, preload=False)
         try:
             assert ctl.sync_free is (sync_free is None)
             seq, logits = greedy(model, ids, steps=6)
@@ -145,7 +147,7 @@ def test_sync_free_warms_the_cache_and_then_hits():
     model = build(cfg, experts_implementation="batched_mm")
     per, num_experts = expert_bytes(model)
     ctl = offload_moe_experts(model, device_budget_bytes=num_experts * cfg.num_hidden_layers * (per + 512),
-                              backend="host")
+                              backend="host", preload=False)
     try:
         ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
         greedy(model, ids, steps=4)
@@ -176,7 +178,7 @@ def test_prefill_reads_the_next_layer_ahead():
                                      (num_experts + 3, None, 0)):
         model = copy.deepcopy(ref)
         ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
-                                  predictor=predictor, sync_free=False)
+                                  predictor=predictor, sync_free=False, preload=False)
         try:
             seq, logits = greedy(model, ids, steps=1)  # the prefill only
             assert ctl.read_aheads == expect
@@ -206,7 +208,7 @@ def test_each_step_takes_the_path_its_misses_call_for(gate):
     for count, sync_free_at_end in ((3, False), (num_experts * cfg.num_hidden_layers, True)):
         model = copy.deepcopy(ref)
         ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
-                                  predictor=NextLayerGatePredictor() if gate else None)
+                                  predictor=NextLayerGatePredictor() if gate else None, preload=False)
         try:
             seq, _ = greedy(model, ids, steps=8)
             assert torch.equal(seq, seq_ref)
@@ -326,7 +328,7 @@ def test_sync_free_engine_calls_per_layer_then_per_step():
     cfg = family_configs()["olmoe"]
     ref = build(cfg, experts_implementation="batched_mm")
     model = copy.deepcopy(ref)
-    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", preload=False)
     real = ctl.handle
     ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
     greedy(model, ids, steps=3)  # reads every expert it routes to once, and prefetches it
@@ -367,7 +369,7 @@ def test_steady_pins_end_at_a_miss():
     # Room for every expert: the first request, run again once its copies
     # have landed, misses nothing; the other one's prompt and batch of 2
     # route to experts the first never read (first reads: misses).
-    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=True, preload=False)
     real = ctl.handle
     try:
         first = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
@@ -431,6 +433,51 @@ def test_sync_free_scores_host_guesses_and_pauses_wrong_ones():
                 assert r["speculation_paused_layers"] > 0 and predictor.calls < layers // 2
         finally:
             ctl.close()
+
+
+def test_preload_fills_the_cache_before_the_first_token():
+    # Note [Preload]: where every expert fits, the cache starts filling at
+    # offload (the least urgent band) and the first tokens find every
+    # expert cached; a smaller cache preloads only when asked, the first
+    # experts of every layer in turn, as many as it holds. The bits are the
+    # untouched model's either way.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    layers = cfg.num_hidden_layers
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, logits_ref = greedy(ref, ids, steps=4)
+    for count, preload, want in ((num_experts * layers, None, num_experts * layers), (5, None, 0),
+                                 (5, True, 5), (num_experts * layers, False, 0)):
+        model = copy.deepcopy(ref)
+        ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host",
+                                  preload=preload)
+        try:
+            assert ctl.preloaded == want and ctl.report()["preloaded"] == want
+            s = wait_drained(ctl.handle)
+            assert s["resident_count"] == want and s["copies"] == want and s["evictions"] == 0
+            held = set(ctl.handle.resident())
+            resident = [(layer, e) for layer in range(layers) for e in range(num_experts)
+                        if ctl.prefetcher.tensor_id(layer, e) in held]
+            if want == 5:  # the first experts of every layer in turn
+                assert resident == [(0, 0), (0, 1), (1, 0), (1, 1), (2, 0)]
+            seq, logits = greedy(model, ids, steps=4)
+            assert torch.equal(seq, seq_ref)
+            for a, b in zip(logits, logits_ref):
+                assert torch.equal(a, b)
+            report = ctl.report()
+            if count == num_experts * layers and preload is None:
+                # every read found its expert cached: no read from host
+                # memory, no copy after the preload's
+                assert report["hit_rate"] == 1.0 and report["zero_copy_reads"] == 0
+                assert report["copies"] == want
+        finally:
+            ctl.close()
+    untouched = copy.deepcopy(ref)
+    with pytest.raises(TypeError, match="preload"):
+        offload_moe_experts(untouched, device_budget_bytes=1 << 20, backend="host", preload="yes")
+    assert offloaded_experts(untouched) == []
+    assert torch.equal(greedy(untouched, ids, steps=4)[0], seq_ref)
 
 
 def test_offloaded_experts_hold_no_weights():
