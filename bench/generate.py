@@ -93,6 +93,8 @@ Figures per row:
   steady_steps      engine rows on the sync-free path: steps that pinned
                     every layer in one engine call (Note [Steady pins];
                     report(); over the whole row, warm-up included)
+  preloaded         engine rows: experts queued at offload (Note [Preload]:
+                    all of them where every expert fits the budget, else 0)
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also

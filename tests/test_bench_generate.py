@@ -256,6 +256,23 @@ def test_a_row_crowded_out_by_the_twin_runs_again_unpaired(tmp_path, monkeypatch
     assert row["reason"].startswith("failed: OutOfMemoryError")
 
 
+def test_engine_rows_preload_a_cache_that_holds_every_expert(tmp_path):
+    # Note [Preload]: at a cache of every expert the engine rows start with
+    # every expert queued at offload and the measured generate hits every
+    # time; at half, nothing is preloaded. The tokens are the resident's.
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--shares", "0.5", "1.0", "--rows", "resident", "on-demand",
+                  "gate", "--new-tokens", "3")
+    rows = [r for r in report["rows"] if r["row"] in ("on-demand", "gate")]
+    assert len(rows) == 4
+    for row in rows:
+        assert row.get("reason") is None and row["tokens_equal"] is True, row
+        if row["share"] == 1.0:
+            assert row["preloaded"] == 4 * 8  # every (layer, expert) of the smoke model
+            assert row["hit_rate"] == 1.0
+        else:
+            assert row["preloaded"] == 0
+
+
 def test_oracle_ttft_replays_the_ttft_prompts_routing():
     # The oracle row's TTFT generate runs on another prompt than the trace it
     # was given: before it, the mode swaps in that prompt's own routing (the
