@@ -666,7 +666,7 @@ class OffloadController(SyncFreeDecode):
 
     # -- reporting
 
-    def preload(self, slots: int) -> int:
+    def preload(self, slots: int, *, only_if_all: bool = False) -> int:
         """Note [Preload]
         A cache starts empty, so the first tokens after offloading copy on
         demand every expert they route to, and until every routed expert
@@ -676,7 +676,8 @@ class OffloadController(SyncFreeDecode):
         and guess goes first), as many of the registered experts as
         `slots` cache slots hold: all of them layer by layer where they
         fit, otherwise the first experts of every layer in turn, so each
-        layer starts with the same share. Returns how many were queued."""
+        layer starts with the same share; with `only_if_all`, nothing
+        unless all of them fit. Returns how many were queued."""
         by_layer: dict = {}
         for layer, expert in self.prefetcher.registered_experts():
             by_layer.setdefault(layer, []).append(expert)
@@ -684,6 +685,8 @@ class OffloadController(SyncFreeDecode):
         total = sum(len(v) for v in by_layer.values())
         if total <= slots:
             chosen = [(layer, e) for layer in layers for e in sorted(by_layer[layer])]
+        elif only_if_all:
+            return 0
         else:
             ranked = {layer: sorted(by_layer[layer]) for layer in layers}
             chosen = [(layer, ranked[layer][k]) for k in range(max(len(v) for v in ranked.values()))

@@ -301,9 +301,8 @@ def offload_moe_experts(
     except BaseException:
         handle.close()
         raise
-    registered = sum(1 for _ in controller.prefetcher.registered_experts())
-    if preload or (preload is None and registered <= slots and host_budget_bytes is None):
-        controller.preload(slots)
+    if preload or (preload is None and host_budget_bytes is None):
+        controller.preload(slots, only_if_all=preload is None)
     return controller
 
 

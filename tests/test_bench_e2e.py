@@ -92,39 +92,6 @@ def test_repeats_take_the_median_round_and_its_adjacent_resident():
     assert row["hit_rate"] == 0.75 and row["bytes_moved"] == 8  # the first round's counters
 
 
-def test_main_loop_with_repeats_on_the_cpu(monkeypatch, tmp_path, capsys):
-    # BM5's measured path needs CUDA; here its device probes are pointed at
-    # the CPU (host backend, a tiny model) so the loop itself runs: rounds,
-    # the per-round resident, the floor and the JSON.
-    import json
-    from functools import partial
-
-    import torch
-
-    from bench.e2e_decoder import Decoder
-
-    monkeypatch.setitem(e2e.MODELS, "tiny", dict(layers=3, experts=8, top_k=2, hidden=16, inter=8))
-    monkeypatch.setattr(e2e, "Decoder", partial(Decoder, device="cpu"))
-    monkeypatch.setattr(e2e, "raw_h2d_gbps", lambda torch, nbytes, device: 50.0)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
-    monkeypatch.setattr(e2e, "machine_info", lambda: {"host": "test"})
-    out = tmp_path / "bm5.json"
-    assert e2e.main(["--models", "tiny", "--batches", "1", "--shares", "0.5", "--policies", "all-resident",
-                     "on-demand", "oracle", "torch-by-hand", "--warmup", "1", "--steps", "3", "--pool", "4",
-                     "--train", "0", "--repeats", "3", "--json", str(out)]) == 0
-    rows = json.loads(out.read_text())["rows"]
-    assert [r["policy"] for r in rows] == ["all-resident", "on-demand", "oracle", "torch-by-hand"]
-    for r in rows:
-        assert len(r["p50_runs_ms"]) == 3 and len(r["resident_runs_ms"]) == 3, r
-        assert r["x_adjacent"] > 0 and r["over_floor"] > 0
-        if r["policy"] != "all-resident":  # its p50 is settled as the faster of its first and last run
-            assert r["p50_ms"] == sorted(r["p50_runs_ms"])[1]
-    assert rows[0]["resident_runs_ms"] == rows[0]["p50_runs_ms"]  # each round's own resident run
-    assert rows[2]["precision"] == 1.0 and rows[2]["recall"] == 1.0  # the oracle replays the routing
-
-
 def _cpu_main_loop(monkeypatch):
     """BM5's measured path needs CUDA; its device probes pointed at the CPU
     (host backend, a tiny model) so the loop itself runs."""
@@ -139,6 +106,28 @@ def _cpu_main_loop(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
     monkeypatch.setattr(e2e, "machine_info", lambda: {"host": "test"})
+
+
+def test_main_loop_with_repeats_on_the_cpu(monkeypatch, tmp_path, capsys):
+    # BM5's measured path needs CUDA; here its device probes are pointed at
+    # the CPU (host backend, a tiny model) so the loop itself runs: rounds,
+    # the per-round resident, the floor and the JSON.
+    import json
+
+    _cpu_main_loop(monkeypatch)
+    out = tmp_path / "bm5.json"
+    assert e2e.main(["--models", "tiny", "--batches", "1", "--shares", "0.5", "--policies", "all-resident",
+                     "on-demand", "oracle", "torch-by-hand", "--warmup", "1", "--steps", "3", "--pool", "4",
+                     "--train", "0", "--repeats", "3", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["policy"] for r in rows] == ["all-resident", "on-demand", "oracle", "torch-by-hand"]
+    for r in rows:
+        assert len(r["p50_runs_ms"]) == 3 and len(r["resident_runs_ms"]) == 3, r
+        assert r["x_adjacent"] > 0 and r["over_floor"] > 0
+        if r["policy"] != "all-resident":  # its p50 is settled as the faster of its first and last run
+            assert r["p50_ms"] == sorted(r["p50_runs_ms"])[1]
+    assert rows[0]["resident_runs_ms"] == rows[0]["p50_runs_ms"]  # each round's own resident run
+    assert rows[2]["precision"] == 1.0 and rows[2]["recall"] == 1.0  # the oracle replays the routing
 
 
 def test_profiled_steps_start_from_the_measured_runs_state(monkeypatch, tmp_path):
