@@ -58,8 +58,11 @@ def top4_config():
 def _offload(model, group, slots, **kw):
     import prefetch
 
+    # preload=False: the poison below overwrites the whole arena, so it
+    # must come before any copy (a preloaded expert it overwrote came out
+    # as NaN logits, in CI on a715938).
     ctl = prefetch.offload_moe_experts(model, device_budget_bytes=slots_budget(model, slots), backend="host",
-                                       process_group=group, **kw)
+                                       process_group=group, preload=False, **kw)
     # Every slot NaN until a copy fills it (0xFF bytes): a computation that
     # reads a slot it did not acquire, even times a zero routing weight,
     # shows up as NaN logits instead of passing by luck (a batched_mm rank
@@ -145,6 +148,20 @@ def scenario_tokens_and_errors(rank, group):
         seq, logits = greedy(model, prompt(model.config, 2), steps=6)
         out["steady"] = {"seq": seq, "logits": logits, "steady_steps": ctl.steady_steps - before,
                          "pinned": ctl.handle.stats()["pinned_count"]}
+    finally:
+        ctl.close()
+    # Note [Preload] over a rank's slice: room for all of its experts, so
+    # each rank queues its own at offload (no poison: it would overwrite
+    # them), and the first request decodes on them.
+    import prefetch
+
+    model = build(top4_config(), dtype=torch.bfloat16, experts_implementation="batched_mm")
+    ctl = prefetch.offload_moe_experts(model, device_budget_bytes=slots_budget(model, 16), backend="host",
+                                       process_group=group)
+    try:
+        seq, logits = greedy(model, prompt(model.config, 2), steps=6)
+        out["preload"] = {"seq": seq, "logits": logits, "preloaded": ctl.report()["preloaded"],
+                          "registered": sum(1 for _ in ctl.prefetcher.registered_experts())}
     finally:
         ctl.close()
     # The oracle's next-use hints on sync-free steps: only this rank's
@@ -388,6 +405,10 @@ def test_two_ranks_match_one_process(tmp_path, monkeypatch):
         for a, b in zip(steady["logits"], refs["batched_mm"][1]):
             assert torch.equal(a, b)
         assert steady["steady_steps"] > 0 and steady["pinned"] == 0
+        pre = g["preload"]
+        assert pre["preloaded"] == pre["registered"] > 0  # this rank's experts, all of them
+        assert torch.equal(pre["seq"], refs["batched_mm"][0])
+        assert all(torch.equal(a, b) for a, b in zip(pre["logits"], refs["batched_mm"][1]))
         # Synced batched_mm computes only this rank's (token, k) pairs: the
         # ranks split every layer's rows between them. Sync-free, the
         # routing is not on the host: every rank computes every row.
