@@ -678,19 +678,18 @@ class OffloadController(SyncFreeDecode):
         fit, otherwise the first experts of every layer in turn, so each
         layer starts with the same share; with `only_if_all`, nothing
         unless all of them fit. Returns how many were queued."""
-        by_layer: dict = {}
-        for layer, expert in self.prefetcher.registered_experts():
-            by_layer.setdefault(layer, []).append(expert)
-        layers = sorted(by_layer)
-        total = sum(len(v) for v in by_layer.values())
-        if total <= slots:
-            chosen = [(layer, e) for layer in layers for e in sorted(by_layer[layer])]
-        elif only_if_all:
-            return 0
-        else:
-            ranked = {layer: sorted(by_layer[layer]) for layer in layers}
-            chosen = [(layer, ranked[layer][k]) for k in range(max(len(v) for v in ranked.values()))
-                      for layer in layers if k < len(ranked[layer])][:max(0, slots)]
+        chosen = sorted(self.prefetcher.registered_experts())  # layer by layer
+        if len(chosen) > slots:
+            if only_if_all:
+                return 0
+            # Each expert's rank in its layer: the layers' first experts,
+            # then their second ones, and so on.
+            rank: dict = {}
+            ranked = []
+            for layer, e in chosen:
+                ranked.append((rank.get(layer, 0), layer, e))
+                rank[layer] = rank.get(layer, 0) + 1
+            chosen = [(layer, e) for _, layer, e in sorted(ranked)][:max(0, slots)]
         if not chosen:
             return 0
         ids = np.fromiter((self.prefetcher.tensor_id(layer, e) for layer, e in chosen), dtype=np.int64,
