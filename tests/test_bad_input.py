@@ -2,6 +2,7 @@
 was: same queue, same residents, same counters."""
 import numpy as np
 import pytest
+from conftest import wait_drained
 
 import prefetch
 
@@ -135,6 +136,9 @@ def test_duplicate_ids_are_deduplicated(h):
 def test_release_without_acquire_and_double_release(h):
     h.resume()
     h.acquire([2], timeout=10)
+    # The fixture's prefetches of 0 and 1 run meanwhile: let them land, or
+    # one lands between the snapshots (CI on ed33fdc, under ASan).
+    wait_drained(h)
     before = snapshot(h)
     with pytest.raises(RuntimeError, match="tensor id 3 is not acquired"):
         h.release([2, 3])  # all-or-nothing: 2 stays pinned
