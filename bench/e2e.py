@@ -44,6 +44,9 @@ own):
                    read from it (O_DIRECT) through the engine's host tier of
                    half of all the expert bytes (Note [Host tier]): the
                    "host budget below the expert bytes" cell of #15
+An engine policy may carry PrefetchHandle options, integers after a
+colon: "oracle:copy_poll_us=0" or "on-demand:copy_lanes=1,copy_chunk_bytes=
+8388608" is a row of its own, so settings compare in one process.
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
@@ -91,6 +94,7 @@ from bench.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E
 from bench.e2e_providers import (  # noqa: E402
     make_provider,
     policy_eviction,
+    split_policy,
 )
 from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
@@ -115,7 +119,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
 
     def fresh():
         made = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir, oracle_distance=oracle_distance)
-        if policy == "trace":  # learn from other requests first
+        if policy.partition(":")[0] == "trace":  # learn from other requests first
             for request in train_inputs:
                 for i, x in enumerate(request):
                     dec.step(x, made, route(i))
@@ -165,7 +169,8 @@ def profile_of(args, name, batch, policy, share=None):
     """run_policy's `profile` for a run (None without --profile)."""
     if not args.profile:
         return None
-    tag = f"{name}_b{batch}" + ("" if share is None else f"_{share:g}") + f"_{policy}"
+    tag = f"{name}_b{batch}" + ("" if share is None else f"_{share:g}") + "_" + policy.replace(":", "_").replace(
+        "=", "-").replace(",", "_")
     return os.path.join(args.profile, tag), args.profile_steps
 
 
@@ -206,12 +211,23 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         row["profile"] = delta["profile"]
 
 
+def policy_arg(text: str) -> str:
+    """--policies: a policy, with handle options or not (split_policy)."""
+    try:
+        split_policy(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    return text
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.25, 0.5])
-    parser.add_argument("--policies", nargs="+", default=list(POLICIES), choices=list(POLICIES))
+    parser.add_argument("--policies", nargs="+", default=list(POLICIES), type=policy_arg, metavar="POLICY",
+                        help=f"of {', '.join(POLICIES)}; an engine policy may carry PrefetchHandle options, "
+                             "as oracle:copy_poll_us=0 (a row of its own)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--train", type=int, default=3, help="past requests the trace predictor learns from")
@@ -415,7 +431,7 @@ def smoke_cpu(torch, args) -> int:
     inputs = dec.inputs(4, 2, seed=0)
     outs = {}
     trace = None
-    runs = [(policy, False) for policy in POLICIES]
+    runs = [(policy, False) for policy in POLICIES] + [("oracle:copy_poll_us=0,copy_lanes=1", False)]
     if dec.grouped:
         runs += [(policy, True) for policy in ("all-resident", "on-demand", "torch-by-hand")]
     for policy, per_expert in runs:

@@ -351,10 +351,35 @@ class ByHandProvider:
             c.slots = c.gate_up = c.down = None
 
 
+def split_policy(policy: str):
+    """A BM5 policy with PrefetchHandle options, "oracle:copy_poll_us=0" or
+    "on-demand:copy_lanes=1,copy_chunk_bytes=8388608": (the policy, {option:
+    int}); a plain policy gives {}. Options only go with engine policies."""
+    from bench.e2e_decoder import ENGINE_POLICIES, POLICIES
+
+    base, _, rest = policy.partition(":")
+    if base not in POLICIES:
+        raise ValueError(f"unknown policy {base!r} (one of {', '.join(POLICIES)})")
+    options = {}
+    for item in filter(None, rest.split(",")):
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"policy {policy!r}: write options as name=int, comma-separated")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise ValueError(f"policy {policy!r}: {key} must be an int, got {value!r}") from None
+    if options and base not in ENGINE_POLICIES:
+        raise ValueError(f"policy {policy!r}: handle options need an engine policy ({', '.join(ENGINE_POLICIES)})")
+    return base, options
+
+
 def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None, disk_dir=None,
                   oracle_distance=2):
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
+    policy, options = split_policy(policy)
+    handle_options = {**(handle_options or {}), **options} or None
     spec = dec.spec
     if policy == "all-resident":
         return ResidentProvider(dec)
@@ -378,5 +403,6 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
 
 
 def policy_eviction(policy: str, eviction: str) -> str:
-    """The engine eviction policy a BM5 policy runs with."""
-    return "next-use" if policy == "oracle" else eviction
+    """The engine eviction policy a BM5 policy (with or without options)
+    runs with."""
+    return "next-use" if policy.partition(":")[0] == "oracle" else eviction

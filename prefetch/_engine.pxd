@@ -97,6 +97,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         size_t max_bytes_in_flight
         size_t max_speculative_bytes_in_flight
         int copy_lanes
+        int64_t copy_poll_us
         bool start_paused
         bool poison_freed_slots
         int64_t debug_issue_delay_ns

@@ -75,8 +75,8 @@ cdef class PrefetchHandle(_HandleBase):
     """PrefetchHandle(*, device_budget_bytes, backend='auto', num_devices=None,
         eviction_policy='lru', cycle_acquires=0, copy_chunk_bytes=4194304,
         max_bytes_in_flight=268435456, max_speculative_bytes_in_flight=None,
-        copy_lanes=2, start_paused=False, poison_freed_slots=False,
-        host_budget_bytes=0, disk_direct_io=True, disk_reader_threads=2,
+        copy_lanes=2, copy_poll_us=20, start_paused=False,
+        poison_freed_slots=False, host_budget_bytes=0, disk_direct_io=True, disk_reader_threads=2,
         faults=None, debug_issue_delay_us=0)
 --
 
@@ -128,13 +128,21 @@ cdef class PrefetchHandle(_HandleBase):
         Asynchronous backends: bytes of prefetch (band > 0) copies in flight
         at most (None: 2 x copy_chunk_bytes), so an on-demand copy queues
         behind little speculation; no prefetch copy starts while an on-demand
-        one is in flight (Note [Speculation never hurts]).
+        one is in flight (Note [Speculation never hurts]). Counted by
+        chunk: a prefetch larger than this is issued a chunk at a time
+        (Note [Speculation in chunks]).
     copy_lanes=2
         Copy streams per device for prefetches (1..8): entries alternate
         between them, which lifts small copies closer to full bandwidth on
         CUDA; on-demand copies have a stream of their own, of the highest
         priority. The host backend copies with memcpy on its worker thread
         whatever this says.
+    copy_poll_us=20
+        Asynchronous backends: how a copy worker waits for its copies in
+        flight (0..100000). It asks whether the copy is done every this many
+        microseconds and sleeps in between; 0 blocks in the backend's wait
+        instead, which on CUDA spins a CPU core inside the driver and slows
+        the serving thread beside it (Note [Polite waits]).
     start_paused=False
         True: the workers start paused and copy nothing until ``resume()``
         (benchmarks and tests fill the queue first).
@@ -170,6 +178,7 @@ cdef class PrefetchHandle(_HandleBase):
         max_bytes_in_flight=256 << 20,
         max_speculative_bytes_in_flight=None,
         copy_lanes=2,
+        copy_poll_us=20,
         start_paused=False,
         poison_freed_slots=False,
         host_budget_bytes=0,
@@ -195,6 +204,7 @@ cdef class PrefetchHandle(_HandleBase):
         _check_limits(options, cycle_acquires, copy_chunk_bytes, max_bytes_in_flight,
                       max_speculative_bytes_in_flight, copy_lanes, start_paused,
                       poison_freed_slots, debug_issue_delay_us)
+        options.copy_poll_us = _int_option("copy_poll_us", copy_poll_us, 0, 100000)
         options.host_budget_bytes = _int_option(
             "host_budget_bytes", host_budget_bytes, 0, _INT64_MAX)
         options.disk_direct_io = _flag_option("disk_direct_io", disk_direct_io)

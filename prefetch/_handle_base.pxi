@@ -233,7 +233,9 @@ cdef class _HandleBase:
         """Fault backend only: change injected faults while running.
         copy_delay_us, fail_every_nth_copy (a PrefetchError), throw_every_nth_copy
         (a non-std C++ exception), alloc_delay_us, fail_every_nth_alloc,
-        report_async, fail_every_nth_record (a release's stream token); 0 = off."""
+        report_async, fail_every_nth_record (a release's stream token),
+        async_copy_us (with report_async: copies complete that long after
+        the last one on a simulated link per device); 0 = off."""
         self._check_open()
         if self._faults.get() == NULL:
             raise RuntimeError("set_faults needs backend='fault'")
@@ -246,7 +248,8 @@ cdef class _HandleBase:
             raise RuntimeError("fault_counts needs backend='fault'")
         return {
             k: self._faults.get().Get(k.encode())
-            for k in ("copies", "allocs", "copy_failures", "alloc_failures", "stream_records")
+            for k in ("copies", "allocs", "copy_failures", "alloc_failures", "stream_records",
+                      "max_lane_bytes_in_flight", "max_urgent_latency_us", "live_tokens")
         }
 
     def _debug_fill_cache(self, int value):

@@ -22,6 +22,7 @@ ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
                                  ? options.max_speculative_bytes_in_flight
                                  : 2 * options.copy_chunk_bytes),
       copy_lanes_(options.copy_lanes),
+      copy_poll_us_(options.copy_poll_us),
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
       poison_freed_slots_(options.poison_freed_slots),
       owner_pid_(static_cast<long>(::getpid())),
@@ -69,6 +70,11 @@ void ArcherPrefetchHandle::CheckOptions(const HandleOptions& options) const {
   if (copy_chunk_bytes_ == 0) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "copy_chunk_bytes must be > 0");
+  }
+  if (copy_poll_us_ < 0 || copy_poll_us_ > kMaxCopyPollUs) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "copy_poll_us must be in 0.." +
+                            std::to_string(kMaxCopyPollUs));
   }
   if (options.disk_reader_threads < 1 || options.disk_reader_threads > 64) {
     throw PrefetchError(ErrorKind::kInvalidArgument,

@@ -56,6 +56,8 @@ constexpr int64_t kMaxTensorId = (int64_t{1} << 31) - 1;  // registry bound
 constexpr int kMaxDevices = 64;                            // notify bitmask
 constexpr size_t kDefaultChunkBytes = size_t{4} << 20;     // 4 MiB per copy
 constexpr size_t kDefaultMaxBytesInFlight = size_t{256} << 20;
+constexpr int64_t kDefaultCopyPollUs = 20;
+constexpr int64_t kMaxCopyPollUs = 100000;  // 0.1 s
 constexpr uint8_t kPoisonByte = 0xDB;  // freed slots, with poison_freed_slots
 
 struct HandleOptions {
@@ -69,9 +71,15 @@ struct HandleOptions {
   uint64_t cycle_acquires = 0;
   size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
   size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
-  // Speculative (band > 0) bytes in flight before the worker waits; 0 means
-  // 2 * copy_chunk_bytes. Bounds what an on-demand copy queues behind.
+  // Speculative (band > 0) bytes in flight before the worker waits, counted
+  // by chunk (Note [Speculation in chunks]); 0 means 2 * copy_chunk_bytes.
+  // Bounds what an on-demand copy queues behind.
   size_t max_speculative_bytes_in_flight = 0;
+  // How a copy worker waits for its copies in flight (Note [Polite waits]):
+  // > 0: it asks the backend whether the copy is done every this many
+  // microseconds and sleeps in between; 0: it blocks in the backend's wait
+  // (on CUDA cuEventSynchronize, which spins a core).
+  int64_t copy_poll_us = kDefaultCopyPollUs;
   int copy_lanes = 2;  // prefetch streams per device (1..kMaxCopyLanes)
   bool start_paused = false;         // workers idle until Resume()
   bool poison_freed_slots = false;   // debug: fill freed slots with kPoisonByte
@@ -336,6 +344,22 @@ class ArcherPrefetchHandle {
   // Called by the worker and by acquirers issuing their own misses.
   void CopyEntryLocked(DeviceState* dev, Entry* e, MutexLock& lk)
       REQUIRES(mu_);
+  // Note [Speculation in chunks]: before each chunk of a speculative copy
+  // after its first, waits (mu_ dropped) while this copy's chunks still in
+  // flight and the other copies in flight would exceed
+  // max_speculative_bytes_in_flight with the next chunk, or while an
+  // on-demand copy is in flight or being issued. Returns at once when the
+  // entry is pinned (an acquirer waits for it), the handle stops, or none of
+  // its chunks is in flight. `chunks`: this copy's chunk tokens not yet
+  // seen done, each with its bytes and its own reference.
+  void PaceSpeculativeChunkLocked(
+      DeviceState* dev, Entry* e, size_t next,
+      std::deque<std::pair<CopyToken, size_t>>* chunks, MutexLock& lk)
+      REQUIRES(mu_);
+  // Waits for `token` with mu_ dropped, as copy_poll_us says (Note [Polite
+  // waits]); holds its own reference for the wait. A failed wait is left to
+  // whoever acquires the entry.
+  void WorkerWaitLocked(CopyToken token, MutexLock& lk) REQUIRES(mu_);
   // One backend copy of `bytes` to `dst`, with mu_ dropped: on success
   // *token becomes the copy's token (the previous one is returned), else
   // the error text comes back (never throws).
@@ -492,6 +516,7 @@ class ArcherPrefetchHandle {
   const size_t max_bytes_in_flight_;
   const size_t max_speculative_bytes_;
   const int copy_lanes_;
+  const int64_t copy_poll_us_;
   const int64_t debug_issue_delay_ns_;
   const bool poison_freed_slots_;
   const long owner_pid_;  // process that built the handle (fork detection)

@@ -14,11 +14,15 @@
 // never releases a token that another thread may still wait on.
 #pragma once
 
+#include <chrono>
 #include <cstddef>
 #include <atomic>
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "disk_io.h"
 #include "errors.h"
@@ -140,12 +144,23 @@ struct FaultConfig {
   std::atomic<int64_t> fail_every_nth_record{0};  // kCopyFailed on the Nth RecordOnStream
   std::atomic<int64_t> eio_every_nth_read{0};   // the Nth disk read gets EIO
   std::atomic<int64_t> short_every_nth_read{0}; // the Nth disk read ends early
+  // > 0: a simulated link per device (with report_async): each copy's token
+  // completes this many microseconds after the later of its call and the
+  // device's previous copy's completion (the bytes are copied at once).
+  std::atomic<int64_t> async_copy_us{0};
   std::atomic<int64_t> copies{0};               // Copy calls seen
   std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
   std::atomic<int64_t> copy_failures{0};        // injected copy failures
   std::atomic<int64_t> alloc_failures{0};       // injected alloc failures
   std::atomic<int64_t> stream_records{0};       // RecordOnStream calls seen
   std::atomic<int64_t> reads{0};                // disk reads seen
+  // With async_copy_us: the most prefetch-lane bytes (urgent=false) not yet
+  // complete on the simulated link, the new copy's included, over every
+  // prefetch-lane Copy call; and the longest an urgent copy's token took
+  // to complete after its call (how long a miss queued), in microseconds.
+  std::atomic<int64_t> max_lane_bytes_in_flight{0};
+  std::atomic<int64_t> max_urgent_latency_us{0};
+  std::atomic<int64_t> live_tokens{0};  // simulated tokens not yet released
 
   // By name, for bindings; unknown names throw kInvalidArgument.
   void Set(const std::string& name, int64_t value);
@@ -158,9 +173,14 @@ class FaultBackend final : public CompletedCopiesBackend {
   FaultBackend(int device_count, std::shared_ptr<FaultConfig> config)
       : host_(device_count), config_(std::move(config)) {}
   const char* Name() const override { return "fault"; }
-  // Copies still complete before Copy returns (every token is done), but
-  // with report_async the engine takes its async paths, so they run on CPUs.
+  // Copies still complete before Copy returns, but with report_async the
+  // engine takes its async paths, so they run on CPUs; with async_copy_us
+  // too the tokens complete later, on a simulated link.
   bool IsAsync() const override { return config_->report_async != 0; }
+  bool Query(CopyToken token) override;
+  void Wait(CopyToken token) override;
+  void ReleaseToken(CopyToken token) noexcept override;
+  void RetainToken(CopyToken token) noexcept override;
   int DeviceCount() const override { return host_.DeviceCount(); }
   void* AllocateHost(size_t bytes) override;
   void FreeHost(void* ptr, size_t bytes) noexcept override {
@@ -181,8 +201,20 @@ class FaultBackend final : public CompletedCopiesBackend {
   DiskFault NextReadFault() override;
 
  private:
+  // A token of the simulated link: done at `done_at`.
+  struct SimToken {
+    std::chrono::steady_clock::time_point done_at;
+    std::atomic<int> refs{1};
+  };
+  CopyToken SimulateLink(int device, size_t bytes, bool urgent);
+
   HostBackend host_;                     // does the real work
   std::shared_ptr<FaultConfig> config_;  // shared with the test
+  std::mutex link_mu_;  // guards link_free_at_ and lane_copies_
+  std::vector<std::chrono::steady_clock::time_point> link_free_at_;
+  // Prefetch-lane copies not known complete: (done_at, bytes).
+  std::vector<std::pair<std::chrono::steady_clock::time_point, size_t>>
+      lane_copies_;
 };
 
 // Creates the CUDA backend if the driver library loads and has a device;

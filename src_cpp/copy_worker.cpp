@@ -3,9 +3,17 @@
 #include "archer_prefetch_handle.h"
 #include "handle_internal.h"
 
+#ifdef __linux__
+#include <sys/prctl.h>
+#endif
+
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstring>
+#include <deque>
+#include <thread>
+#include <utility>
 
 namespace prefetch {
 
@@ -58,8 +66,9 @@ void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
 // - While an on-demand copy is being issued or in flight on a device, its
 //   worker starts no speculative copy: the link belongs to the misses.
 // - Speculative bytes in flight are capped (max_speculative_bytes_in_flight,
-//   default two chunks), so a miss issued now queues behind at most that
-//   much speculation on the copy engines.
+//   default two chunks), counted by chunk (Note [Speculation in chunks]), so
+//   a miss issued now queues behind at most that much speculation on the
+//   copy engines, however large the speculative entry.
 // On-demand copies (band 0) are never refused or held back by these rules.
 bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
                                              bool* wait_for_events,
@@ -154,6 +163,10 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
   } catch (const std::exception& ex) {
     bind_error = ex.what();
   }
+#ifdef __linux__
+  // Note [Polite waits]: sleeps of copy_poll_us, not the default 50 us slack.
+  if (copy_poll_us_ > 0) prctl(PR_SET_TIMERSLACK, 1000UL, 0UL, 0UL, 0UL);
+#endif
   MutexLock lk(mu_);
   while (!stop_) {
     if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
@@ -239,18 +252,90 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
       }
     }
   }
-  const CopyToken oldest = first->ready;
-  backend_->RetainToken(oldest);  // Note [Completed tokens]
+  WorkerWaitLocked(first->ready, lk);
+  RetireInflightLocked(dev);
+  return true;
+}
+
+// Note [Polite waits]
+// A copy worker spends most of a busy link waiting for its own copies: for
+// the oldest copy when max_bytes_in_flight is reached, and between the
+// chunks of a speculative copy (Note [Speculation in chunks]). On CUDA the
+// backend's Wait is cuEventSynchronize on an event made with default
+// flags, which spins a CPU in the driver until the copy is done. Beside the
+// serving thread that costs: in run 85 (tools/copy_interference_probe.py,
+// BM5's resident gpt-oss-120b decoder on the H200 host) a second thread
+// copying and spin-waiting slowed the decoder 1.13x, the same thread
+// sleeping in its waits 1.07x, copies queued by the serving thread itself
+// 1.01x. So with copy_poll_us > 0 (default 20) the worker asks whether the
+// copy is done (Query: one cuEventQuery) and sleeps copy_poll_us between
+// asks, its thread's timer slack at 1 us (Linux) so that a sleep is about
+// that long. A wake-up that late costs the link nothing while the next
+// chunk is already queued behind the one waited for (the default cap is two
+// chunks). copy_poll_us = 0 is the blocking wait.
+void ArcherPrefetchHandle::WorkerWaitLocked(CopyToken token, MutexLock& lk) {
+  if (token == kTokenDone) return;
+  backend_->RetainToken(token);  // Note [Completed tokens]
   DropLock(lk);
   try {
-    backend_->Wait(oldest);
+    if (copy_poll_us_ > 0) {
+      const auto pause = std::chrono::microseconds(copy_poll_us_);
+      while (!backend_->Query(token)) std::this_thread::sleep_for(pause);
+    } else {
+      backend_->Wait(token);
+    }
   } catch (...) {
     // A failed wait surfaces to the acquirer of that entry.
   }
-  backend_->ReleaseToken(oldest);
+  backend_->ReleaseToken(token);
   RetakeLock(lk);
-  RetireInflightLocked(dev);
-  return true;
+}
+
+// Note [Speculation in chunks]
+// The cap on speculative bytes in flight bounds what a miss queues behind
+// on the copy engines. Counted per entry, a speculative entry larger than
+// the cap was issued whole once it started: a gpt-oss-120b expert is 47.5
+// MiB, twelve 4 MiB chunks issued back to back, so a band-0 miss could
+// queue behind up to 47.5 MiB of guesses (about 0.9 ms of the H200's
+// link) against a cap of 8 MiB. So the cap counts chunks: before each
+// chunk of a speculative copy after its first, the worker waits while this
+// copy's chunks still in flight plus the other copies in flight plus the
+// next chunk exceed the cap, and while an on-demand copy is in flight or
+// being issued (the link belongs to the misses). With the default cap of
+// two chunks one chunk is on the link and the next queued behind it, so the
+// link does not idle between chunks. Once an acquirer pins the entry
+// (it waits for this very copy) the pacing ends and the rest goes in one
+// copy.
+void ArcherPrefetchHandle::PaceSpeculativeChunkLocked(
+    DeviceState* dev, Entry* e, size_t next,
+    std::deque<std::pair<CopyToken, size_t>>* chunks, MutexLock& lk) {
+  for (;;) {
+    while (!chunks->empty() && backend_->Query(chunks->front().first)) {
+      backend_->ReleaseToken(chunks->front().first);
+      chunks->pop_front();
+    }
+    if (chunks->empty() || e->pins > 0 || stop_) return;
+    size_t mine = 0;
+    for (const auto& chunk : *chunks) mine += chunk.second;
+    if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
+    // copying_bytes holds this copy's own bytes; more is an acquirer
+    // issuing its misses right now.
+    const bool misses = dev->inflight_urgent_bytes > 0 ||
+                        dev->copying_bytes > e->bytes;
+    if (!misses && mine + dev->inflight_bytes + next <= max_speculative_bytes_) {
+      return;
+    }
+    CopyToken wait_for = chunks->front().first;
+    if (dev->inflight_urgent_bytes > 0) {
+      for (Entry* f : dev->inflight) {
+        if (f->band == kOnDemandBand) {
+          wait_for = f->ready;
+          break;
+        }
+      }
+    }
+    WorkerWaitLocked(wait_for, lk);
+  }
 }
 
 // Every slot is pinned (or still read on a stream): wait for a release, an
@@ -294,8 +379,16 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
   CopyToken token = kTokenDone;
   std::string error;
   size_t done = 0;
+  // Note [Speculation in chunks]: this copy's chunks in flight (own refs).
+  std::deque<std::pair<CopyToken, size_t>> chunks;
   while (done < e->bytes) {
-    const size_t chunk = std::min(piece, e->bytes - done);
+    if (!urgent && done > 0) {
+      PaceSpeculativeChunkLocked(dev, e, std::min(piece, e->bytes - done),
+                                 &chunks, lk);
+    }
+    // Pinned: an acquirer waits for this copy, so the rest goes at once.
+    const size_t chunk =
+        e->pins > 0 ? e->bytes - done : std::min(piece, e->bytes - done);
     DropLock(lk);
     const Clock::time_point start = Clock::now();
     error = IssueCopy(dev->index, dst + done, src + done, chunk, urgent, lane,
@@ -305,6 +398,10 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     RetakeLock(lk);
     stats_.copy_seconds += seconds;
     if (!error.empty()) break;
+    if (!urgent && token != kTokenDone) {
+      backend_->RetainToken(token);
+      chunks.emplace_back(token, chunk);
+    }
     done += chunk;
     if (stop_ && done < e->bytes) {
       error = "PrefetchHandle closed during the copy";
@@ -321,6 +418,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
       }
     }
   }
+  for (const auto& c : chunks) backend_->ReleaseToken(c.first);
   dev->copying_bytes -= e->bytes;
   FinishCopyLocked(dev, e, token, error, lk);
 }

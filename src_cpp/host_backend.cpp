@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
@@ -78,13 +79,16 @@ constexpr NamedFaultField kFaultFields[] = {
     PREFETCH_FAULT_FIELD(throw_every_nth_copy), PREFETCH_FAULT_FIELD(alloc_delay_us),
     PREFETCH_FAULT_FIELD(fail_every_nth_alloc), PREFETCH_FAULT_FIELD(report_async),
     PREFETCH_FAULT_FIELD(fail_every_nth_record), PREFETCH_FAULT_FIELD(eio_every_nth_read),
-    PREFETCH_FAULT_FIELD(short_every_nth_read),  // the settings end here
+    PREFETCH_FAULT_FIELD(short_every_nth_read),
+    PREFETCH_FAULT_FIELD(async_copy_us),  // the settings end here
     PREFETCH_FAULT_FIELD(copies), PREFETCH_FAULT_FIELD(allocs),
     PREFETCH_FAULT_FIELD(copy_failures), PREFETCH_FAULT_FIELD(alloc_failures),
     PREFETCH_FAULT_FIELD(stream_records), PREFETCH_FAULT_FIELD(reads),
+    PREFETCH_FAULT_FIELD(max_lane_bytes_in_flight),
+    PREFETCH_FAULT_FIELD(max_urgent_latency_us), PREFETCH_FAULT_FIELD(live_tokens),
 };
 #undef PREFETCH_FAULT_FIELD
-constexpr size_t kFaultSettings = 9;  // the first entries of kFaultFields
+constexpr size_t kFaultSettings = 10;  // the first entries of kFaultFields
 
 // The field called `name` among the first `count` of kFaultFields, or null.
 FaultField FindFaultField(const std::string& name, size_t count) {
@@ -153,7 +157,74 @@ CopyToken FaultBackend::Copy(int device, void* dst, const void* src,
                         "injected copy failure (call " + std::to_string(call) +
                             ")");
   }
-  return host_.Copy(device, dst, src, bytes, urgent, lane, want_token);
+  const CopyToken done = host_.Copy(device, dst, src, bytes, urgent, lane,
+                                    want_token);
+  if (config_->async_copy_us <= 0 || !want_token) return done;
+  return SimulateLink(device, bytes, urgent);
+}
+
+// The simulated link: one per device, copies in call order.
+CopyToken FaultBackend::SimulateLink(int device, size_t bytes, bool urgent) {
+  using Clock = std::chrono::steady_clock;
+  const Clock::time_point now = Clock::now();
+  auto token = std::make_unique<SimToken>();
+  std::lock_guard<std::mutex> lk(link_mu_);
+  if (link_free_at_.size() <= static_cast<size_t>(device)) {
+    link_free_at_.resize(static_cast<size_t>(device) + 1);
+  }
+  Clock::time_point& free_at = link_free_at_[static_cast<size_t>(device)];
+  token->done_at = std::max(now, free_at) +
+                   std::chrono::microseconds(config_->async_copy_us.load());
+  free_at = token->done_at;
+  if (urgent) {
+    const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
+                           token->done_at - now)
+                           .count();
+    if (us > config_->max_urgent_latency_us) config_->max_urgent_latency_us = us;
+  } else {
+    size_t in_flight = bytes;
+    auto keep = lane_copies_.begin();
+    for (auto it = lane_copies_.begin(); it != lane_copies_.end(); ++it) {
+      if (it->first > now) {
+        in_flight += it->second;
+        *keep++ = *it;
+      }
+    }
+    lane_copies_.erase(keep, lane_copies_.end());
+    lane_copies_.emplace_back(token->done_at, bytes);
+    const auto wide = static_cast<int64_t>(in_flight);
+    if (wide > config_->max_lane_bytes_in_flight) {
+      config_->max_lane_bytes_in_flight = wide;
+    }
+  }
+  ++config_->live_tokens;
+  return reinterpret_cast<uintptr_t>(token.release());
+}
+
+bool FaultBackend::Query(CopyToken token) {
+  if (token == kTokenDone) return true;
+  return std::chrono::steady_clock::now() >=
+         reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token))->done_at;
+}
+
+void FaultBackend::Wait(CopyToken token) {
+  if (token == kTokenDone) return;
+  std::this_thread::sleep_until(
+      reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token))->done_at);
+}
+
+void FaultBackend::RetainToken(CopyToken token) noexcept {
+  if (token == kTokenDone) return;
+  reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token))
+      ->refs.fetch_add(1, std::memory_order_relaxed);
+}
+
+void FaultBackend::ReleaseToken(CopyToken token) noexcept {
+  if (token == kTokenDone) return;
+  auto* t = reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token));
+  if (t->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
+  delete t;
+  --config_->live_tokens;
 }
 
 CopyToken FaultBackend::RecordOnStream(int device, uintptr_t stream) {

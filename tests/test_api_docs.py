@@ -13,7 +13,8 @@ import prefetch
 ROOT = Path(__file__).resolve().parent.parent
 OPTIONS = [
     "device_budget_bytes", "backend", "num_devices", "eviction_policy", "cycle_acquires", "copy_chunk_bytes",
-    "max_bytes_in_flight", "max_speculative_bytes_in_flight", "copy_lanes", "start_paused", "poison_freed_slots",
+    "max_bytes_in_flight", "max_speculative_bytes_in_flight", "copy_lanes", "copy_poll_us", "start_paused",
+    "poison_freed_slots",
 ]
 
 
@@ -38,6 +39,7 @@ def test_constructor_signature_is_visible_to_inspect_and_help():
     assert sig.parameters["copy_chunk_bytes"].default == 4 << 20
     assert sig.parameters["max_bytes_in_flight"].default == 256 << 20
     assert sig.parameters["copy_lanes"].default == 2
+    assert sig.parameters["copy_poll_us"].default == 20
     text = inspect.getdoc(prefetch.PrefetchHandle)
     assert text.startswith("An expert prefetch engine")  # the signature line is not repeated
     import pydoc

@@ -288,3 +288,19 @@ def test_slot_index_rings_give_each_send_its_own_slots(device):
     got = [table.index_select(0, index.send(slots)) for slots in sends]
     for slots, out in zip(sends, got):
         assert out.cpu().tolist() == [10 * s for s in slots]
+
+
+def test_policies_carry_handle_options():
+    from bench.e2e_providers import policy_eviction, split_policy
+
+    assert split_policy("oracle") == ("oracle", {})
+    assert split_policy("oracle:copy_poll_us=0,copy_lanes=1") == ("oracle", {"copy_poll_us": 0, "copy_lanes": 1})
+    assert policy_eviction("oracle:copy_poll_us=0", "cyclic") == "next-use"
+    assert policy_eviction("on-demand:copy_lanes=1", "lru") == "lru"
+    for bad, message in (("oracel", "unknown policy"), ("oracle:copy_poll_us", "name=int"),
+                         ("oracle:copy_poll_us=fast", "must be an int"),
+                         ("torch-by-hand:copy_lanes=1", "need an engine policy")):
+        with pytest.raises(ValueError, match=message):
+            split_policy(bad)
+    with pytest.raises(SystemExit):
+        e2e.main(["--policies", "oracle:copy_lanes=x", "--smoke-cpu"])

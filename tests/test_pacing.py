@@ -1,0 +1,127 @@
+"""Note [Speculation in chunks] and Note [Polite waits] on the fault
+backend's simulated link (async_copy_us): each copy's token completes a
+fixed time after the link's previous copy, so bytes in flight and how long a
+miss queued are measured by the backend itself, in simulated link time, not
+by the test's clock."""
+import time
+
+import numpy as np
+import pytest
+from payload import check, content
+
+import prefetch
+
+CHUNK = 4096
+BIG = 12 * CHUNK  # a speculative entry of twelve chunks
+
+
+def linked_handle(delay_us, **kwargs):
+    kwargs.setdefault("device_budget_bytes", 256 * 1024)
+    return prefetch.PrefetchHandle(backend="fault", copy_chunk_bytes=CHUNK,
+                                   faults={"report_async": 1, "async_copy_us": delay_us}, **kwargs)
+
+
+def wait_for(predicate, timeout=10.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.0005)
+
+
+def wait_issued(h, entries):
+    """Until the queue is empty and `entries` copies have been issued whole
+    (stats' bytes_in_flight stays stale until a worker looks again)."""
+    wait_for(lambda: (lambda s: s["queue_depth"] == 0 and s["copies"] >= entries)(h.stats()))
+
+
+@pytest.mark.parametrize("poll_us", [0, 20])
+def test_a_speculative_copy_larger_than_the_cap_goes_a_chunk_at_a_time(poll_us):
+    # The default cap is two chunks. Counted per entry it let all twelve
+    # chunks of one prefetch onto the link at once.
+    with linked_handle(2000, copy_poll_us=poll_us) as h:
+        h.register(0, content(0, 0, BIG))
+        h.prefetch_tensors([0], priority=1)
+        wait_issued(h, 1)
+        counts = h.fault_counts()
+        assert counts["copies"] == 12
+        assert 0 < counts["max_lane_bytes_in_flight"] <= 2 * CHUNK
+        (view,) = h.acquire([0], timeout=10)
+        check(view, 0, 0)
+        h.release([0])
+
+
+def test_the_cap_option_sets_the_bound():
+    with linked_handle(1000, max_speculative_bytes_in_flight=5 * CHUNK) as h:
+        h.register(0, content(0, 0, BIG))
+        h.prefetch_tensors([0], priority=1)
+        wait_issued(h, 1)
+        assert 3 * CHUNK < h.fault_counts()["max_lane_bytes_in_flight"] <= 5 * CHUNK
+
+
+def test_a_miss_queues_behind_at_most_the_cap():
+    # A miss issued while a long prefetch is on the link waits for at most the
+    # two chunks of it in flight, then its own copy: 3 copy times on the
+    # simulated link (it was 13 when the prefetch went whole).
+    delay = 5000
+    with linked_handle(delay) as h:
+        h.register(0, content(0, 0, BIG))
+        h.register(1, content(1, 0, CHUNK))
+        h.prefetch_tensors([0], priority=1)
+        wait_for(lambda: h.fault_counts()["copies"] >= 2)
+        (view,) = h.acquire([1], timeout=10)
+        check(view, 1, 0)
+        h.release([1])
+        wait_issued(h, 2)
+        counts = h.fault_counts()
+        assert counts["copies"] == 13
+        assert delay <= counts["max_urgent_latency_us"] <= 3 * delay
+        assert counts["max_lane_bytes_in_flight"] <= 2 * CHUNK
+        (view,) = h.acquire([0], timeout=10)
+        check(view, 0, 0)
+
+
+def test_an_acquire_of_a_copy_under_way_takes_the_rest_at_once():
+    # Pinned by an acquire mid-copy, the prefetch stops pacing: what is left
+    # goes in one copy instead of the remaining chunks one by one.
+    with linked_handle(100_000) as h:
+        h.register(0, content(0, 0, BIG))
+        h.prefetch_tensors([0], priority=1)
+        wait_for(lambda: h.fault_counts()["copies"] >= 1)
+        (view,) = h.acquire([0], timeout=30)
+        check(view, 0, 0)
+        s = h.stats()
+        assert s["late"] == 1 and s["copies"] == 1
+        # Two chunks at once, then one chunk each 0.1 s until the acquire
+        # (within about one of them on an idle machine), then the rest.
+        assert 3 <= h.fault_counts()["copies"] <= 6
+        h.release([0])
+
+
+def test_every_simulated_token_is_returned_at_close():
+    # The chunk tokens of a paced copy each hold a reference; all of them,
+    # and the entries' own, go back by close.
+    h = linked_handle(200)
+    h.register(0, content(0, 0, BIG))
+    h.register(1, content(1, 0, CHUNK))
+    h.prefetch_tensors([0], priority=1)
+    h.acquire([1], timeout=10)
+    h.release([1])
+    wait_issued(h, 2)
+    assert h.fault_counts()["live_tokens"] > 0  # the entries' ready tokens
+    h.close()
+    assert h.fault_counts()["live_tokens"] == 0
+
+
+def test_polite_and_blocking_waits_copy_the_same_bytes():
+    rng = np.random.default_rng(3)
+    payloads = {tid: rng.integers(0, 255, size=BIG + 17 * tid, dtype=np.uint8) for tid in range(6)}
+    for poll_us in (0, 1, 50):
+        with linked_handle(300, copy_poll_us=poll_us, max_bytes_in_flight=3 * CHUNK,
+                           device_budget_bytes=512 * 1024) as h:
+            for tid, data in payloads.items():
+                h.register(tid, data)
+            h.prefetch_tensors(list(payloads), priority=2)
+            views = h.acquire(list(payloads), timeout=30)
+            for tid, view in zip(payloads, views):
+                assert np.array_equal(np.asarray(view), payloads[tid]), (poll_us, tid)
+            h.release(list(payloads))
