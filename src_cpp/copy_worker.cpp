@@ -300,12 +300,13 @@ void ArcherPrefetchHandle::WorkerWaitLocked(CopyToken token, MutexLock& lk) {
 // link) against a cap of 8 MiB. So the cap counts chunks: before each
 // chunk of a speculative copy after its first, the worker waits while this
 // copy's chunks still in flight plus the other copies in flight plus the
-// next chunk exceed the cap, and while an on-demand copy is in flight or
-// being issued (the link belongs to the misses). With the default cap of
-// two chunks one chunk is on the link and the next queued behind it, so the
-// link does not idle between chunks. Once an acquirer pins the entry
-// (it waits for this very copy) the pacing ends and the rest goes in one
-// copy.
+// next chunk exceed the cap. While an on-demand copy is in flight or being
+// issued it sends no chunk either, until that copy has landed or its own
+// chunks in flight have (then none of its bytes are ahead of the miss on
+// the link). With the default cap of two chunks one chunk is on the link
+// and the next queued behind it, so the link does not idle between chunks.
+// Once an acquirer pins the entry (it waits for this very copy) the pacing
+// ends and the rest goes in one copy.
 void ArcherPrefetchHandle::PaceSpeculativeChunkLocked(
     DeviceState* dev, Entry* e, size_t next,
     std::deque<std::pair<CopyToken, size_t>>* chunks, MutexLock& lk) {
