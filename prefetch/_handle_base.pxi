@@ -234,8 +234,9 @@ cdef class _HandleBase:
         copy_delay_us, fail_every_nth_copy (a PrefetchError), throw_every_nth_copy
         (a non-std C++ exception), alloc_delay_us, fail_every_nth_alloc,
         report_async, fail_every_nth_record (a release's stream token),
-        async_copy_us (with report_async: copies complete that long after
-        the last one on a simulated link per device); 0 = off."""
+        async_copy_us and async_copy_ns_per_kib (with report_async: copies
+        complete that long, plus that much per KiB, after the last one on a
+        simulated link per device); 0 = off."""
         self._check_open()
         if self._faults.get() == NULL:
             raise RuntimeError("set_faults needs backend='fault'")

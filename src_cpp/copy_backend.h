@@ -145,9 +145,12 @@ struct FaultConfig {
   std::atomic<int64_t> eio_every_nth_read{0};   // the Nth disk read gets EIO
   std::atomic<int64_t> short_every_nth_read{0}; // the Nth disk read ends early
   // > 0: a simulated link per device (with report_async): each copy's token
-  // completes this many microseconds after the later of its call and the
-  // device's previous copy's completion (the bytes are copied at once).
+  // completes this many microseconds (plus async_copy_ns_per_kib) after the
+  // later of its call and the device's previous copy's completion (the
+  // bytes are copied at once).
   std::atomic<int64_t> async_copy_us{0};
+  // ... plus this many nanoseconds per KiB copied (a link of a given rate).
+  std::atomic<int64_t> async_copy_ns_per_kib{0};
   std::atomic<int64_t> copies{0};               // Copy calls seen
   std::atomic<int64_t> allocs{0};               // AllocateHost calls seen
   std::atomic<int64_t> copy_failures{0};        // injected copy failures
@@ -175,7 +178,8 @@ class FaultBackend final : public CompletedCopiesBackend {
   const char* Name() const override { return "fault"; }
   // Copies still complete before Copy returns, but with report_async the
   // engine takes its async paths, so they run on CPUs; with async_copy_us
-  // too the tokens complete later, on a simulated link.
+  // (or async_copy_ns_per_kib) too the tokens complete later, on a
+  // simulated link.
   bool IsAsync() const override { return config_->report_async != 0; }
   bool Query(CopyToken token) override;
   void Wait(CopyToken token) override;

@@ -80,7 +80,8 @@ constexpr NamedFaultField kFaultFields[] = {
     PREFETCH_FAULT_FIELD(fail_every_nth_alloc), PREFETCH_FAULT_FIELD(report_async),
     PREFETCH_FAULT_FIELD(fail_every_nth_record), PREFETCH_FAULT_FIELD(eio_every_nth_read),
     PREFETCH_FAULT_FIELD(short_every_nth_read),
-    PREFETCH_FAULT_FIELD(async_copy_us),  // the settings end here
+    PREFETCH_FAULT_FIELD(async_copy_us),
+    PREFETCH_FAULT_FIELD(async_copy_ns_per_kib),  // the settings end here
     PREFETCH_FAULT_FIELD(copies), PREFETCH_FAULT_FIELD(allocs),
     PREFETCH_FAULT_FIELD(copy_failures), PREFETCH_FAULT_FIELD(alloc_failures),
     PREFETCH_FAULT_FIELD(stream_records), PREFETCH_FAULT_FIELD(reads),
@@ -88,7 +89,7 @@ constexpr NamedFaultField kFaultFields[] = {
     PREFETCH_FAULT_FIELD(max_urgent_latency_us), PREFETCH_FAULT_FIELD(live_tokens),
 };
 #undef PREFETCH_FAULT_FIELD
-constexpr size_t kFaultSettings = 10;  // the first entries of kFaultFields
+constexpr size_t kFaultSettings = 11;  // the first entries of kFaultFields
 
 // The field called `name` among the first `count` of kFaultFields, or null.
 FaultField FindFaultField(const std::string& name, size_t count) {
@@ -159,7 +160,10 @@ CopyToken FaultBackend::Copy(int device, void* dst, const void* src,
   }
   const CopyToken done = host_.Copy(device, dst, src, bytes, urgent, lane,
                                     want_token);
-  if (config_->async_copy_us <= 0 || !want_token) return done;
+  if ((config_->async_copy_us <= 0 && config_->async_copy_ns_per_kib <= 0) ||
+      !want_token) {
+    return done;
+  }
   return SimulateLink(device, bytes, urgent);
 }
 
@@ -173,8 +177,11 @@ CopyToken FaultBackend::SimulateLink(int device, size_t bytes, bool urgent) {
     link_free_at_.resize(static_cast<size_t>(device) + 1);
   }
   Clock::time_point& free_at = link_free_at_[static_cast<size_t>(device)];
-  token->done_at = std::max(now, free_at) +
-                   std::chrono::microseconds(config_->async_copy_us.load());
+  token->done_at =
+      std::max(now, free_at) +
+      std::chrono::microseconds(config_->async_copy_us.load()) +
+      std::chrono::nanoseconds(config_->async_copy_ns_per_kib.load() *
+                               static_cast<int64_t>(bytes) / 1024);
   free_at = token->done_at;
   if (urgent) {
     const int64_t us = std::chrono::duration_cast<std::chrono::microseconds>(
