@@ -46,7 +46,8 @@ own):
                    "host budget below the expert bytes" cell of #15
 An engine policy may carry PrefetchHandle options, integers after a
 colon: "oracle:copy_poll_us=0" or "on-demand:copy_lanes=1,copy_chunk_bytes=
-8388608" is a row of its own, so settings compare in one process.
+8388608" is a row of its own, so settings compare in one process;
+"oracle:distance=4" sets that row's lookahead (over --oracle-distance).
 Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
@@ -431,7 +432,7 @@ def smoke_cpu(torch, args) -> int:
     inputs = dec.inputs(4, 2, seed=0)
     outs = {}
     trace = None
-    runs = [(policy, False) for policy in POLICIES] + [("oracle:copy_poll_us=0,copy_lanes=1", False)]
+    runs = [(policy, False) for policy in POLICIES] + [("oracle:copy_poll_us=0,copy_lanes=1,distance=3", False)]
     if dec.grouped:
         runs += [(policy, True) for policy in ("all-resident", "on-demand", "torch-by-hand")]
     for policy, per_expert in runs:

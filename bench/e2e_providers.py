@@ -354,7 +354,9 @@ class ByHandProvider:
 def split_policy(policy: str):
     """A BM5 policy with PrefetchHandle options, "oracle:copy_poll_us=0" or
     "on-demand:copy_lanes=1,copy_chunk_bytes=8388608": (the policy, {option:
-    int}); a plain policy gives {}. Options only go with engine policies."""
+    int}); a plain policy gives {}. Options only go with engine policies;
+    "distance" (the oracle's and oracle-cyclic's, over --oracle-distance) is
+    the predictor's, the others the handle's."""
     from bench.e2e_decoder import ENGINE_POLICIES, POLICIES
 
     base, _, rest = policy.partition(":")
@@ -371,6 +373,8 @@ def split_policy(policy: str):
             raise ValueError(f"policy {policy!r}: {key} must be an int, got {value!r}") from None
     if options and base not in ENGINE_POLICIES:
         raise ValueError(f"policy {policy!r}: handle options need an engine policy ({', '.join(ENGINE_POLICIES)})")
+    if "distance" in options and (base not in ("oracle", "oracle-cyclic") or options["distance"] < 1):
+        raise ValueError(f"policy {policy!r}: distance goes with oracle or oracle-cyclic, and is >= 1")
     return base, options
 
 
@@ -379,6 +383,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
     policy, options = split_policy(policy)
+    oracle_distance = options.pop("distance", oracle_distance)
     handle_options = {**(handle_options or {}), **options} or None
     spec = dec.spec
     if policy == "all-resident":

@@ -250,7 +250,8 @@ cdef class _HandleBase:
         return {
             k: self._faults.get().Get(k.encode())
             for k in ("copies", "allocs", "copy_failures", "alloc_failures", "stream_records",
-                      "max_lane_bytes_in_flight", "max_urgent_latency_us", "live_tokens")
+                      "max_lane_bytes_in_flight", "max_urgent_latency_us", "live_tokens",
+                      "link_idle_before_lane_us", "link_idle_before_urgent_us")
         }
 
     def _debug_fill_cache(self, int value):

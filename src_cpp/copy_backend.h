@@ -164,6 +164,10 @@ struct FaultConfig {
   std::atomic<int64_t> max_lane_bytes_in_flight{0};
   std::atomic<int64_t> max_urgent_latency_us{0};
   std::atomic<int64_t> live_tokens{0};  // simulated tokens not yet released
+  // With the simulated link: its idle time before each copy, summed by the
+  // kind of copy that ended it (prefetch lane or urgent), in microseconds.
+  std::atomic<int64_t> link_idle_before_lane_us{0};
+  std::atomic<int64_t> link_idle_before_urgent_us{0};
 
   // By name, for bindings; unknown names throw kInvalidArgument.
   void Set(const std::string& name, int64_t value);

@@ -87,6 +87,8 @@ constexpr NamedFaultField kFaultFields[] = {
     PREFETCH_FAULT_FIELD(stream_records), PREFETCH_FAULT_FIELD(reads),
     PREFETCH_FAULT_FIELD(max_lane_bytes_in_flight),
     PREFETCH_FAULT_FIELD(max_urgent_latency_us), PREFETCH_FAULT_FIELD(live_tokens),
+    PREFETCH_FAULT_FIELD(link_idle_before_lane_us),
+    PREFETCH_FAULT_FIELD(link_idle_before_urgent_us),
 };
 #undef PREFETCH_FAULT_FIELD
 constexpr size_t kFaultSettings = 11;  // the first entries of kFaultFields
@@ -177,6 +179,13 @@ CopyToken FaultBackend::SimulateLink(int device, size_t bytes, bool urgent) {
     link_free_at_.resize(static_cast<size_t>(device) + 1);
   }
   Clock::time_point& free_at = link_free_at_[static_cast<size_t>(device)];
+  if (free_at != Clock::time_point() && now > free_at) {
+    const int64_t idle =
+        std::chrono::duration_cast<std::chrono::microseconds>(now - free_at)
+            .count();
+    (urgent ? config_->link_idle_before_urgent_us
+            : config_->link_idle_before_lane_us) += idle;
+  }
   token->done_at =
       std::max(now, free_at) +
       std::chrono::microseconds(config_->async_copy_us.load()) +

@@ -297,7 +297,9 @@ def test_policies_carry_handle_options():
     assert split_policy("oracle:copy_poll_us=0,copy_lanes=1") == ("oracle", {"copy_poll_us": 0, "copy_lanes": 1})
     assert policy_eviction("oracle:copy_poll_us=0", "cyclic") == "next-use"
     assert policy_eviction("on-demand:copy_lanes=1", "lru") == "lru"
+    assert split_policy("oracle:distance=4") == ("oracle", {"distance": 4})
     for bad, message in (("oracel", "unknown policy"), ("oracle:copy_poll_us", "name=int"),
+                         ("on-demand:distance=4", "distance goes with oracle"), ("oracle:distance=0", ">= 1"),
                          ("oracle:copy_poll_us=fast", "must be an int"),
                          ("torch-by-hand:copy_lanes=1", "need an engine policy")):
         with pytest.raises(ValueError, match=message):

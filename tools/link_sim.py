@@ -29,7 +29,9 @@ Per policy: ms per step (median of the measured steps), the IO floor
 (Belady's fewest loads for this cache over the same link, per step) and
 max(IO floor, host time) as the floor, the link's busy share of the
 measured steps (copies in them x --expert-us over their wall time), hits,
-late and the engine's on-demand and cancelled counts. A figure of this
+late and the engine's on-demand and cancelled counts, and the link's idle
+time a step split by the copy that ended it: a prefetch-lane copy (the
+worker had nothing, or was late, to send) or an urgent one (a miss). A figure of this
 model, not of a GPU: it says whether the engine's scheduling leaves the
 link idle when it need not, without the H200 host's noise."""
 from __future__ import annotations
@@ -94,6 +96,7 @@ def run_policy(policy: str, trace, args) -> dict:
         for i, step in enumerate(trace.steps[: args.warmup + args.steps]):
             if i == args.warmup:
                 before = handle.stats()
+                idle_before = handle.fault_counts()
             t0 = time.perf_counter()
             for layer in range(layers):
                 spin(host_s)
@@ -103,13 +106,18 @@ def run_policy(policy: str, trace, args) -> dict:
             ctl.speculate()
             wall.append(time.perf_counter() - t0)
         after = handle.stats()
+        idle_after = handle.fault_counts()
         measured = wall[args.warmup:]
         copied = (after["bytes_copied"] - before["bytes_copied"]) / EXPERT_BYTES
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "late", "on_demand", "cancelled", "declined")}
         return {"policy": policy, "ms_per_step": statistics.median(measured) * 1e3,
                 "link_busy": copied * args.expert_us / 1e6 / sum(measured),
                 "experts_copied_per_step": copied / len(measured),
-                "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]), **delta}
+                "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
+                # the link's idle time a step, by the kind of copy that ended it
+                **{f"idle_ms_before_{kind}": (idle_after[f"link_idle_before_{kind}_us"]
+                                              - idle_before[f"link_idle_before_{kind}_us"]) / 1e3 / len(measured)
+                   for kind in ("lane", "urgent")}, **delta}
     finally:
         handle.close()
 
@@ -156,11 +164,11 @@ def main(argv=None) -> int:
     print(f"{os.path.basename(args.trace)}: {trace.num_layers} layers, share {args.share:g}, host {host_ms:.2f} ms "
           f"a step, IO floor {io_floor_ms:.2f} ms, floor {floor_ms:.2f} ms (simulated link, CPU)")
     print(f"{'policy':<12} {'ms/step':>8} {'x floor':>8} {'link busy':>9} {'copies':>7} {'hit':>5} "
-          f"{'late':>5} {'on-demand':>9} {'cancelled':>9}")
+          f"{'late':>5} {'on-demand':>9} {'cancelled':>9} {'idle->lane':>10} {'idle->urgent':>12}")
     for r in rows:
         print(f"{r['policy']:<12} {r['ms_per_step']:8.2f} {r['ms_per_step'] / floor_ms:8.2f} {r['link_busy']:9.2f} "
               f"{r['experts_copied_per_step']:7.1f} {r['hit_rate']:5.2f} {r['late']:5d} {r['on_demand']:9d} "
-              f"{r['cancelled']:9d}")
+              f"{r['cancelled']:9d} {r['idle_ms_before_lane']:10.2f} {r['idle_ms_before_urgent']:12.2f}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"config": vars(args), "io_floor_ms": io_floor_ms, "host_ms": host_ms, "floor_ms": floor_ms,
