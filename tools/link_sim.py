@@ -4,7 +4,7 @@ keep the link busy when the copies set the pace?
     python3 tools/link_sim.py TRACE.json [--share 0.25] [--host-us 630]
         [--expert-us 905] [--steps 16] [--warmup 2]
         [--policies on-demand oracle oracle:4 oracle:8] [--option NAME=INT ...]
-        [--json PATH]
+        [--separate] [--eager] [--json PATH]
 
 The engine, its queue, pacing (Note [Speculation in chunks]), admission and
 eviction, the controller and the oracle predictor are the real ones; the
@@ -100,8 +100,10 @@ def run_policy(policy: str, trace, args) -> dict:
             t0 = time.perf_counter()
             for layer in range(layers):
                 spin(host_s)
-                ctl.speculate(with_next_acquire=True)
+                ctl.speculate(with_next_acquire=not args.separate)
                 ctl.route_and_acquire(layer, None, np.asarray(step[layer], dtype=np.int64))
+                if args.eager:
+                    ctl.speculate()
             ctl.release_held()
             ctl.speculate()
             wall.append(time.perf_counter() - t0)
@@ -134,6 +136,12 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", nargs="+", type=parse_policy, default=["on-demand", "oracle", "oracle:4"])
     parser.add_argument("--option", nargs="+", default=[], metavar="NAME=INT",
                         help="PrefetchHandle options for every policy")
+    parser.add_argument("--separate", action="store_true",
+                        help="the last layer's guesses in an engine call of their own before this layer's "
+                             "acquire, not riding on it (Note [Speculation rides on the next acquire])")
+    parser.add_argument("--eager", action="store_true",
+                        help="this layer's guesses right after its acquire, before the next layer's host work "
+                             "(not deferred: Note [Speculation after launch])")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
     options = {}
