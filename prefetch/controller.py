@@ -555,10 +555,17 @@ class OffloadController(SyncFreeDecode):
         aimed at the next step's first layers, so the last layer speculates
         right after its launch (run 34 ran without that exception: the
         oracle's hit rate fell from 1.000 to 0.997 on gemma-4 and from
-        0.856 to 0.847 on gpt-oss-120b). A
-        predictor that guesses from the hidden state on the device (the
-        next-layer gate) keeps the single call: its guesses are read back
-        with the routing, before the acquire."""
+        0.856 to 0.847 on gpt-oss-120b). What the later moment costs: the
+        guesses made there for the layer about to be acquired are dropped
+        (its acquire takes them at band 0), so a host-guess predictor of
+        distance d prefetches d - 1 layers ahead in effect. Where the copies
+        set the pace that decides the step: on tools/link_sim.py's CPU model
+        of BM5's gpt-oss-120b replay at 25 %, the oracle ran 1.27-1.33x the
+        IO floor at distance 2 and 1.06-1.07x at 4 (1.19-1.28x at 2 when it
+        speculated right after each acquire instead); runs 86-88 in
+        docs/results.md. A predictor that guesses from the hidden state on
+        the device (the next-layer gate) keeps the single call: its guesses
+        are read back with the routing, before the acquire."""
         p = self.predictor
         return p is None or self._late_predict or bool(getattr(p, "host_guesses", False))
 
