@@ -24,7 +24,11 @@ does, never more). `release_held` and `speculate` end each step.
 Policies: on-demand (no predictor, cyclic eviction), oracle (the trace
 replayed, next-use hints and eviction, distance 2), oracle:D (distance D).
 --option passes PrefetchHandle options to every policy's handle
-(max_speculative_bytes_in_flight=49152, copy_poll_us=0, ...).
+(max_speculative_bytes_in_flight=49152, copy_poll_us=0, ...). --separate
+sends the last layer's guesses in an engine call of their own before this
+layer's acquire instead of riding on it; --eager makes a layer's guesses
+right after its acquire, before the next layer's host work, instead of at
+the next layer (Note [Speculation after launch]).
 Per policy: ms per step (median of the measured steps), the IO floor
 (Belady's fewest loads for this cache over the same link, per step) and
 max(IO floor, host time) as the floor, the link's busy share of the
