@@ -157,15 +157,17 @@ struct FaultConfig {
   std::atomic<int64_t> alloc_failures{0};       // injected alloc failures
   std::atomic<int64_t> stream_records{0};       // RecordOnStream calls seen
   std::atomic<int64_t> reads{0};                // disk reads seen
-  // With async_copy_us: the most prefetch-lane bytes (urgent=false) not yet
-  // complete on the simulated link, the new copy's included, over every
-  // prefetch-lane Copy call; and the longest an urgent copy's token took
-  // to complete after its call (how long a miss queued), in microseconds.
+  // With the simulated link: the most prefetch-lane bytes (urgent=false)
+  // not yet complete, the new copy's included, over every prefetch-lane
+  // Copy call; and the longest an urgent copy's token took to complete
+  // after its call (how long a miss queued), in microseconds. Summed over
+  // devices, like the idle times below: tests read them with one device.
   std::atomic<int64_t> max_lane_bytes_in_flight{0};
   std::atomic<int64_t> max_urgent_latency_us{0};
   std::atomic<int64_t> live_tokens{0};  // simulated tokens not yet released
   // With the simulated link: its idle time before each copy, summed by the
-  // kind of copy that ended it (prefetch lane or urgent), in microseconds.
+  // kind of copy that ended it (prefetch lane or urgent), in microseconds
+  // (each device's link's, summed).
   std::atomic<int64_t> link_idle_before_lane_us{0};
   std::atomic<int64_t> link_idle_before_urgent_us{0};
 
