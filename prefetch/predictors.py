@@ -137,6 +137,13 @@ class OraclePredictor:
     policies ignore hints, so they would cost host time for nothing); True or
     False forces it.
 
+    On a host-routed model (OffloadedMoEBlock, BM5) the guesses are made
+    one layer late (Note [Speculation after launch] in
+    prefetch/controller.py): there a distance of d prefetches d - 1 layers
+    ahead, and the default of 1 prefetches nothing in time
+    (tools/link_sim.py's model of BM5's gpt-oss replay: 1.87x the IO floor
+    at distance 1, as on-demand's 1.91x; 1.43x at 2; 1.06x at 4).
+
     The trace is turned into arrays once: per (step, layer) its experts, and
     per layer every read sorted by (expert, step). A layer's predict and
     observe are then a few
