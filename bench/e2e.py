@@ -120,7 +120,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
 
     def fresh():
         made = make_provider(dec, policy, budget, trace, eviction, disk_dir=disk_dir, oracle_distance=oracle_distance)
-        if policy.partition(":")[0] == "trace":  # learn from other requests first
+        if split_policy(policy)[0] == "trace":  # learn from other requests first
             for request in train_inputs:
                 for i, x in enumerate(request):
                     dec.step(x, made, route(i))

@@ -351,6 +351,21 @@ class ByHandProvider:
             c.slots = c.gate_up = c.down = None
 
 
+def int_options(items, what: str) -> dict:
+    """"name=int" items (handle options) as {name: int}; a ValueError
+    naming `what` for an item of another form."""
+    options = {}
+    for item in items:
+        key, eq, value = item.partition("=")
+        if not eq or not key.isidentifier():
+            raise ValueError(f"{what}: write each option as name=int")
+        try:
+            options[key] = int(value)
+        except ValueError:
+            raise ValueError(f"{what}: {key} must be an int, got {value!r}") from None
+    return options
+
+
 def split_policy(policy: str):
     """A BM5 policy with PrefetchHandle options, "oracle:copy_poll_us=0" or
     "on-demand:copy_lanes=1,copy_chunk_bytes=8388608": (the policy, {option:
@@ -362,15 +377,7 @@ def split_policy(policy: str):
     base, _, rest = policy.partition(":")
     if base not in POLICIES:
         raise ValueError(f"unknown policy {base!r} (one of {', '.join(POLICIES)})")
-    options = {}
-    for item in filter(None, rest.split(",")):
-        key, eq, value = item.partition("=")
-        if not eq or not key.isidentifier():
-            raise ValueError(f"policy {policy!r}: write options as name=int, comma-separated")
-        try:
-            options[key] = int(value)
-        except ValueError:
-            raise ValueError(f"policy {policy!r}: {key} must be an int, got {value!r}") from None
+    options = int_options(filter(None, rest.split(",")), f"policy {policy!r}")
     if options and base not in ENGINE_POLICIES:
         raise ValueError(f"policy {policy!r}: handle options need an engine policy ({', '.join(ENGINE_POLICIES)})")
     if "distance" in options and (base not in ("oracle", "oracle-cyclic") or options["distance"] < 1):
@@ -410,4 +417,4 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
 def policy_eviction(policy: str, eviction: str) -> str:
     """The engine eviction policy a BM5 policy (with or without options)
     runs with."""
-    return "next-use" if policy.partition(":")[0] == "oracle" else eviction
+    return "next-use" if split_policy(policy)[0] == "oracle" else eviction

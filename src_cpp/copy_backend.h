@@ -217,6 +217,9 @@ class FaultBackend final : public CompletedCopiesBackend {
     std::atomic<int> refs{1};
   };
   CopyToken SimulateLink(int device, size_t bytes, bool urgent);
+  static SimToken* AsSimToken(CopyToken token) {
+    return reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token));
+  }
 
   HostBackend host_;                     // does the real work
   std::shared_ptr<FaultConfig> config_;  // shared with the test

@@ -219,25 +219,22 @@ CopyToken FaultBackend::SimulateLink(int device, size_t bytes, bool urgent) {
 
 bool FaultBackend::Query(CopyToken token) {
   if (token == kTokenDone) return true;
-  return std::chrono::steady_clock::now() >=
-         reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token))->done_at;
+  return std::chrono::steady_clock::now() >= AsSimToken(token)->done_at;
 }
 
 void FaultBackend::Wait(CopyToken token) {
   if (token == kTokenDone) return;
-  std::this_thread::sleep_until(
-      reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token))->done_at);
+  std::this_thread::sleep_until(AsSimToken(token)->done_at);
 }
 
 void FaultBackend::RetainToken(CopyToken token) noexcept {
   if (token == kTokenDone) return;
-  reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token))
-      ->refs.fetch_add(1, std::memory_order_relaxed);
+  AsSimToken(token)->refs.fetch_add(1, std::memory_order_relaxed);
 }
 
 void FaultBackend::ReleaseToken(CopyToken token) noexcept {
   if (token == kTokenDone) return;
-  auto* t = reinterpret_cast<SimToken*>(static_cast<uintptr_t>(token));
+  SimToken* t = AsSimToken(token);
   if (t->refs.fetch_sub(1, std::memory_order_acq_rel) != 1) return;
   delete t;
   --config_->live_tokens;

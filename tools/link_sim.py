@@ -148,13 +148,12 @@ def main(argv=None) -> int:
                              "(not deferred: Note [Speculation after launch])")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
-    options = {}
-    for item in args.option:
-        key, eq, value = item.partition("=")
-        if not eq or not value.lstrip("-").isdigit():
-            parser.error(f"--option takes NAME=INT, got {item!r}")
-        options[key] = int(value)
-    args.option = options
+    from bench.e2e_providers import int_options
+
+    try:
+        args.option = int_options(args.option, "--option")
+    except ValueError as exc:
+        parser.error(str(exc))
     if not 0 < args.share <= 1:
         parser.error("--share must be in (0, 1]")
     if args.host_us < 0 or args.expert_us <= 0 or args.steps < 1 or args.warmup < 0:
