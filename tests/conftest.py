@@ -45,6 +45,17 @@ def random_bytes(rng, n: int) -> np.ndarray:
     return data
 
 
+def wait_until(predicate, timeout=10.0):
+    """Polls `predicate` every millisecond for up to `timeout` seconds;
+    returns its last answer (assert it)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(0.001)
+    return predicate()
+
+
 def wait_drained(h, timeout: float = 10.0) -> dict:
     """Waits until the handle's workers have nothing queued or in flight;
     returns that stats snapshot. Fails the test after `timeout` seconds."""

@@ -4,7 +4,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import random_bytes
+from conftest import random_bytes, wait_until
 
 import prefetch
 
@@ -17,15 +17,6 @@ def register_random(h, rng, ids, size=SLOT, device=0):
         data[tid] = random_bytes(rng, size)
         h.register(tid, data[tid], device=device)
     return data
-
-
-def wait_until(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.001)
-    return predicate()
 
 
 def use_each(h, ids):

@@ -3,10 +3,9 @@ backend's simulated link (async_copy_us): each copy's token completes a
 fixed time after the link's previous copy, so bytes in flight and how long a
 miss queued are measured by the backend itself, in simulated link time, not
 by the test's clock."""
-import time
-
 import numpy as np
 import pytest
+from conftest import wait_until
 from payload import check, content
 
 import prefetch
@@ -21,17 +20,14 @@ def linked_handle(delay_us, **kwargs):
                                    faults={"report_async": 1, "async_copy_us": delay_us}, **kwargs)
 
 
-def wait_for(predicate, timeout=10.0):
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached"
-        time.sleep(0.0005)
-
-
 def wait_issued(h, entries):
     """Until the queue is empty and `entries` copies have been issued whole
     (stats' bytes_in_flight stays stale until a worker looks again)."""
-    wait_for(lambda: (lambda s: s["queue_depth"] == 0 and s["copies"] >= entries)(h.stats()))
+    def issued():
+        s = h.stats()
+        return s["queue_depth"] == 0 and s["copies"] >= entries
+
+    assert wait_until(issued)
 
 
 @pytest.mark.parametrize("poll_us", [0, 20])
@@ -67,7 +63,7 @@ def test_a_miss_queues_behind_at_most_the_cap():
         h.register(0, content(0, 0, BIG))
         h.register(1, content(1, 0, CHUNK))
         h.prefetch_tensors([0], priority=1)
-        wait_for(lambda: h.fault_counts()["copies"] >= 2)
+        assert wait_until(lambda: h.fault_counts()["copies"] >= 2)
         (view,) = h.acquire([1], timeout=10)
         check(view, 1, 0)
         h.release([1])
@@ -86,7 +82,7 @@ def test_an_acquire_of_a_copy_under_way_takes_the_rest_at_once():
     with linked_handle(100_000) as h:
         h.register(0, content(0, 0, BIG))
         h.prefetch_tensors([0], priority=1)
-        wait_for(lambda: h.fault_counts()["copies"] >= 1)
+        assert wait_until(lambda: h.fault_counts()["copies"] >= 1)
         (view,) = h.acquire([0], timeout=30)
         check(view, 0, 0)
         s = h.stats()
