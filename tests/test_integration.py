@@ -1318,6 +1318,40 @@ def test_grouped_mm_at_the_group_limit_on_gpu_bf16(slots):
         ctl.close()
 
 
+@pytest.mark.gpu
+def test_host_indices_reach_the_gpu_without_a_stream_sync():
+    # Note [Host indices without a stream sync]: the gathered grouped_mm's
+    # slots and a piece's remap went to the GPU with a pageable copy that
+    # synchronized the stream, so the host waited for the layer's expert
+    # copies before launching its compute. Under torch's sync debug mode
+    # "error" that copy raises; ExpertsOffload._to_device must not, and
+    # must deliver the bytes.
+    cfg = family_configs()["qwen3_moe"]
+    model = build(cfg, device="cuda")
+    per, _ = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="cuda")
+    try:
+        off = offloaded_experts(model)[0].__dict__["_prefetch_offload"]
+        values = np.arange(7, dtype=np.int64) * 3
+        with pytest.raises(RuntimeError, match="synchroniz"):
+            _with_sync_errors(lambda: torch.from_numpy(values).to(off.device))  # the old copy
+        got = _with_sync_errors(lambda: off._to_device(values))
+        assert got.device == off.device and got.dtype == torch.int64
+        values[:] = -1  # the copy was staged: a later write to the array does not reach it
+        assert got.tolist() == [0, 3, 6, 9, 12, 15, 18]
+    finally:
+        ctl.close()
+
+
+def _with_sync_errors(fn):
+    previous = torch.cuda.get_sync_debug_mode()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        return fn()
+    finally:
+        torch.cuda.set_sync_debug_mode(previous)
+
+
 def test_distinct_takes_any_tensor():
     # Guesses come back as tensors: on a device (read back once in
     # on_routed), or carrying autograd state; numpy() alone refuses both
