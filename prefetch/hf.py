@@ -375,8 +375,9 @@ class ExpertsOffload:
         Qwen3-30B-A3B at 25 %) and every piece of a layer larger than the
         cache paid that once per call. Here the array goes through page-locked
         memory from torch's caching host allocator, which keeps the block
-        until the copy that reads it has run, so nothing waits. On the CPU:
-        the array itself."""
+        until the copy that reads it has run, so nothing waits. (Not
+        _staging's buffer: the same call stages its slot index there after
+        this, before this copy need have run.) On the CPU: the array itself."""
         tensor = torch.from_numpy(array)
         if not self._cuda:
             return tensor

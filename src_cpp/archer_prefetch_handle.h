@@ -350,8 +350,9 @@ class ArcherPrefetchHandle {
   // max_speculative_bytes_in_flight with the next chunk, or while an
   // on-demand copy is in flight or being issued. Returns at once when the
   // entry is pinned (an acquirer waits for it), the handle stops, or none of
-  // its chunks is in flight (also with a miss in flight). `chunks`: this copy's chunk tokens not yet
-  // seen done, each with its bytes and its own reference.
+  // its chunks is in flight (also with a miss in flight). `chunks`: this
+  // copy's chunk tokens not yet seen done, each with its bytes and its own
+  // reference.
   void PaceSpeculativeChunkLocked(
       DeviceState* dev, Entry* e, size_t next,
       std::deque<std::pair<CopyToken, size_t>>* chunks, MutexLock& lk)
