@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
+# steps: tox gputests enginepath syncprobe bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare abengine abbm6 (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
@@ -128,6 +128,10 @@ for step in $steps; do
       done ;;
     enginepath)
       python3 bench/engine_path.py --backend cuda --json "$out/engine_path.json" 2>&1 | tee "$out/engine_path.txt" ;;
+    syncprobe)
+      # Synchronizing calls on the serving thread, by call site (SYNC_ARGS: model, share, rows).
+      python3 tools/sync_probe.py ${SYNC_ARGS:-} --json "$out/sync_probe.json" 2>"$out/sync_probe.log" \
+        | tee "$out/sync_probe.txt" || status=1 ;;
     bm6)
       # BM6_ARGS picks models, batches, shares (one model per device call fits its limit).
       python3 bench/generate.py ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-480}" --json "$out/bm6${BM6_TAG:-}.json" \
