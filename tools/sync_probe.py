@@ -88,6 +88,7 @@ class SyncCounter:
 
 
 def make_ctl(prefetch, model, row: str, budget: int, trace, cuda: bool):
+    from bench.generate_modes import shared_host_experts
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor
 
     predictor, options = None, None
@@ -98,6 +99,7 @@ def make_ctl(prefetch, model, row: str, budget: int, trace, cuda: bool):
         options = {"eviction_policy": "next-use"}
     return prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
                                        handle_options=options, record_trace=True,
+                                       host_experts=shared_host_experts(model, cuda),
                                        **({} if cuda else {"backend": "host"}))
 
 
