@@ -98,6 +98,9 @@ Figures per row:
                     report(); over the whole row, warm-up included)
   preloaded         engine rows: experts queued at offload (Note [Preload]:
                     all of them where every expert fits the budget, else 0)
+  preload_wait_s    engine rows: seconds the row waited after offloading
+                    for those copies to land (wait_preloaded, Note [Waiting
+                    for the preload]), before its first generate
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also

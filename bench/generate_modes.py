@@ -99,6 +99,13 @@ class EngineMode(Mode):
         self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
                                                 handle_options=options, record_trace=True, sync_free=sync_free,
                                                 host_experts=shared_host_experts(model, cuda), **kwargs)
+        # Note [Waiting for the preload] in prefetch/controller.py: a cache
+        # of every expert is filled before the row's first generate, so the
+        # measured ones find it full (run 102: Qwen3-30B-A3B's 54 GiB were
+        # still landing in the first measured generate, 173 copies).
+        t0 = time.perf_counter()
+        self.ctl.wait_preloaded(progress=True)
+        self.preload_wait_s = time.perf_counter() - t0
 
     def counters(self):
         r = self.ctl.report()  # reads the routings still on their way back first
@@ -149,7 +156,8 @@ class EngineMode(Mode):
                 "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer"),
                 "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
                 "declined": r.get("declined"), "speculation_paused_layers": r.get("speculation_paused_layers"),
-                "steady_steps": r.get("steady_steps"), "preloaded": r.get("preloaded")}
+                "steady_steps": r.get("steady_steps"), "preloaded": r.get("preloaded"),
+                "preload_wait_s": self.preload_wait_s}
 
     def trace_steps(self, n):
         trace = getattr(self.ctl, "trace", None)

@@ -269,8 +269,10 @@ def test_engine_rows_preload_a_cache_that_holds_every_expert(tmp_path):
         if row["share"] == 1.0:
             assert row["preloaded"] == 4 * 8  # every (layer, expert) of the smoke model
             assert row["hit_rate"] == 1.0
+            assert row["copies"] == 0  # the preload had landed before the measured generate
         else:
             assert row["preloaded"] == 0
+        assert row["preload_wait_s"] >= 0
 
 
 def test_oracle_ttft_replays_the_ttft_prompts_routing():

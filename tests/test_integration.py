@@ -435,6 +435,39 @@ def test_sync_free_scores_host_guesses_and_pauses_wrong_ones():
             ctl.close()
 
 
+def test_wait_preloaded_returns_once_every_preloaded_expert_is_cached(capsys):
+    # Note [Waiting for the preload]: copies of 30 ms each on the fault
+    # backend, so the preload is still going right after offloading: a zero
+    # timeout says so, and the wait without one returns once every
+    # preloaded expert is resident, nothing queued, the bits unchanged.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    total = num_experts * cfg.num_hidden_layers
+    ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, _ = greedy(ref, ids, steps=3)
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=total * (per + 512), backend="fault",
+                              handle_options={"faults": {"copy_delay_us": 30_000}})
+    try:
+        assert ctl.preloaded == total
+        for bad in (-1, float("nan")):
+            with pytest.raises(ValueError, match="timeout"):
+                ctl.wait_preloaded(timeout=bad)
+        assert ctl.wait_preloaded(timeout=0) is False  # 30 ms a copy: not all landed yet
+        assert ctl.wait_preloaded(progress=True) is True
+        s = ctl.handle.stats()
+        assert s["queue_depth"] == 0 and s["copies"] == total and s["resident_count"] == total
+        assert "prefetch: preloading," in capsys.readouterr().out
+        before = ctl.handle.stats()["copies"]
+        assert torch.equal(greedy(model, ids, steps=3)[0], seq_ref)
+        assert ctl.handle.stats()["copies"] == before  # every expert was there: nothing copied
+    finally:
+        ctl.close()
+    with pytest.raises(Exception, match="closed"):
+        ctl.wait_preloaded()
+
+
 def test_preload_fills_the_cache_before_the_first_token():
     # Note [Preload]: where every expert fits, the cache starts filling at
     # offload (the least urgent band) and the first tokens find every

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import gc
 import json
 import os
 import sys
@@ -168,6 +169,13 @@ def main(argv=None) -> int:
             finally:
                 ctl.close()
                 state.restore()
+                # The closed offload's views of its arena go with the
+                # model's reference cycles: collected now, so the next
+                # row's cache fits (run 99's oracle row ran out of memory
+                # beside five uncollected arenas).
+                gc.collect()
+                if cuda:
+                    torch.cuda.empty_cache()
         rows[row] = out
         print(json.dumps({row: out}, indent=1), flush=True)
     result = {"tool": "sync_probe", "model": name, "share": args.share, "prompt_tokens": prompt_tokens,
