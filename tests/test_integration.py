@@ -970,6 +970,35 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
 
 
 @pytest.mark.gpu
+def test_wait_preloaded_on_gpu():
+    # Note [Waiting for the preload] on CUDA: the copies counted are issued,
+    # and the wait then synchronizes the engine's copy streams; afterwards
+    # the model decodes its original tokens without another copy, every
+    # read a hit.
+    cfg = family_configs()["qwen3_moe"]
+    ref = build(cfg, device="cuda", dtype=torch.bfloat16, experts_implementation="grouped_mm")
+    model = copy.deepcopy(ref)
+    per, num_experts = expert_bytes(model)
+    total = num_experts * cfg.num_hidden_layers
+    ctl = offload_moe_experts(model, device_budget_bytes=total * (per + 512), backend="cuda")
+    try:
+        assert ctl.preloaded == total
+        assert ctl.wait_preloaded(timeout=60) is True
+        s = ctl.handle.stats()
+        assert s["queue_depth"] == 0 and s["copies"] == total and s["resident_count"] == total
+        assert ctl.wait_preloaded(timeout=0) is True  # nothing left: at once
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
+        seq_ref, logits_ref = greedy(ref, ids)
+        seq, logits = greedy(model, ids)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert ctl.handle.stats()["copies"] == total and ctl.report()["hit_rate"] == 1.0
+    finally:
+        ctl.close()
+
+
+@pytest.mark.gpu
 def test_steady_pins_on_gpu():
     # Note [Steady pins] on CUDA, where a copy's bytes stay counted in
     # bytes_in_flight until the copy worker next wakes: a request whose
