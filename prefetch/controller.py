@@ -716,11 +716,13 @@ class OffloadController(SyncFreeDecode):
         copy_errors + cancelled, queue_depth 0) and then, on CUDA, until the
         issued copies have landed (the engine's copy streams are the
         device's: torch.cuda.synchronize). It waits for every copy, not the
-        preload's alone: call it before serving. Returns True when done,
-        False when `timeout` seconds passed first (the copies go on).
-        `progress`: print how many of the preloaded experts are resident
-        while it waits, at once and then about once a second. A closed controller raises, as every engine
-        call does."""
+        preload's alone: call it before serving. A failed copy counts as
+        done (the acquirer of its expert gets CopyFailedError). Returns
+        True when done, False when `timeout` seconds passed first (the
+        copies go on). `progress`: print how many of the preloaded experts
+        are resident while it waits, at once and then about once a second.
+        After close() it raises HandleClosedError, as every engine call
+        does."""
         if timeout is not None and not timeout >= 0:
             raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
         start = time.monotonic()

@@ -464,7 +464,7 @@ def test_wait_preloaded_returns_once_every_preloaded_expert_is_cached(capsys):
         assert ctl.handle.stats()["copies"] == before  # every expert was there: nothing copied
     finally:
         ctl.close()
-    with pytest.raises(Exception, match="closed"):
+    with pytest.raises(prefetch.HandleClosedError, match="closed"):
         ctl.wait_preloaded()
 
 
