@@ -4,7 +4,7 @@
         [--shares 0.1 0.25 0.5] [--rows ROW ...] [--new-tokens 64] [--warmup-tokens 8]
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
-        [--json PATH] [--plot PATH.png]
+        [--park-resident-experts] [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -101,6 +101,9 @@ Figures per row:
   preload_wait_s    engine rows: seconds the row waited after offloading
                     for those copies to land (wait_preloaded, Note [Waiting
                     for the preload]), before its first generate
+  parked_resident_experts  engine rows: whether the resident model's experts
+                    were freed on the device while the row ran
+                    (--park-resident-experts)
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also
@@ -290,6 +293,11 @@ def main(argv=None) -> int:
     parser.add_argument("--paired-tokens", type=int, default=None, help="tokens of each paired generate "
                         "(default 32; smoke 4; accelerate's rows: --accelerate-tokens); a row takes about "
                         "2 x --paired x this x its ms per token more")
+    parser.add_argument("--park-resident-experts", action="store_true",
+                        help="engine rows free the resident model's expert weights on the device while they run "
+                             "and copy them back from the packed host copy after (Note [Parked resident experts] "
+                             "in bench/generate_model.py): a cache of every expert then fits beside a second "
+                             "resident copy (--paired) or a larger batch")
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
                              "background copies too) or the compute stream only (what a caller reading tokens "

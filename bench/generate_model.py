@@ -8,6 +8,8 @@ import os
 import sys
 import time
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -91,6 +93,66 @@ class ModelState:
         self.num_experts = gu.shape[0]
         self.expert_bytes = gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size()
         self.total_bytes = self.expert_bytes * self.num_experts * self.num_layers
+        self.shapes = (tuple(gu.shape[1:]), tuple(dn.shape[1:]), gu.dtype, gu.device)
+        self.parked = None  # Note [Parked resident experts]: the HostExperts they come back from
+
+    def park(self, host) -> None:
+        """Note [Parked resident experts]
+        A row keeps the resident experts on the GPU (restore() puts them
+        back without a copy), so an engine row at a cache of every expert
+        holds them twice: Qwen3-30B-A3B's 54 GiB of experts, its cache of
+        as much and a second resident copy for paired generates did not
+        fit one H200, and batch 8 ran out of memory without the copy (runs
+        92 and 102). With --park-resident-experts an engine row parks them
+        before it offloads: the weights move to the meta device (their
+        device memory is freed before the row's cache is allocated; the
+        offload reads only their shapes and is given `host`, the packed
+        host copy the engine rows offload from,
+        prefetch.host_experts.HostExperts), and restore() copies them back
+        from `host`, one layer at a time, after the row's offload is gone.
+        Only a model whose every expert `host` holds, in this model's
+        shapes, can park."""
+        gate_up_shape, down_shape, dtype, _ = self.shapes
+        if self.parked is not None:
+            raise RuntimeError("the resident experts are parked already")
+        if (host.num_layers != self.num_layers or host.num_experts != self.num_experts or host.experts is not None
+                or host.gate_up_shape != gate_up_shape or host.down_shape != down_shape or host.dtype != dtype
+                or len(host.layout) != len(self.NAMES)):
+            raise ValueError("the packed host experts are not every expert of this model: cannot park")
+        import torch
+
+        for _, experts, params, _, _ in self.saved:
+            for name, (param, data) in params.items():
+                # The module gets a meta stand-in of the same shape, for the
+                # offload to read; the saved parameter lets its memory go.
+                experts._parameters[name] = torch.nn.Parameter(torch.empty_like(data, device="meta"),
+                                                               requires_grad=False)
+                param.data = data.new_empty(0)
+                params[name] = (param, None)
+        self.parked = host
+
+    def _unpark(self) -> None:
+        """Note [Parked resident experts]: the parked experts back on their
+        device from the host copy, a layer's rows in one copy each."""
+        import gc
+
+        import torch
+
+        host, self.parked = self.parked, None
+        device = self.shapes[3]
+        gc.collect()  # the row's offload and its cache, unreachable once its attributes are gone
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        count = self.num_experts
+        for layer, (_, _, params, _, _) in enumerate(self.saved):
+            first = int(host._row[layer, 0])
+            if not (host._row[layer] == first + np.arange(count)).all():
+                raise RuntimeError(f"layer {layer}'s experts are not in order in the host copy")
+            rows = host.buffer[first * host.stride : (first + count) * host.stride].to(device).view(count, host.stride)
+            for part, name in zip(host.layout, self.NAMES):
+                weight = rows[:, part.offset : part.offset + part.nbytes].view(host.dtype)
+                params[name] = (params[name][0], weight.unflatten(1, tuple(part.shape)).contiguous())
+            del rows
 
     def restore(self):
         with contextlib.suppress(ImportError):
@@ -98,11 +160,14 @@ class ModelState:
 
             for _, experts, _, _, _ in self.saved:
                 remove_hook_from_module(experts, recurse=True)
-        for block, experts, params, (block_attrs, experts_attrs), _ in self.saved:
+        for block, experts, _, (block_attrs, experts_attrs), _ in self.saved:
             block.experts = experts
             for module, attrs in ((block, block_attrs), (experts, experts_attrs)):
                 for key in [k for k in module.__dict__ if k not in attrs]:
                     delattr(module, key)  # what a row added (contexts, wrapped forwards)
+        if self.parked is not None:
+            self._unpark()
+        for _, experts, params, _, _ in self.saved:
             for name, (param, data) in params.items():
                 param.data = data
                 experts._parameters[name] = param

@@ -29,6 +29,7 @@ from bench.generate_modes import (  # noqa: E402
     PolicyLangMode,
     ResidentMode,
     cpu_sync_noop,
+    shared_host_experts,
 )
 
 
@@ -71,6 +72,9 @@ def make_mode(block: Block, row: str, budget, trace, out: dict):
     if row == "resident-eager":
         return ResidentMode(model, "eager")
     if row in ENGINE_ROWS:
+        out["parked_resident_experts"] = bool(block.args.park_resident_experts)
+        if block.args.park_resident_experts:  # Note [Parked resident experts] in bench/generate_model.py
+            state.park(shared_host_experts(model, block.cuda))
         mode = EngineMode(model, budget, row, trace, block.cuda)
         out["device_expert_bytes"] = budget
     elif row == "torch-by-hand":
@@ -157,7 +161,9 @@ def make_twin(block: Block) -> None:
     57 GiB twice and a cache of every expert do not fit a 140 GiB H200; at
     a quarter they should); without it x_paired is null with the
     reason. The room is an estimate (the saved resident experts stay on the
-    GPU during a row, and a row needs more than its cache): at Qwen3-30B-A3B
+    GPU during a row unless --park-resident-experts frees them for the
+    engine rows, Note [Parked resident experts] in bench/generate_model.py,
+    and a row needs more than its cache): at Qwen3-30B-A3B
     and a quarter the offloaded rows ran out of memory beside the twin (run
     85), so a row that runs out of memory while the twin exists frees it
     and runs again, and the rows from there on are unpaired (the block's
@@ -169,6 +175,8 @@ def make_twin(block: Block) -> None:
     if block.cuda:
         weights = sum(p.numel() * p.element_size() for p in model.parameters())
         need = weights + max(args.shares, default=0) * block.state.total_bytes + (2 << 30)
+        if args.park_resident_experts:  # an engine row frees them (Note [Parked resident experts])
+            need -= block.state.total_bytes
         free, _ = torch.cuda.mem_get_info(block.device)
         if free < need:
             block.twin_reason = (f"not measured: a second resident copy and the largest cache need "

@@ -4,9 +4,11 @@ nothing; what must hold is which figures exist, and that offloaded rows
 generate the resident row's tokens."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import json
 import numbers
+import weakref
 
 import pytest
 
@@ -324,3 +326,66 @@ def test_a_run_cut_short_keeps_the_rows_it_measured(tmp_path, monkeypatch):
     assert report["partial"] is True
     assert [r["row"] for r in report["rows"]] == [r["row"] for r in done] == ["resident", "on-demand"]
     assert report["rows"][1]["tokens_equal"] is True
+
+
+def test_parked_resident_experts_come_back_bit_equal():
+    # Note [Parked resident experts]: parked, the resident experts are on
+    # the meta device (no memory) and the saved tensors gone; the model
+    # offloads from the packed host copy and generates its own tokens; then
+    # restore() copies them back from that copy, every byte as it was.
+    # Parking twice, or from another model's host copy, is refused.
+    import torch
+
+    import prefetch
+    from bench.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
+    from prefetch.hf import find_hf_moe_blocks
+    from prefetch.host_experts import HostExperts
+
+    family, shape = SMOKE_MODELS["smoke-qwen3-moe"]
+    model = build_model(torch, family, shape, 64, "cpu", torch.float32)
+    state = ModelState(model)
+    before = [(e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for _, e, _ in moe_blocks(model)]
+    ids = torch.randint(1, 64, (1, 5), generator=torch.Generator().manual_seed(3))
+    want = model.generate(ids, max_new_tokens=3, do_sample=False)
+    host = HostExperts(find_hf_moe_blocks(model), pin=False)
+    other = build_model(torch, family, dict(shape, moe_intermediate_size=16), 64, "cpu", torch.float32)
+    with pytest.raises(ValueError, match="not every expert of this model"):
+        state.park(HostExperts(find_hf_moe_blocks(other), pin=False))
+    saved = [weakref.ref(data) for _, _, params, _, _ in state.saved for _, data in params.values()]
+    state.park(host)
+    with pytest.raises(RuntimeError, match="parked already"):
+        state.park(host)
+    gc.collect()
+    assert all(ref() is None for ref in saved)  # nothing holds the resident copy any more
+    for _, experts, params, _, _ in state.saved:
+        assert experts.gate_up_proj.is_meta and experts.down_proj.is_meta
+        assert all(data is None and param.numel() == 0 for param, data in params.values())
+    ctl = prefetch.offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", host_experts=host)
+    try:
+        assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), want)
+    finally:
+        ctl.close()
+    state.restore()
+    assert state.parked is None
+    for (_, experts, _), (gate_up, down) in zip(moe_blocks(model), before):
+        assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
+        assert experts.gate_up_proj.is_contiguous() and experts.down_proj.is_contiguous()
+    assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), want)
+
+
+def test_engine_rows_park_the_resident_experts_when_asked(tmp_path):
+    # --park-resident-experts: each engine row runs with the resident
+    # experts parked and the model restored after it: the tokens are the
+    # resident row's in every row, the block's closing resident check
+    # passes, and the rows say they parked; the by-hand row does not park.
+    report = _run(tmp_path, "--models", "smoke-qwen3-moe", "--shares", "1.0", "--rows", "resident", "on-demand",
+                  "oracle", "torch-by-hand", "--new-tokens", "3", "--paired", "2", "--paired-tokens", "3",
+                  "--park-resident-experts")
+    rows = {r["row"]: r for r in report["rows"]}
+    for name in ("on-demand", "oracle", "torch-by-hand"):
+        assert rows[name].get("reason") is None and rows[name]["tokens_equal"] is True, rows[name]
+        assert rows[name]["x_paired"] is not None
+    assert rows["on-demand"]["parked_resident_experts"] is True and rows["oracle"]["parked_resident_experts"] is True
+    assert not rows["torch-by-hand"].get("parked_resident_experts")
+    (block,) = report["blocks"]
+    assert block["restore_check"] is True and block["twin_reason"] is None
