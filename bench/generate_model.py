@@ -138,7 +138,7 @@ class ModelState:
 
         import torch
 
-        host, self.parked = self.parked, None
+        host = self.parked
         device = self.shapes[3]
         gc.collect()  # the row's offload and its cache, unreachable once its attributes are gone
         if device.type == "cuda":
@@ -153,6 +153,7 @@ class ModelState:
                 weight = rows[:, part.offset : part.offset + part.nbytes].view(host.dtype)
                 params[name] = (params[name][0], weight.unflatten(1, tuple(part.shape)).contiguous())
             del rows
+        self.parked = None  # only now: a restore that failed half-way fails again, not with half the weights
 
     def restore(self):
         with contextlib.suppress(ImportError):
