@@ -68,6 +68,15 @@ def greedy(model, ids, steps=4):
     return out.sequences, out.logits
 
 
+def assert_same_decode(ref, model, ids, steps=4):
+    """`model` decodes `ids` greedily to `ref`'s tokens and bit-equal logits."""
+    seq_ref, logits_ref = greedy(ref, ids, steps)
+    seq, logits = greedy(model, ids, steps)
+    assert torch.equal(seq, seq_ref)
+    for a, b in zip(logits, logits_ref):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
 @pytest.mark.parametrize("predictor", [None, "next-layer"])
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
@@ -82,11 +91,7 @@ def test_offloaded_model_matches_original(family, predictor, impl):
     try:
         assert len(offloaded_experts(model)) == cfg.num_hidden_layers
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        for a, b in zip(logits, logits_ref):
-            assert torch.equal(a, b)
+        assert_same_decode(ref, model, ids)
         report = ctl.report()
         s = ctl.handle.stats()
         assert s["evictions"] > 0  # the budget really was too small for all experts
@@ -711,11 +716,7 @@ def test_oracle_with_next_use_eviction_matches_original():
                               predictor=OraclePredictor(trace, distance=1),
                               handle_options={"eviction_policy": "next-use"})
     try:
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        for a, b in zip(logits, logits_ref):
-            assert torch.equal(a, b)
+        assert_same_decode(ref, model, ids)
         s = ctl.handle.stats()
         assert s["evictions"] > 0 and s["pinned_count"] == 0
         assert ctl.handle.hint_clock() == ctl.clock >= 4 * cfg.num_hidden_layers - 1
@@ -953,11 +954,7 @@ def test_offloaded_model_on_gpu_matches_original(impl, dtype, predictor):
                               sync_free=not predictor)
     try:
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        for a, b in zip(logits, logits_ref):
-            assert torch.equal(a, b)
+        assert_same_decode(ref, model, ids)
         assert ctl.handle.backend == "cuda" and ctl.handle.stats()["evictions"] > 0
         assert ctl.sync_free is (not predictor)
         if not predictor and impl == "batched_mm":  # read over PCIe by the kernel, and from the cache
@@ -988,11 +985,7 @@ def test_wait_preloaded_on_gpu():
         assert s["queue_depth"] == 0 and s["copies"] == total and s["resident_count"] == total
         assert ctl.wait_preloaded(timeout=0) is True  # nothing left: at once
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        for a, b in zip(logits, logits_ref):
-            assert torch.equal(a, b)
+        assert_same_decode(ref, model, ids)
         assert ctl.handle.stats()["copies"] == total and ctl.report()["hit_rate"] == 1.0
     finally:
         ctl.close()
@@ -1371,11 +1364,7 @@ def test_grouped_mm_at_the_group_limit_on_gpu_bf16(slots):
     try:
         assert offloaded_experts(model)[0].__dict__["_prefetch_offload"].slots == slots
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1)).cuda()
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        for a, b in zip(logits, logits_ref):
-            assert torch.equal(a, b)
+        assert_same_decode(ref, model, ids)
     finally:
         ctl.close()
 
