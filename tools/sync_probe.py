@@ -36,6 +36,7 @@ import warnings
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.generate_model import MODELS, SMOKE_MODELS, ModelState, build_model, generate, make_sync  # noqa: E402
+from bench.generate_modes import EngineMode  # noqa: E402
 
 ROWS = ("on-demand", "gate", "oracle")
 KEEP = (os.sep + "prefetch" + os.sep, os.sep + "transformers" + os.sep, os.sep + "bench" + os.sep)
@@ -88,22 +89,6 @@ class SyncCounter:
         return {"total": sum(self.sites.values()), "sites": dict(self.sites.most_common())}
 
 
-def make_ctl(prefetch, model, row: str, budget: int, trace, cuda: bool):
-    from bench.generate_modes import shared_host_experts
-    from prefetch.integration import NextLayerGatePredictor, OraclePredictor
-
-    predictor, options = None, None
-    if row == "gate":
-        predictor = NextLayerGatePredictor()
-    elif row == "oracle":
-        predictor = OraclePredictor(trace)
-        options = {"eviction_policy": "next-use"}
-    return prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
-                                       handle_options=options, record_trace=True,
-                                       host_experts=shared_host_experts(model, cuda),
-                                       **({} if cuda else {"backend": "host"}))
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--model", default="qwen3-30b-a3b", choices=list(MODELS))
@@ -118,7 +103,6 @@ def main(argv=None) -> int:
         parser.error("--share must be in (0, 1]")
     import torch
 
-    import prefetch
     from prefetch.integration import RoutingTrace
 
     cuda = not args.smoke_cpu
@@ -156,7 +140,7 @@ def main(argv=None) -> int:
         out = {}
         for phase, ids, tokens, trace in (("prefill", prompt, 1, prefill_trace),
                                           ("decode", short, args.new_tokens + 1, decode_trace)):
-            ctl = make_ctl(prefetch, model, row, budget, trace, cuda)
+            ctl = EngineMode(model, budget, row, trace, cuda).ctl  # as BM6's engine rows offload
             try:
                 generate(torch, model, short, 2, sync)  # the offloaded path's first calls, outside the count
                 ctl.new_sequence()
