@@ -258,7 +258,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
         settle(block_rows, block, info)
     explain_nulls(model_rows, cuda)
     rows.extend(model_rows)
-    _HOST_EXPERTS.pop(id(model), None)  # its page-locked copy goes with the model
+    _HOST_EXPERTS.pop(model, None)  # its page-locked copy goes now, not at the next collection
     del model, state
     gc.collect()
     if cuda:

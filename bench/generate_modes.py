@@ -7,6 +7,7 @@ import contextlib
 import os
 import sys
 import time
+import weakref
 
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,7 +64,11 @@ class ResidentMode(Mode):
             model.config._experts_implementation = impl
 
 
-_HOST_EXPERTS = {}  # id(model) -> the packed host copy of its experts (same weights every row)
+# model -> the packed host copy of its experts (same weights every row).
+# Weak keys: an entry goes with its model. Keyed by id(model) it outlived
+# the model, and a later model given the same id (another test's, in one
+# pytest process) got that stale copy: experts of other shapes or weights.
+_HOST_EXPERTS = weakref.WeakKeyDictionary()
 
 
 def shared_host_experts(model, cuda: bool):
@@ -72,13 +77,13 @@ def shared_host_experts(model, cuda: bool):
     and the by-hand LRU copies its misses from it. One copy, not one per
     row: Qwen3-30B-A3B's 54 GiB of experts twice did not fit the one-H200
     machine's 128 GiB (run 37)."""
-    host = _HOST_EXPERTS.get(id(model))
+    host = _HOST_EXPERTS.get(model)
     if host is None:
         from prefetch.hf import find_hf_moe_blocks
         from prefetch.host_experts import HostExperts
 
         host = HostExperts(find_hf_moe_blocks(model), pin=cuda, progress=True)
-        _HOST_EXPERTS[id(model)] = host
+        _HOST_EXPERTS[model] = host
     return host
 
 

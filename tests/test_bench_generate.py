@@ -389,3 +389,27 @@ def test_engine_rows_park_the_resident_experts_when_asked(tmp_path):
     assert not rows["torch-by-hand"].get("parked_resident_experts")
     (block,) = report["blocks"]
     assert block["restore_check"] is True and block["twin_reason"] is None
+
+
+def test_shared_host_experts_go_with_their_model():
+    # The packed host copy is kept per model object, and only while the
+    # model lives: keyed by id(model) it outlived its model, and a later
+    # model given the same id got another model's experts (TSan's CI run:
+    # "the packed host experts are not every expert of this model").
+    import torch
+
+    from bench.generate_model import SMOKE_MODELS, build_model
+    from bench.generate_modes import _HOST_EXPERTS, shared_host_experts
+
+    gc.collect()
+    before = len(_HOST_EXPERTS)
+    family, shape = SMOKE_MODELS["smoke-olmoe"]
+    model = build_model(torch, family, shape, 64, "cpu", torch.float32)
+    host = shared_host_experts(model, False)
+    assert shared_host_experts(model, False) is host  # packed once per model
+    other = build_model(torch, family, shape, 64, "cpu", torch.float32)
+    assert shared_host_experts(other, False) is not host
+    ref = weakref.ref(host)
+    del model, host, other
+    gc.collect()
+    assert ref() is None and len(_HOST_EXPERTS) == before
