@@ -129,7 +129,13 @@ class ModelState:
                                                                requires_grad=False)
                 param.data = data.new_empty(0)
                 params[name] = (param, None)
+            del param, data
         self.parked = host
+        if self.shapes[3].type == "cuda":
+            # The engine allocates its cache with cuMemAlloc, outside torch's
+            # caching allocator: blocks torch keeps cached are not free to it
+            # (run 106's first try ran out of memory with 54 GiB so kept).
+            torch.cuda.empty_cache()
 
     def _unpark(self) -> None:
         """Note [Parked resident experts]: the parked experts back on their
@@ -145,6 +151,8 @@ class ModelState:
             torch.cuda.empty_cache()
         count = self.num_experts
         for layer, (_, _, params, _, _) in enumerate(self.saved):
+            if all(data is not None for _, data in params.values()):
+                continue  # back already: a restore that failed half-way resumes after it
             first = int(host._row[layer, 0])
             if not (host._row[layer] == first + np.arange(count)).all():
                 raise RuntimeError(f"layer {layer}'s experts are not in order in the host copy")
@@ -153,7 +161,7 @@ class ModelState:
                 weight = rows[:, part.offset : part.offset + part.nbytes].view(host.dtype)
                 params[name] = (params[name][0], weight.unflatten(1, tuple(part.shape)).contiguous())
             del rows
-        self.parked = None  # only now: a restore that failed half-way fails again, not with half the weights
+        self.parked = None  # only now: a restore that failed half-way is resumed, not skipped
 
     def restore(self):
         with contextlib.suppress(ImportError):

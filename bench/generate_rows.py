@@ -12,10 +12,12 @@ import os
 import statistics
 import sys
 import time
+import traceback
 
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+import prefetch  # noqa: E402
 from bench.common import best_of_ratio, fmt, host_steal_s, percentile  # noqa: E402
 from bench.generate_figures import decode_counters, delta  # noqa: E402
 from bench.generate_model import RoutingRecorder, RowSkipped, StepTimer, generate, make_sync  # noqa: E402
@@ -289,6 +291,12 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
             if mode.accesses_from_routing:
                 recorder = RoutingRecorder(block.model)
             measured = measure_row(block, row, mode, recorder, new_tokens, warm_tokens, out)
+    except BaseException as exc:
+        # The failed calls' frames hold the row's offload and its cache
+        # while the exception is in flight: cleared, the restore below has
+        # that memory back (a parked model's experts are copied back into it).
+        traceback.clear_frames(exc.__traceback__)
+        raise
     finally:
         if recorder is not None:
             recorder.close()
@@ -375,13 +383,15 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
     try:
         try:
             res = run_row(block, row, share, trace)
-        except block.torch.OutOfMemoryError:
+        except (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError):  # torch's allocator or the engine's cache
             if block.twin is None:
                 raise
             # Note [Paired generates]: the twin's room was an estimate; a
             # row it crowds out runs again without it, unpaired.
             where = "" if share is None else f" at {share:.0%}"
             drop_twin(block, f"dropped: {row}{where} ran out of GPU memory beside it")
+            if block.state.parked is not None:
+                block.state.restore()  # the restore after the failed row ran out of memory too: finished now
             res = run_row(block, row, share, trace)
     except RowSkipped as exc:
         return null_row(base, str(exc))

@@ -373,6 +373,41 @@ def test_parked_resident_experts_come_back_bit_equal():
     assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), want)
 
 
+def test_a_restore_that_failed_half_way_resumes():
+    # Note [Parked resident experts]: a restore that stops part-way (run
+    # 106: out of memory beside the twin) leaves the model parked; the next
+    # restore copies back only the layers still missing and the weights are
+    # the resident ones again.
+    import numpy as np
+    import torch
+
+    from bench.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
+    from prefetch.hf import find_hf_moe_blocks
+    from prefetch.host_experts import HostExperts
+
+    family, shape = SMOKE_MODELS["smoke-qwen3-moe"]
+    model = build_model(torch, family, shape, 64, "cpu", torch.float32)
+    state = ModelState(model)
+    before = [(e.gate_up_proj.detach().clone(), e.down_proj.detach().clone()) for _, e, _ in moe_blocks(model)]
+    host = HostExperts(find_hf_moe_blocks(model), pin=False)
+    state.park(host)
+    rows = host._row.copy()
+    host._row[1] = rows[1][::-1]  # layer 1 refuses to come back
+    with pytest.raises(RuntimeError, match="layer 1's experts are not in order"):
+        state.restore()
+    assert state.parked is host
+    first = [data for _, data in state.saved[0][2].values()]
+    assert all(data is not None for data in first)  # layer 0 came back before the failure
+    assert all(data is None for _, data in state.saved[1][2].values())
+    host._row[:] = rows
+    state.restore()
+    assert state.parked is None
+    assert all(a is b for a, b in zip((d for _, d in state.saved[0][2].values()), first))  # not copied again
+    for (_, experts, _), (gate_up, down) in zip(moe_blocks(model), before):
+        assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
+    assert np.array_equal(host._row, rows)
+
+
 def test_engine_rows_park_the_resident_experts_when_asked(tmp_path):
     # --park-resident-experts: each engine row runs with the resident
     # experts parked and the model restored after it: the tokens are the
