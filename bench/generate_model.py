@@ -104,38 +104,45 @@ class ModelState:
         as much and a second resident copy for paired generates did not
         fit one H200, and batch 8 ran out of memory without the copy (runs
         92 and 102). With --park-resident-experts an engine row parks them
-        before it offloads: the weights move to the meta device (their
-        device memory is freed before the row's cache is allocated; the
-        offload reads only their shapes and is given `host`, the packed
-        host copy the engine rows offload from,
-        prefetch.host_experts.HostExperts), and restore() copies them back
-        from `host`, one layer at a time, after the row's offload is gone.
-        Only a model whose every expert `host` holds, in this model's
-        shapes, can park."""
-        gate_up_shape, down_shape, dtype, _ = self.shapes
+        before it offloads: each expert weight's storage is resized to
+        nothing (its device memory freed whoever else holds the tensor;
+        dropping our references was not enough on the GPU, runs 106-107),
+        torch's cached blocks go back to the driver (the engine's cache is
+        a cuMemAlloc outside torch's allocator), and the modules get meta
+        stand-ins of the same shapes, which the offload reads; it is given
+        `host`, the packed host copy the engine rows offload from
+        (prefetch.host_experts.HostExperts). restore() regrows each storage
+        and copies the weights back from `host`, one layer at a time, after
+        the row's offload is gone; a restore that fails part-way (out of
+        memory) resumes at the first layer not back. Only a model whose
+        every expert `host` holds, in this model's shapes, each weight in a
+        storage of its own, can park."""
+        gate_up_shape, down_shape, dtype, device = self.shapes
         if self.parked is not None:
             raise RuntimeError("the resident experts are parked already")
         if (host.num_layers != self.num_layers or host.num_experts != self.num_experts or host.experts is not None
                 or host.gate_up_shape != gate_up_shape or host.down_shape != down_shape or host.dtype != dtype
                 or len(host.layout) != len(self.NAMES)):
             raise ValueError("the packed host experts are not every expert of this model: cannot park")
+        for _, _, params, _, _ in self.saved:
+            for _, data in params.values():
+                if (data.storage_offset() or not data.is_contiguous()
+                        or data.untyped_storage().nbytes() != data.numel() * data.element_size()):
+                    raise ValueError("an expert weight shares its storage with other tensors: cannot park")
         import torch
 
+        before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         for _, experts, params, _, _ in self.saved:
-            for name, (param, data) in params.items():
-                # The module gets a meta stand-in of the same shape, for the
-                # offload to read; the saved parameter lets its memory go.
+            for name, (_, data) in params.items():
                 experts._parameters[name] = torch.nn.Parameter(torch.empty_like(data, device="meta"),
                                                                requires_grad=False)
-                param.data = data.new_empty(0)
-                params[name] = (param, None)
-            del param, data
+                data.untyped_storage().resize_(0)
         self.parked = host
-        if self.shapes[3].type == "cuda":
-            # The engine allocates its cache with cuMemAlloc, outside torch's
-            # caching allocator: blocks torch keeps cached are not free to it
-            # (run 106's first try ran out of memory with 54 GiB so kept).
+        if device.type == "cuda":
             torch.cuda.empty_cache()
+            freed = before - torch.cuda.memory_allocated(device)
+            print(f"  parked the resident experts: {freed / 2**30:.1f} GiB freed on {device}",
+                  file=sys.stderr, flush=True)
 
     def _unpark(self) -> None:
         """Note [Parked resident experts]: the parked experts back on their
@@ -151,17 +158,19 @@ class ModelState:
             torch.cuda.empty_cache()
         count = self.num_experts
         for layer, (_, _, params, _, _) in enumerate(self.saved):
-            if all(data is not None for _, data in params.values()):
-                continue  # back already: a restore that failed half-way resumes after it
+            if all(data.untyped_storage().nbytes() for _, data in params.values()):
+                continue  # back already: a restore that failed part-way resumes after it
             first = int(host._row[layer, 0])
             if not (host._row[layer] == first + np.arange(count)).all():
                 raise RuntimeError(f"layer {layer}'s experts are not in order in the host copy")
             rows = host.buffer[first * host.stride : (first + count) * host.stride].to(device).view(count, host.stride)
             for part, name in zip(host.layout, self.NAMES):
-                weight = rows[:, part.offset : part.offset + part.nbytes].view(host.dtype)
-                params[name] = (params[name][0], weight.unflatten(1, tuple(part.shape)).contiguous())
+                data = params[name][1]
+                data.untyped_storage().resize_(data.numel() * data.element_size())
+                data.copy_(rows[:, part.offset : part.offset + part.nbytes].view(host.dtype)
+                           .unflatten(1, tuple(part.shape)))
             del rows
-        self.parked = None  # only now: a restore that failed half-way is resumed, not skipped
+        self.parked = None  # only now: a restore that failed part-way is resumed, not skipped
 
     def restore(self):
         with contextlib.suppress(ImportError):

@@ -351,15 +351,14 @@ def test_parked_resident_experts_come_back_bit_equal():
     other = build_model(torch, family, dict(shape, moe_intermediate_size=16), 64, "cpu", torch.float32)
     with pytest.raises(ValueError, match="not every expert of this model"):
         state.park(HostExperts(find_hf_moe_blocks(other), pin=False))
-    saved = [weakref.ref(data) for _, _, params, _, _ in state.saved for _, data in params.values()]
     state.park(host)
     with pytest.raises(RuntimeError, match="parked already"):
         state.park(host)
-    gc.collect()
-    assert all(ref() is None for ref in saved)  # nothing holds the resident copy any more
     for _, experts, params, _, _ in state.saved:
         assert experts.gate_up_proj.is_meta and experts.down_proj.is_meta
-        assert all(data is None and param.numel() == 0 for param, data in params.values())
+        # The resident weights' memory is gone, whoever holds the tensors.
+        assert all(param.untyped_storage().nbytes() == 0 == data.untyped_storage().nbytes()
+                   for param, data in params.values())
     ctl = prefetch.offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", host_experts=host)
     try:
         assert torch.equal(model.generate(ids, max_new_tokens=3, do_sample=False), want)
@@ -396,16 +395,42 @@ def test_a_restore_that_failed_half_way_resumes():
     with pytest.raises(RuntimeError, match="layer 1's experts are not in order"):
         state.restore()
     assert state.parked is host
-    first = [data for _, data in state.saved[0][2].values()]
-    assert all(data is not None for data in first)  # layer 0 came back before the failure
-    assert all(data is None for _, data in state.saved[1][2].values())
+
+    def sizes(layer):
+        return [data.untyped_storage().nbytes() for _, data in state.saved[layer][2].values()]
+
+    assert all(sizes(0)) and not any(sizes(1))  # layer 0 came back before the failure, layer 1 did not
+    first = [data.data_ptr() for _, data in state.saved[0][2].values()]
     host._row[:] = rows
     state.restore()
     assert state.parked is None
-    assert all(a is b for a, b in zip((d for _, d in state.saved[0][2].values()), first))  # not copied again
+    assert [data.data_ptr() for _, data in state.saved[0][2].values()] == first  # not copied a second time
     for (_, experts, _), (gate_up, down) in zip(moe_blocks(model), before):
         assert torch.equal(experts.gate_up_proj, gate_up) and torch.equal(experts.down_proj, down)
     assert np.array_equal(host._row, rows)
+
+
+def test_park_refuses_weights_that_share_storage():
+    # Parking frees each weight's storage: a weight whose storage holds
+    # other tensors too is refused, and nothing is parked.
+    import torch
+
+    from bench.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
+    from prefetch.hf import find_hf_moe_blocks
+    from prefetch.host_experts import HostExperts
+
+    family, shape = SMOKE_MODELS["smoke-qwen3-moe"]
+    model = build_model(torch, family, shape, 64, "cpu", torch.float32)
+    _, experts, _ = moe_blocks(model)[0]
+    both = torch.cat([experts.gate_up_proj.detach().flatten(), experts.down_proj.detach().flatten()])
+    n = experts.gate_up_proj.numel()
+    experts.gate_up_proj.data = both[:n].view_as(experts.gate_up_proj)
+    experts.down_proj.data = both[n:].view_as(experts.down_proj)
+    state = ModelState(model)
+    with pytest.raises(ValueError, match="shares its storage"):
+        state.park(HostExperts(find_hf_moe_blocks(model), pin=False))
+    assert state.parked is None and not experts.gate_up_proj.is_meta
+    assert experts.gate_up_proj.untyped_storage().nbytes() == both.numel() * both.element_size()
 
 
 def test_engine_rows_park_the_resident_experts_when_asked(tmp_path):
