@@ -208,6 +208,42 @@ class ModelState:
 # ------------------------------------------------------------- generation
 
 
+def gpu_memory_report(torch, device, top: int = 6) -> str:
+    """What holds the device's memory, for a row that ran out of it: torch's
+    allocated and reserved bytes, the driver's free bytes, and the largest
+    live CUDA tensors Python can reach (shape, GiB, and what refers to
+    each: the attribute or local name where one is found). Slow (walks
+    every object): called only after an out-of-memory error."""
+    import gc
+    import types
+
+    gc.collect()
+    free, total = torch.cuda.mem_get_info(device)
+    lines = [f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
+             f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, free {free / 2**30:.2f} of {total / 2**30:.2f}"]
+    seen = {}
+    for obj in gc.get_objects():
+        if isinstance(obj, torch.Tensor) and obj.is_cuda:
+            with contextlib.suppress(Exception):
+                storage = obj.untyped_storage()
+                key = storage.data_ptr()
+                if storage.nbytes() and key not in seen:
+                    seen[key] = (storage.nbytes(), obj)
+    for nbytes, obj in sorted(seen.values(), key=lambda t: -t[0])[:top]:
+        names = []
+        for ref in gc.get_referrers(obj):
+            if isinstance(ref, types.FrameType):
+                names.append(f"frame {ref.f_code.co_name}")
+            elif isinstance(ref, dict):
+                keys = [k for k, v in ref.items() if v is obj][:2]
+                names.append(f"dict[{', '.join(map(str, keys))}]")
+            elif not isinstance(ref, list) or len(names) < 4:
+                names.append(type(ref).__name__)
+        lines.append(f"{nbytes / 2**30:.2f} GiB {tuple(obj.shape)} {obj.dtype} <- {'; '.join(names[:5])}")
+    lines.append(f"{len(seen)} CUDA storages reachable, {sum(n for n, _ in seen.values()) / 2**30:.2f} GiB")
+    return "\n    ".join(lines)
+
+
 def make_sync(torch, cuda: bool, scope: str = "device"):
     """A wait for the GPU: "device" waits for every stream (the engine's
     copy streams too, speculative copies included); "stream" waits for the

@@ -20,7 +20,14 @@ if __package__ in (None, ""):
 import prefetch  # noqa: E402
 from bench.common import best_of_ratio, fmt, host_steal_s, percentile  # noqa: E402
 from bench.generate_figures import decode_counters, delta  # noqa: E402
-from bench.generate_model import RoutingRecorder, RowSkipped, StepTimer, generate, make_sync  # noqa: E402
+from bench.generate_model import (  # noqa: E402
+    RoutingRecorder,
+    RowSkipped,
+    StepTimer,
+    generate,
+    gpu_memory_report,
+    make_sync,
+)
 from bench.generate_modes import (  # noqa: E402
     ENGINE_ROWS,
     FIGURES,
@@ -384,6 +391,9 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
         try:
             res = run_row(block, row, share, trace)
         except (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError):  # torch's allocator or the engine's cache
+            if block.cuda:
+                print(f"  {row} ran out of GPU memory:\n    {gpu_memory_report(block.torch, block.device)}",
+                      file=sys.stderr, flush=True)
             if block.twin is None:
                 raise
             # Note [Paired generates]: the twin's room was an estimate; a
@@ -396,6 +406,9 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
     except RowSkipped as exc:
         return null_row(base, str(exc))
     except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run
+        if block.cuda and isinstance(exc, (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError)):
+            print(f"  {row} ran out of GPU memory again:\n    {gpu_memory_report(block.torch, block.device)}",
+                  file=sys.stderr, flush=True)
         failed = null_row(base, f"failed: {type(exc).__name__}: {str(exc)[:300]}")
         print(f"  {name} b{batch} {row} failed: {exc!r}", file=sys.stderr, flush=True)
         return failed
