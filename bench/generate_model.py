@@ -214,6 +214,13 @@ def gpu_memory_report(torch, device, top: int = 6) -> str:
     live CUDA tensors Python can reach (shape, GiB, and what refers to
     each: the attribute or local name where one is found). Slow (walks
     every object): called only after an out-of-memory error."""
+    try:
+        return _gpu_memory_report(torch, device, top)
+    except Exception as exc:  # noqa: BLE001 - a diagnostic never replaces the error it explains
+        return f"(no memory report: {exc!r})"
+
+
+def _gpu_memory_report(torch, device, top: int) -> str:
     import gc
     import types
 
