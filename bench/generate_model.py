@@ -108,7 +108,8 @@ class ModelState:
         nothing (its device memory freed whoever else holds the tensor;
         dropping our references was not enough on the GPU, runs 106-107),
         torch's cached blocks go back to the driver (the engine's cache is
-        a cuMemAlloc outside torch's allocator), and the modules get meta
+        one torch allocation of its whole budget, which the freed weights'
+        cached blocks cannot serve), and the modules get meta
         stand-ins of the same shapes, which the offload reads; it is given
         `host`, the packed host copy the engine rows offload from
         (prefetch.host_experts.HostExperts). restore() regrows each storage
