@@ -105,9 +105,8 @@ class ModelState:
         fit one H200, and batch 8 ran out of memory without the copy (runs
         92 and 102). With --park-resident-experts an engine row parks them
         before it offloads: each expert weight's storage is resized to
-        nothing (its device memory freed whoever else holds the tensor;
-        dropping our references was not enough on the GPU, runs 106-107),
-        torch's cached blocks go back to the driver (the engine's cache is
+        nothing (its device memory is freed whoever else holds the tensor;
+        run 108 logged the 54 GiB freed), torch's cached blocks go back to the driver (the engine's cache is
         one torch allocation of its whole budget, which the freed weights'
         cached blocks cannot serve), and the modules get meta
         stand-ins of the same shapes, which the offload reads; it is given
