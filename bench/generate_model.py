@@ -222,33 +222,71 @@ def gpu_memory_report(torch, device, top: int = 6) -> str:
 
 def _gpu_memory_report(torch, device, top: int) -> str:
     import gc
-    import types
 
     gc.collect()
     free, total = torch.cuda.mem_get_info(device)
     lines = [f"allocated {torch.cuda.memory_allocated(device) / 2**30:.2f} GiB, reserved "
              f"{torch.cuda.memory_reserved(device) / 2**30:.2f} GiB, free {free / 2**30:.2f} of {total / 2**30:.2f}"]
     seen = {}
-    for obj in gc.get_objects():
+    objects = gc.get_objects()
+    for obj in objects:
         if isinstance(obj, torch.Tensor) and obj.is_cuda:
             with contextlib.suppress(Exception):
                 storage = obj.untyped_storage()
                 key = storage.data_ptr()
                 if storage.nbytes() and key not in seen:
                     seen[key] = (storage.nbytes(), obj)
-    for nbytes, obj in sorted(seen.values(), key=lambda t: -t[0])[:top]:
-        names = []
-        for ref in gc.get_referrers(obj):
-            if isinstance(ref, types.FrameType):
-                names.append(f"frame {ref.f_code.co_name}")
-            elif isinstance(ref, dict):
-                keys = [k for k, v in ref.items() if v is obj][:2]
-                names.append(f"dict[{', '.join(map(str, keys))}]")
-            elif not isinstance(ref, list) or len(names) < 4:
-                names.append(type(ref).__name__)
-        lines.append(f"{nbytes / 2**30:.2f} GiB {tuple(obj.shape)} {obj.dtype} <- {'; '.join(names[:5])}")
+    del objects
+    largest = sorted(seen.values(), key=lambda t: -t[0])[:top]
+    ignore = {id(seen), id(largest), *(id(t) for t in seen.values())}
+    for nbytes, obj in largest:
+        chains = referrer_chains(obj, ignore)
+        lines.append(f"{nbytes / 2**30:.2f} GiB {tuple(obj.shape)} {obj.dtype} <- {' | '.join(chains) or 'nothing'}")
     lines.append(f"{len(seen)} CUDA storages reachable, {sum(n for n, _ in seen.values()) / 2**30:.2f} GiB")
     return "\n    ".join(lines)
+
+
+def referrer_chains(obj, ignore=(), depth: int = 5, width: int = 3) -> list:
+    """Who keeps `obj` alive, as up to `width` chains of at most `depth`
+    referrers ("list <- PrefetchHandle <- dict[handle] <- Controller"):
+    each step names the referrer's type (a dict the key it holds the
+    object under, a frame its function) and follows its first referrer.
+    `ignore`: ids of containers not to follow (the caller's own). For
+    diagnostics: an object Python cannot see the holder of ends its chain."""
+    import gc
+    import sys
+    import types
+
+    skip = set(ignore)
+    here = sys._getframe()
+    skip.add(id(here))
+
+    def describe(ref, held):
+        if isinstance(ref, types.FrameType):
+            return f"frame {ref.f_code.co_name}"
+        if isinstance(ref, dict):
+            keys = [k for k, v in ref.items() if v is held][:2]
+            return f"dict[{', '.join(map(str, keys))}]"
+        return type(ref).__name__
+
+    def referrers(o):
+        return [r for r in gc.get_referrers(o) if id(r) not in skip and r is not here]
+
+    chains = []
+    firsts = referrers(obj)
+    skip.add(id(firsts))
+    for ref in firsts[:width]:
+        chain, held, seen_ids = [describe(ref, obj)], ref, {id(obj), id(ref)}
+        for _ in range(depth - 1):
+            nxt = [r for r in referrers(held) if id(r) not in seen_ids and r is not firsts]
+            if not nxt:
+                break
+            chain.append(describe(nxt[0], held))
+            seen_ids.add(id(nxt[0]))
+            held = nxt[0]
+            del nxt
+        chains.append(" <- ".join(chain))
+    return chains
 
 
 def make_sync(torch, cuda: bool, scope: str = "device"):

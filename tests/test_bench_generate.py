@@ -473,3 +473,23 @@ def test_shared_host_experts_go_with_their_model():
     del model, host, other
     gc.collect()
     assert ref() is None and len(_HOST_EXPERTS) == before
+
+
+def test_referrer_chains_name_who_keeps_an_object_alive():
+    # BM6's out-of-memory report follows what holds the largest CUDA
+    # storages up to their owner (run 109's report stopped at "list").
+    from bench.generate_model import referrer_chains
+
+    class Handle:
+        def __init__(self):
+            self.arenas = [bytearray(16)]
+
+    class Controller:
+        def __init__(self):
+            self.handle = Handle()
+
+    owners = {"ctl": Controller()}
+    arena = owners["ctl"].handle.arenas[0]
+    (chain,) = referrer_chains(arena)
+    assert chain.startswith("list <- Handle <- Controller <- dict[ctl]"), chain
+    assert referrer_chains(bytearray(4)) == []  # a temporary: nothing holds it
