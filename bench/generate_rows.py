@@ -282,6 +282,21 @@ def row_figures(m: Measured, out: dict) -> dict:
     return out
 
 
+def clear_exception_frames(exc: BaseException) -> None:
+    """Clears the finished frames of `exc`'s traceback and of the
+    exceptions it was raised from or during (__cause__, __context__): their
+    locals (a row's offload, its cache) go now, not when the exception
+    does. The frames still running are left as they are."""
+    seen, todo = set(), [exc]
+    while todo:
+        e = todo.pop()
+        if e is None or id(e) in seen:
+            continue
+        seen.add(id(e))
+        traceback.clear_frames(e.__traceback__)
+        todo += [e.__cause__, e.__context__]
+
+
 def run_row(block: Block, row: str, share, trace=None) -> dict:
     """Sets up `row`, runs the warm-up, measured and TTFT generates, tears
     down and restores the model. Returns the figures."""
@@ -302,7 +317,7 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
         # The failed calls' frames hold the row's offload and its cache
         # while the exception is in flight: cleared, the restore below has
         # that memory back (a parked model's experts are copied back into it).
-        traceback.clear_frames(exc.__traceback__)
+        clear_exception_frames(exc)
         raise
     finally:
         if recorder is not None:
@@ -388,6 +403,7 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
         if trace is None:
             return null_row(base, "not run: no recorded routing trace (on-demand did not run)")
     try:
+        retry = False
         try:
             res = run_row(block, row, share, trace)
         except (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError):  # torch's allocator or the engine's cache
@@ -400,6 +416,11 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
             # row it crowds out runs again without it, unpaired.
             where = "" if share is None else f" at {share:.0%}"
             drop_twin(block, f"dropped: {row}{where} ran out of GPU memory beside it")
+            retry = True
+        if retry:
+            # Outside the handler: the first try's exception, and what its
+            # frames hold (run 109: its 54 GiB cache), is gone by now.
+            gc.collect()
             if block.state.parked is not None:
                 block.state.restore()  # the restore after the failed row ran out of memory too: finished now
             res = run_row(block, row, share, trace)

@@ -493,3 +493,73 @@ def test_referrer_chains_name_who_keeps_an_object_alive():
     (chain,) = referrer_chains(arena)
     assert chain.startswith("list <- Handle <- Controller <- dict[ctl]"), chain
     assert referrer_chains(bytearray(4)) == []  # a temporary: nothing holds it
+
+
+def test_a_failed_rows_frames_let_go_of_what_they_held():
+    # run 109: a row that failed kept its cache alive through the restore
+    # and the retry. clear_exception_frames drops the locals of the failed
+    # calls' frames, of the exception and of the one it was raised during.
+    from bench.generate_rows import clear_exception_frames
+
+    class Cache:
+        pass
+
+    def fails(cache):
+        raise MemoryError("out of memory")
+
+    def fails_while_handling(cache):
+        try:
+            fails(cache)
+        except MemoryError:
+            raise RuntimeError("restore failed") from None
+
+    refs = []
+    try:
+        cache = Cache()
+        refs.append(weakref.ref(cache))
+        fails_while_handling(cache)
+    except RuntimeError as exc:
+        del cache
+        assert refs[0]() is not None  # the failed frames still hold it
+        clear_exception_frames(exc)
+        gc.collect()
+        assert refs[0]() is None
+
+
+def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypatch):
+    # Note [Paired generates]: a row that runs out of memory beside the
+    # twin drops it and runs again, unpaired, with the experts parked and
+    # restored around each try; the failed try's cache does not outlive it
+    # (run 109: it was still alive through the retry).
+    import torch
+
+    from bench import generate_modes, generate_rows
+
+    arenas = []
+    init = generate_modes.EngineMode.__init__
+
+    def engine_mode(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        arenas.append(weakref.ref(self.ctl.handle.arena(0)))
+
+    tries = []
+    measure = generate_rows.measure_row
+
+    def measure_row(block, row, *args, **kwargs):
+        tries.append(row)
+        if row == "on-demand" and tries.count(row) == 1:
+            raise torch.OutOfMemoryError("simulated: the twin crowds the cache out")
+        return measure(block, row, *args, **kwargs)
+
+    monkeypatch.setattr(generate_modes.EngineMode, "__init__", engine_mode)
+    monkeypatch.setattr(generate_rows, "measure_row", measure_row)
+    report = _run(tmp_path, "--models", "smoke-qwen3-moe", "--shares", "1.0", "--rows", "resident", "on-demand",
+                  "--new-tokens", "3", "--paired", "2", "--paired-tokens", "3", "--park-resident-experts")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert tries.count("on-demand") == 2
+    assert rows["on-demand"].get("reason") is None and rows["on-demand"]["tokens_equal"] is True
+    assert rows["on-demand"]["x_paired"] is None and rows["resident"]["x_paired"] is not None
+    (block,) = report["blocks"]
+    assert block["twin_reason"].startswith("dropped: on-demand") and block["restore_check"] is True
+    gc.collect()
+    assert len(arenas) == 2 and all(ref() is None for ref in arenas)
