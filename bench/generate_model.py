@@ -106,10 +106,11 @@ class ModelState:
         92 and 102). With --park-resident-experts an engine row parks them
         before it offloads: each expert weight's storage is resized to
         nothing (its device memory is freed whoever else holds the tensor;
-        run 108 logged the 54 GiB freed), torch's cached blocks go back to the driver (the engine's cache is
-        one torch allocation of its whole budget, which the freed weights'
-        cached blocks cannot serve), and the modules get meta
-        stand-ins of the same shapes, which the offload reads; it is given
+        run 108 logged the 54 GiB freed), torch's cached blocks go back to
+        the driver (the engine's cache is one torch allocation of its whole
+        budget, which the freed weights' cached blocks cannot serve), and
+        the modules get meta stand-ins of the same shapes, which the
+        offload reads; it is given
         `host`, the packed host copy the engine rows offload from
         (prefetch.host_experts.HostExperts). restore() regrows each storage
         and copies the weights back from `host`, one layer at a time, after
@@ -254,7 +255,6 @@ def referrer_chains(obj, ignore=(), depth: int = 5, width: int = 3) -> list:
     `ignore`: ids of containers not to follow (the caller's own). For
     diagnostics: an object Python cannot see the holder of ends its chain."""
     import gc
-    import sys
     import types
 
     skip = set(ignore)
