@@ -69,6 +69,8 @@ class Block:
         self.twin = None  # Note [Paired generates]: a second resident copy of the model, or None
         self.twin_ids = None  # its generated ids for the measured prompt
         self.twin_reason = "not measured: --paired 0"
+        self.phase = None  # what the current row is doing (named in a failed row's reason)
+        self.failed_in = None  # the phase a failed row's first error came from
 
 
 def make_mode(block: Block, row: str, budget, trace, out: dict):
@@ -227,6 +229,7 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
     """The warm-up, measured, repeated and TTFT generates of `row` with its
     mode set up (the engine rows' routing trace goes to out["trace_steps"])."""
     torch, model, sync = block.torch, block.model, block.sync
+    block.phase = "warm-up"
     generate(torch, model, block.warm_prompt, warm_tokens, sync)
     mode.new_sequence()
     marks = {}
@@ -239,6 +242,7 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
     mode.start_measuring()
     before = mode.counters()
     s0 = host_steal_s()
+    block.phase = "measured generate"
     ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
     steal = [steal_ms(s0)]
     after = mode.counters()
@@ -247,8 +251,11 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
     if isinstance(mode, EngineMode):
         out["trace_steps"] = mode.trace_steps(new_tokens)
     mode.new_sequence()
+    block.phase = "repeats"
     runs = repeat_p50s(block, mode, new_tokens, steal)
+    block.phase = "paired generates"
     pairs = paired_p50s(block, mode, new_tokens)
+    block.phase = "time to first token"
     if row == "resident":
         # The floor of every row's TTFT: not the process's first
         # prefill of this shape.
@@ -307,6 +314,7 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
     out = {"budget_bytes": budget, "new_tokens": new_tokens}
     mode = None
     recorder = None
+    block.phase, block.failed_in = "setup", None
     try:
         with cpu_sync_noop(torch, row in MPL_ROWS and not block.cuda):
             mode = make_mode(block, row, budget, trace, out)
@@ -318,8 +326,10 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
         # while the exception is in flight: cleared, the restore below has
         # that memory back (a parked model's experts are copied back into it).
         clear_exception_frames(exc)
+        block.failed_in = block.phase
         raise
     finally:
+        block.phase = "restore"
         if recorder is not None:
             recorder.close()
         if mode is not None:
@@ -327,10 +337,21 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
                 mode.close()
         mode = None
         block.state.restore()
+        block.phase = block.failed_in  # restored: a failure is the phase's it came from
         gc.collect()
         if block.cuda:
             torch.cuda.empty_cache()
     return row_figures(measured, out)
+
+
+def failed_where(block: Block) -> str:
+    """" in its <phase>" for a row that failed (" in its restore, after an
+    error in its <phase>" when the restore failed as well), or ""."""
+    if block.phase is None:
+        return ""
+    if block.failed_in is not None and block.failed_in != block.phase:
+        return f" in its {block.phase}, after an error in its {block.failed_in}"
+    return f" in its {block.phase}"
 
 
 def record_routing(block: Block):
@@ -408,7 +429,8 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
             res = run_row(block, row, share, trace)
         except (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError):  # torch's allocator or the engine's cache
             if block.cuda:
-                print(f"  {row} ran out of GPU memory:\n    {gpu_memory_report(block.torch, block.device)}",
+                print(f"  {row} ran out of GPU memory{failed_where(block)}:\n    "
+                      f"{gpu_memory_report(block.torch, block.device)}",
                       file=sys.stderr, flush=True)
             if block.twin is None:
                 raise
@@ -428,9 +450,10 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
         return null_row(base, str(exc))
     except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run
         if block.cuda and isinstance(exc, (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError)):
-            print(f"  {row} ran out of GPU memory again:\n    {gpu_memory_report(block.torch, block.device)}",
+            print(f"  {row} ran out of GPU memory again{failed_where(block)}:\n    "
+                  f"{gpu_memory_report(block.torch, block.device)}",
                   file=sys.stderr, flush=True)
-        failed = null_row(base, f"failed: {type(exc).__name__}: {str(exc)[:300]}")
+        failed = null_row(base, f"failed: {type(exc).__name__}{failed_where(block)}: {str(exc)[:300]}")
         print(f"  {name} b{batch} {row} failed: {exc!r}", file=sys.stderr, flush=True)
         return failed
     compare_to_resident(block, row, share, trace, res)

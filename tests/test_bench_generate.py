@@ -563,3 +563,26 @@ def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypat
     assert block["twin_reason"].startswith("dropped: on-demand") and block["restore_check"] is True
     gc.collect()
     assert len(arenas) == 2 and all(ref() is None for ref in arenas)
+
+
+def test_a_failed_row_names_the_phase_it_failed_in(tmp_path, monkeypatch):
+    # A failed row's reason says what it was doing (run 106-109's rows
+    # reported only "out of memory"), and, where the restore after it failed
+    # too, both.
+    from bench import generate_rows
+
+    def paired(block, mode, new_tokens):
+        raise RuntimeError("injected")
+
+    monkeypatch.setattr(generate_rows, "paired_p50s", paired)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--shares", "0.5", "--rows", "resident", "on-demand",
+                  "--new-tokens", "3")
+    rows = {r["row"]: r for r in report["rows"]}
+    assert rows["resident"]["reason"] == "failed: RuntimeError in its paired generates: injected"
+    assert rows["on-demand"]["reason"].startswith("not run: the resident row did not run")
+
+    block = generate_rows.Block.__new__(generate_rows.Block)
+    block.phase, block.failed_in = "restore", "time to first token"
+    assert generate_rows.failed_where(block) == " in its restore, after an error in its time to first token"
+    block.phase = block.failed_in = None
+    assert generate_rows.failed_where(block) == ""
