@@ -150,8 +150,9 @@ before --budget-s are null with that reason. A row that fails says so with
 the phase it was in ("failed: OutOfMemoryError in its paired generates:
 ..."); one that runs out of GPU memory also logs what holds it (torch's
 counts, the largest CUDA storages and who refers to them). --json is
-rewritten after every row with "partial": true (rows not settled yet: no floors or x_resident), so a
-run cut short keeps what it measured; the last write has "partial": false.
+rewritten after every row with "partial": true (rows not settled yet: no
+floors or x_resident), so a run cut short keeps what it measured; the last
+write has "partial": false.
 During offloaded rows the model's own GPU expert weights stay allocated (kept
 to restore the model for the next row; nothing reads them) unless
 --park-resident-experts frees them: device memory is not what is measured.
