@@ -413,6 +413,7 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
     """One row of a block's plan: its figures, or null ones with the reason
     it did not run."""
     args, batch = block.args, block.batch
+    block.phase = block.failed_in = None  # not an earlier row's
     base = {"model": name, "batch": batch, "share": share, "row": row}
     if time.monotonic() - started > args.budget_s:
         return null_row(base, f"not run: --budget-s {args.budget_s:g} s spent")
