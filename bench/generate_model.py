@@ -110,12 +110,11 @@ class ModelState:
         the driver (the engine's cache is one torch allocation of its whole
         budget, which the freed weights' cached blocks cannot serve), and
         the modules get meta stand-ins of the same shapes, which the
-        offload reads; it is given
-        `host`, the packed host copy the engine rows offload from
-        (prefetch.host_experts.HostExperts). restore() regrows each storage
-        and copies the weights back from `host`, one layer at a time, after
-        the row's offload is gone; a restore that fails part-way (out of
-        memory) resumes at the first layer not back. Only a model whose
+        offload reads; it is given `host`, the packed host copy the engine
+        rows offload from (prefetch.host_experts.HostExperts). restore()
+        regrows each storage and copies the weights back from `host`, one
+        layer at a time, after the row's offload is gone; a restore that
+        fails part-way (out of memory) resumes at the first layer not back. Only a model whose
         every expert `host` holds, in this model's shapes, each weight in a
         storage of its own, can park."""
         gate_up_shape, down_shape, dtype, device = self.shapes

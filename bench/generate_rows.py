@@ -354,6 +354,19 @@ def failed_where(block: Block) -> str:
     return f" in its {block.phase}"
 
 
+def out_of_memory(block: Block, exc: BaseException) -> bool:
+    """Whether `exc` is running out of device memory: torch's allocator or
+    the engine's cache."""
+    return isinstance(exc, (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError))
+
+
+def report_out_of_memory(block: Block, row: str) -> None:
+    """Logs what holds the GPU's memory after `row` ran out of it."""
+    if block.cuda:
+        print(f"  {row} ran out of GPU memory{failed_where(block)}:\n    "
+              f"{gpu_memory_report(block.torch, block.device)}", file=sys.stderr, flush=True)
+
+
 def record_routing(block: Block):
     """The resident model's routing of the measured prompt (per decode step)
     and the distinct (layer, expert) the TTFT prompt routes: untimed runs
@@ -428,13 +441,10 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
         retry = False
         try:
             res = run_row(block, row, share, trace)
-        except (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError):  # torch's allocator or the engine's cache
-            if block.cuda:
-                print(f"  {row} ran out of GPU memory{failed_where(block)}:\n    "
-                      f"{gpu_memory_report(block.torch, block.device)}",
-                      file=sys.stderr, flush=True)
-            if block.twin is None:
+        except Exception as exc:  # noqa: BLE001 - only running out of memory beside the twin is retried
+            if block.twin is None or not out_of_memory(block, exc):
                 raise
+            report_out_of_memory(block, row)
             # Note [Paired generates]: the twin's room was an estimate; a
             # row it crowds out runs again without it, unpaired.
             where = "" if share is None else f" at {share:.0%}"
@@ -450,10 +460,8 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
     except RowSkipped as exc:
         return null_row(base, str(exc))
     except Exception as exc:  # noqa: BLE001 - a row that fails reports why; the others still run
-        if block.cuda and isinstance(exc, (block.torch.OutOfMemoryError, prefetch.OutOfMemoryError)):
-            print(f"  {row} ran out of GPU memory again{failed_where(block)}:\n    "
-                  f"{gpu_memory_report(block.torch, block.device)}",
-                  file=sys.stderr, flush=True)
+        if out_of_memory(block, exc):  # each such error reported once: here, or before the retry
+            report_out_of_memory(block, row)
         failed = null_row(base, f"failed: {type(exc).__name__}{failed_where(block)}: {str(exc)[:300]}")
         print(f"  {name} b{batch} {row} failed: {exc!r}", file=sys.stderr, flush=True)
         return failed
