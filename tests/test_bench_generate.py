@@ -495,6 +495,27 @@ def test_referrer_chains_name_who_keeps_an_object_alive():
     assert referrer_chains(bytearray(4)) == []  # a temporary: nothing holds it
 
 
+def test_storage_kinds_add_up_the_middle_sized_storages():
+    # Run 109's report listed the six largest storages and left 26 GiB of
+    # 138 unnamed: the report also groups every storage by kind.
+    import torch
+
+    from bench.generate_model import storage_kinds
+
+    small = [torch.empty(2, 3) for _ in range(5)]  # 5 x 24 bytes
+    big = torch.empty(100, dtype=torch.uint8)  # one of 100 bytes
+    view = torch.empty(32, dtype=torch.bfloat16)[:8]  # its storage's 64 bytes count, not the view's 16
+    storages = [(24, t) for t in small] + [(100, big), (64, view)]
+    lines = storage_kinds(storages, top=3)
+    assert [line.split(" (")[0] for line in lines] == ["5 x", "1 x", "1 x"], lines
+    assert lines[0].startswith("5 x (2, 3) float32 ("), lines  # 120 bytes in all: more than the single 100
+    assert lines[1].startswith("1 x (100,) uint8 ("), lines
+    assert lines[2].startswith("1 x (8,) bfloat16 ("), lines
+    assert lines[0].endswith(f": {120 / 2**30:.2f} GiB")
+    assert len(storage_kinds(storages, top=1)) == 1
+    assert storage_kinds([]) == []
+
+
 def test_a_failed_rows_frames_let_go_of_what_they_held():
     # run 109: a row that failed kept its cache alive through the restore
     # and the retry. clear_exception_frames drops the locals of the failed
