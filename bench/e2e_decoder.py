@@ -8,6 +8,8 @@ import sys
 import tempfile
 import time
 
+import numpy as np
+
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -94,6 +96,7 @@ class Decoder:
         # weights, compute launch, release) when set to a dict; None costs
         # nothing.
         self.timers = None
+        self._expert_ids = {}  # device -> arange(experts) (routed_keys)
 
     def pool_file(self, folder: str):
         """The expert pool written to one file in `folder` (made once; the
@@ -146,6 +149,42 @@ class Decoder:
         xf = x.float()
         return (xf * self.torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype)
 
+    def routed_keys(self, top_i):
+        """Note [No hidden sync in the routing]
+        A layer's routed experts, sorted and distinct, as a device tensor
+        read_routed turns into (host list, device index), with no wait for
+        the GPU before that read-back. torch.unique (BM5's choice until
+        this note) waits inside itself: it reads its output's length with a
+        copy into pageable memory, so (1) the speculation after it
+        (`before_sync`) found nothing queued on the GPU to hide behind, and
+        (2) the serving thread sat inside a pageable copy call, the wait
+        that held up the engine's copy workers' driver calls in run 68
+        (Note [Read-back without a pageable copy] in prefetch/read_back.py);
+        a provider that copies from the serving thread (by hand) or not at
+        all (resident) was not held up. At batch 1 a row's top-k are
+        distinct, so the keys are the row sorted (k values); with more rows
+        they are the E expert ids with each one no row routed to replaced
+        by E, sorted: the routed ids first, in order, then the padding."""
+        torch = self.torch
+        E = self.spec["experts"]
+        if top_i.shape[0] == 1:
+            return torch.sort(top_i.reshape(-1)).values
+        hit = torch.zeros(E, dtype=torch.bool, device=top_i.device)
+        hit.index_fill_(0, top_i.reshape(-1), True)
+        ids = self._expert_ids.get(top_i.device)
+        if ids is None:
+            ids = self._expert_ids[top_i.device] = torch.arange(E, device=top_i.device)
+        return torch.sort(torch.where(hit, ids, E)).values
+
+    def read_routed(self, keys):
+        """routed_keys' keys read back (the layer's one wait for the GPU, in
+        page-locked memory): (the routed experts as a host list, the same
+        as a device tensor: a view of `keys`, no copy)."""
+        host = to_host(keys)
+        E = self.spec["experts"]
+        n = int(np.searchsorted(host, E)) if host.shape[0] and host[-1] >= E else host.shape[0]
+        return host[:n].tolist(), keys[:n]
+
     def step(self, x0, provider, forced=None):
         """One decode step of every layer; returns the final hidden state.
         `forced`: per layer, expert lists to use instead of the router's."""
@@ -177,7 +216,7 @@ class Decoder:
             # list the CPU needs to acquire.
             dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
             dense.scatter_(1, top_i, top_w)
-            routed = torch.unique(top_i)  # sorted; stays on the GPU for indexing
+            keys = self.routed_keys(top_i)  # queued; read back below (Note [No hidden sync in the routing])
             timers = self.timers
             before_sync = getattr(provider, "before_sync", None)
             if before_sync is not None:  # host work the GPU's queued layers can hide
@@ -193,7 +232,7 @@ class Decoder:
             # prefetch/read_back.py): a blocking .tolist() would hold up the
             # engine's copy workers while the host waits. The same for
             # every provider.
-            experts = to_host(routed).tolist()
+            experts, routed = self.read_routed(keys)
             if timers is not None:
                 t1 = time.perf_counter()
             stacked = getattr(provider, "acquire_stacked", None) if self.grouped else None

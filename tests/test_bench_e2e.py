@@ -306,3 +306,33 @@ def test_policies_carry_handle_options():
             split_policy(bad)
     with pytest.raises(SystemExit):
         e2e.main(["--policies", "oracle:copy_lanes=x", "--smoke-cpu"])
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_routed_experts_match_unique_without_waiting_for_the_gpu(device):
+    # Note [No hidden sync in the routing] (bench/e2e_decoder.py): the
+    # decoder's routed experts are torch.unique's, sorted and distinct, for
+    # one row and for many, with a row of fewer than top-k (a forced
+    # routing) and with none; on CUDA nothing in routed_keys waits for
+    # the GPU (sync debug mode "error" raises on a synchronizing call).
+    from bench.e2e_decoder import Decoder
+
+    dec = Decoder.__new__(Decoder)  # the two methods need only these
+    dec.torch, dec.spec, dec._expert_ids = torch, {"experts": 64}, {}
+    gen = torch.Generator().manual_seed(5)
+    cases = [torch.randperm(64, generator=gen)[:8].view(1, 8)]
+    cases += [torch.stack([torch.randperm(64, generator=gen)[:k] for _ in range(b)]) for b, k in ((8, 8), (3, 2))]
+    cases += [torch.tensor([[63, 0, 5]]), torch.zeros(1, 0, dtype=torch.int64), torch.arange(64).view(8, 8)]
+    for top_i in cases:
+        top_i = top_i.to(device)
+        if device == "cuda":
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            keys = dec.routed_keys(top_i)
+        finally:
+            if device == "cuda":
+                torch.cuda.set_sync_debug_mode("default")
+        experts, routed = dec.read_routed(keys)
+        want = torch.unique(top_i).tolist()
+        assert experts == want, (top_i, experts)
+        assert routed.device == top_i.device and routed.tolist() == want
