@@ -30,6 +30,7 @@ prefetch.predictors, prefetch.controller (OffloadController), prefetch.hf
 """
 from __future__ import annotations
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -132,13 +133,23 @@ class OffloadedMoEBlock(nn.Module):
         # one call would: each later piece's call releases the piece before,
         # whose compute is queued by then.
         cap = self._capacity
-        routed = top_i.flatten().unique()
         # The last block's guesses and hints, while the GPU runs this block's
         # attention and router, before the routing read-back waits for them
         # (Note [Speculation after launch]); their engine call is this
-        # block's (Note [Speculation rides on the next acquire]).
+        # block's (Note [Speculation rides on the next acquire]). The
+        # routing is read back whole and made distinct on the host: on the
+        # GPU, unique() waits for it first, in a pageable copy of its length
+        # (Note [No hidden sync in the routing] in bench/e2e_decoder.py).
         ctl.speculate(with_next_acquire=True)
-        experts, where = ctl.route_and_acquire(self.layer, h, to_host(routed), stream=stream, first=cap)
+        routing = to_host(top_i)
+        experts, where = ctl.route_and_acquire(self.layer, h, routing, stream=stream, first=cap)
+        # Each expert's (token, k) pairs without a wait per expert (torch.where
+        # reads its count back): the routing's flat positions sorted by expert,
+        # stably, so each expert's come in torch.where's order (token, then
+        # k), cut at counts the host has from the read-back.
+        order = torch.argsort(top_i.reshape(-1), stable=True)
+        tokens_all, pos_all = order // self.top_k, order % self.top_k
+        ends = np.cumsum(np.bincount(routing, minlength=self.num_experts)).tolist()
         out = torch.zeros_like(h)
         try:
             for start in range(0, experts.shape[0], cap):
@@ -147,7 +158,8 @@ class OffloadedMoEBlock(nn.Module):
                     where = ctl.acquire_more(self.layer, piece, stream=stream)
                 weights = ctl.prefetcher.weights_in_slots(ctl.ids(self.layer, piece), where)
                 for expert_idx, w in zip(piece.tolist(), weights):
-                    token_idx, pos = torch.where(top_i == expert_idx)
+                    begin = ends[expert_idx - 1] if expert_idx else 0
+                    token_idx, pos = tokens_all[begin : ends[expert_idx]], pos_all[begin : ends[expert_idx]]
                     y = torch.func.functional_call(self._template, w, (h[token_idx],))
                     out.index_add_(0, token_idx, (y * top_w[token_idx, pos, None]).to(out.dtype))
         except BaseException:
