@@ -2,7 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath syncprobe bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
-# bandwidth2proc abcompare abengine abbm6 (OLD_TREE=folder)
+# bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
@@ -157,6 +157,26 @@ for step in $steps; do
             2>&1 | tee "$out/link_gaps_$(basename "$t" .json).txt"
         fi
         rm -f "$out/prof_$(basename "$t" .json)"/*.json
+      done ;;
+    abtraces)
+      # BM5 trace replays (TRACES, TRACES_POLICIES, E2E_STEPS, TRACES_BUDGET_S) of an older tree (OLD_TREE,
+      # built here) and of this one, alternating (AB_ROUNDS, default 2): same-run figures of a change.
+      (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
+      old_dir=$(cd "$OLD_TREE" && pwd)
+      for i in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for t in ${TRACES:-traces/*.json}; do
+          name=$(basename "$t" .json)
+          for side in new old; do
+            dir=$PWD
+            [ "$side" = old ] && dir=$old_dir
+            echo "== $side $i $name"
+            (cd "$dir" && PYTHONPATH="$dir" python3 bench/e2e.py --trace-in "$OLDPWD/$t" --trace-from 1 --models "$name" \
+              --shares 0.25 --batches 1 --warmup 2 --steps "${E2E_STEPS:-16}" \
+              --policies ${TRACES_POLICIES:-all-resident on-demand oracle torch-by-hand} --budget-s "${TRACES_BUDGET_S:-150}" \
+              --json "$out/ab_${name}_${side}_$i.json" 2>"$out/ab_${name}_${side}_$i.log" \
+              | tee "$out/ab_${name}_${side}_$i.txt") || status=1
+          done
+        done
       done ;;
     e2edisk)
       # #15's BM5 cell: on-demand with the experts in host memory against the same read from disk
