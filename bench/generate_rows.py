@@ -244,6 +244,11 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
     s0 = host_steal_s()
     block.phase = "measured generate"
     ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
+    # The timer outlives the row (Measured) and its callbacks hold the mode:
+    # kept, they kept the row's offload and its cache alive through the
+    # restore, which then had no room for a parked model's experts beside
+    # the twin (run 111: "ran out of GPU memory in its restore").
+    timer.on_first = timer.on_step = None
     steal = [steal_ms(s0)]
     after = mode.counters()
     accesses = recorder.distinct_accesses(marks["calls"]) if recorder else None

@@ -586,6 +586,38 @@ def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypat
     assert len(arenas) == 2 and all(ref() is None for ref in arenas)
 
 
+def test_a_rows_cache_is_gone_before_its_restore(tmp_path, monkeypatch):
+    # Note [Parked resident experts]: the restore regrows the parked experts
+    # where the row's cache was. Run 111: the measured generate's timer
+    # (kept for the figures) held the row's mode through its callbacks, so
+    # the 54 GiB cache was still alive and the restore ran out of memory
+    # beside the twin. Each row's cache must be unreachable when the
+    # restore starts.
+    from bench import generate_model, generate_modes
+
+    arenas = []
+    init = generate_modes.EngineMode.__init__
+
+    def engine_mode(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        arenas.append(weakref.ref(self.ctl.handle.arena(0)))
+
+    alive_at_restore = []
+    unpark = generate_model.ModelState._unpark
+
+    def checked_unpark(self):
+        gc.collect()
+        alive_at_restore.append([ref() is not None for ref in arenas])
+        return unpark(self)
+
+    monkeypatch.setattr(generate_modes.EngineMode, "__init__", engine_mode)
+    monkeypatch.setattr(generate_model.ModelState, "_unpark", checked_unpark)
+    report = _run(tmp_path, "--models", "smoke-qwen3-moe", "--shares", "1.0", "--rows", "resident", "on-demand",
+                  "gate", "--new-tokens", "3", "--paired", "2", "--paired-tokens", "3", "--park-resident-experts")
+    assert all(r.get("reason") is None for r in report["rows"]), report["rows"]
+    assert alive_at_restore == [[False], [False, False]]
+
+
 def test_a_failed_row_names_the_phase_it_failed_in(tmp_path, monkeypatch):
     # A failed row's reason says what it was doing (run 106-109's rows
     # reported only "out of memory"), and, where the restore after it failed
