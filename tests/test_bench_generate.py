@@ -547,14 +547,10 @@ def test_a_failed_rows_frames_let_go_of_what_they_held():
         assert refs[0]() is None
 
 
-def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypatch):
-    # Note [Paired generates]: a row that runs out of memory beside the
-    # twin drops it and runs again, unpaired, with the experts parked and
-    # restored around each try; the failed try's cache does not outlive it
-    # (run 109: it was still alive through the retry).
-    import torch
-
-    from bench import generate_modes, generate_rows
+def _track_arenas(monkeypatch) -> list:
+    """A weak reference to each engine row's cache arena, in the order the
+    rows set up."""
+    from bench import generate_modes
 
     arenas = []
     init = generate_modes.EngineMode.__init__
@@ -563,6 +559,20 @@ def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypat
         init(self, *args, **kwargs)
         arenas.append(weakref.ref(self.ctl.handle.arena(0)))
 
+    monkeypatch.setattr(generate_modes.EngineMode, "__init__", engine_mode)
+    return arenas
+
+
+def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypatch):
+    # Note [Paired generates]: a row that runs out of memory beside the
+    # twin drops it and runs again, unpaired, with the experts parked and
+    # restored around each try; the failed try's cache does not outlive it
+    # (run 109: it was still alive through the retry).
+    import torch
+
+    from bench import generate_rows
+
+    arenas = _track_arenas(monkeypatch)
     tries = []
     measure = generate_rows.measure_row
 
@@ -572,7 +582,6 @@ def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypat
             raise torch.OutOfMemoryError("simulated: the twin crowds the cache out")
         return measure(block, row, *args, **kwargs)
 
-    monkeypatch.setattr(generate_modes.EngineMode, "__init__", engine_mode)
     monkeypatch.setattr(generate_rows, "measure_row", measure_row)
     report = _run(tmp_path, "--models", "smoke-qwen3-moe", "--shares", "1.0", "--rows", "resident", "on-demand",
                   "--new-tokens", "3", "--paired", "2", "--paired-tokens", "3", "--park-resident-experts")
@@ -593,15 +602,9 @@ def test_a_rows_cache_is_gone_before_its_restore(tmp_path, monkeypatch):
     # the 54 GiB cache was still alive and the restore ran out of memory
     # beside the twin. Each row's cache must be unreachable when the
     # restore starts.
-    from bench import generate_model, generate_modes
+    from bench import generate_model
 
-    arenas = []
-    init = generate_modes.EngineMode.__init__
-
-    def engine_mode(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        arenas.append(weakref.ref(self.ctl.handle.arena(0)))
-
+    arenas = _track_arenas(monkeypatch)
     alive_at_restore = []
     unpark = generate_model.ModelState._unpark
 
@@ -610,7 +613,6 @@ def test_a_rows_cache_is_gone_before_its_restore(tmp_path, monkeypatch):
         alive_at_restore.append([ref() is not None for ref in arenas])
         return unpark(self)
 
-    monkeypatch.setattr(generate_modes.EngineMode, "__init__", engine_mode)
     monkeypatch.setattr(generate_model.ModelState, "_unpark", checked_unpark)
     report = _run(tmp_path, "--models", "smoke-qwen3-moe", "--shares", "1.0", "--rows", "resident", "on-demand",
                   "gate", "--new-tokens", "3", "--paired", "2", "--paired-tokens", "3", "--park-resident-experts")
