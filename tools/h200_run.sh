@@ -160,7 +160,7 @@ for step in $steps; do
       done ;;
     abtraces)
       # BM5 trace replays (TRACES, TRACES_POLICIES, E2E_STEPS, TRACES_BUDGET_S) of an older tree (OLD_TREE,
-      # built here) and of this one, alternating (AB_ROUNDS, default 2): same-run figures of a change.
+      # built here) and of this one, alternating, this one first (AB_ROUNDS, default 2): same-run figures of a change.
       (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
       old_dir=$(cd "$OLD_TREE" && pwd)
       for i in $(seq 1 "${AB_ROUNDS:-2}"); do
