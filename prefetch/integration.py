@@ -149,7 +149,8 @@ class OffloadedMoEBlock(nn.Module):
         # k), cut at counts the host has from the read-back.
         order = torch.argsort(top_i.reshape(-1), stable=True)
         tokens_all, pos_all = order // self.top_k, order % self.top_k
-        ends = np.cumsum(np.bincount(routing, minlength=self.num_experts)).tolist()
+        # Expert e's positions: order[bounds[e] : bounds[e + 1]].
+        bounds = [0, *np.cumsum(np.bincount(routing, minlength=self.num_experts)).tolist()]
         out = torch.zeros_like(h)
         try:
             for start in range(0, experts.shape[0], cap):
@@ -158,8 +159,8 @@ class OffloadedMoEBlock(nn.Module):
                     where = ctl.acquire_more(self.layer, piece, stream=stream)
                 weights = ctl.prefetcher.weights_in_slots(ctl.ids(self.layer, piece), where)
                 for expert_idx, w in zip(piece.tolist(), weights):
-                    begin = ends[expert_idx - 1] if expert_idx else 0
-                    token_idx, pos = tokens_all[begin : ends[expert_idx]], pos_all[begin : ends[expert_idx]]
+                    begin, end = bounds[expert_idx], bounds[expert_idx + 1]
+                    token_idx, pos = tokens_all[begin:end], pos_all[begin:end]
                     y = torch.func.functional_call(self._template, w, (h[token_idx],))
                     out.index_add_(0, token_idx, (y * top_w[token_idx, pos, None]).to(out.dtype))
         except BaseException:
