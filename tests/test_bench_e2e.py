@@ -326,12 +326,13 @@ def test_routed_experts_match_unique_without_waiting_for_the_gpu(device):
     for top_i in cases:
         top_i = top_i.to(device)
         if device == "cuda":
+            previous = torch.cuda.get_sync_debug_mode()
             torch.cuda.set_sync_debug_mode("error")
         try:
             keys = dec.routed_keys(top_i)
         finally:
             if device == "cuda":
-                torch.cuda.set_sync_debug_mode("default")
+                torch.cuda.set_sync_debug_mode(previous)
         experts, routed = dec.read_routed(keys)
         want = torch.unique(top_i).tolist()
         assert experts == want, (top_i, experts)
