@@ -403,8 +403,10 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
     elif policy == "trace":
         predictor = TracePredictor(distance=2)
     elif policy in ("oracle", "oracle-cyclic"):
+        # "oracle": the library's default, hints to its next-use handle
+        # unless the cache holds every expert; "oracle-cyclic": none.
         predictor = OraclePredictor(RoutingTrace(spec["layers"], spec["experts"], trace), distance=oracle_distance,
-                                    hints=policy == "oracle")
+                                    hints=None if policy == "oracle" else False)
     disk = None
     if policy == "on-demand-disk":
         from bench.e2e_decoder import DISK_HOST_SHARE

@@ -104,6 +104,11 @@ class ExpertPrefetcher:
         self._ids: dict[int, np.ndarray] = {}  # layer -> expert-indexed ids, -1 = none
         self.version = 0  # moves at every registration (tables made from _ids compare it)
         self._layouts: dict[int, tuple[PartLayout, ...]] = {}  # tensor id -> parts
+        # Per device, the cache bytes its registered experts take at once
+        # (each in slots of SLOT_ALIGNMENT); None once an adopted id, whose
+        # size is not known here, is among them (holds_every_expert).
+        self._slot_bytes: dict[int, int] | None = {}
+        self._holds_all = (-1, False)  # (version, holds_every_expert())
         # Views reused while an expert's slot stays put (see _acquire_cached):
         # engines with acquire_slots and arena only.
         self._slot_views = callable(getattr(engine, "acquire_slots", None)) and callable(
@@ -129,7 +134,7 @@ class ExpertPrefetcher:
         total = layout[-1].offset + layout[-1].nbytes
         tensor_id = self._free_id()
         self.engine.register_parts(tensor_id, parts, total_bytes=total, device=device)
-        return self._remember(layer_id, expert_id, tensor_id, layout)
+        return self._remember(layer_id, expert_id, tensor_id, layout, device, total)
 
     def register_packed(self, layer_id: int, expert_id: int, buffer, layout, *, device: int = 0) -> int:
         """Registers an expert already packed by `pack_expert` without
@@ -142,7 +147,7 @@ class ExpertPrefetcher:
             raise ValueError(f"buffer holds {buffer.numel() * buffer.element_size()} bytes, layout needs {need}")
         tensor_id = self._free_id()
         self.engine.register_external(tensor_id, buffer, device=device)
-        return self._remember(layer_id, expert_id, tensor_id, layout)
+        return self._remember(layer_id, expert_id, tensor_id, layout, device, buffer.numel() * buffer.element_size())
 
     def register_disk(self, layer_id: int, expert_id: int, extents, layout, *, device: int = 0) -> int:
         """Registers an expert whose packed bytes (`layout`, as pack_expert
@@ -153,9 +158,9 @@ class ExpertPrefetcher:
         layer_id, expert_id = self._check_new(layer_id, expert_id)
         layout = tuple(layout)
         tensor_id = self._free_id()
-        self.engine.register_disk(tensor_id, extents, total_bytes=layout[-1].offset + layout[-1].nbytes,
-                                  device=device)
-        return self._remember(layer_id, expert_id, tensor_id, layout)
+        total = layout[-1].offset + layout[-1].nbytes
+        self.engine.register_disk(tensor_id, extents, total_bytes=total, device=device)
+        return self._remember(layer_id, expert_id, tensor_id, layout, device, total)
 
     def adopt(self, layer_id: int, expert_id: int, tensor_id: int) -> int:
         """Maps (layer_id, expert_id) to `tensor_id`, an id registered on the
@@ -171,7 +176,7 @@ class ExpertPrefetcher:
         if any(tensor_id in table for table in self._ids.values()):
             raise ValueError(f"tensor id {tensor_id} already stands for an expert")
         next_id = self._next_id
-        self._remember(layer_id, expert_id, tensor_id, ())
+        self._remember(layer_id, expert_id, tensor_id, (), None, None)
         self._next_id = max(next_id, tensor_id + 1)
         return tensor_id
 
@@ -192,8 +197,15 @@ class ExpertPrefetcher:
                 tensor_id += 1
         return tensor_id
 
-    def _remember(self, layer_id: int, expert_id: int, tensor_id: int, layout) -> int:
+    def _remember(self, layer_id: int, expert_id: int, tensor_id: int, layout, device, nbytes) -> int:
+        """Files a registered expert; `device` and `nbytes` (the engine
+        tensor's bytes) are None for an adopted id."""
         self._next_id = tensor_id + 1
+        if nbytes is None or self._slot_bytes is None:
+            self._slot_bytes = None
+        else:
+            slot = max(SLOT_ALIGNMENT, -(-int(nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)
+            self._slot_bytes[device] = self._slot_bytes.get(device, 0) + slot
         table = self._ids.get(layer_id)
         if table is None or table.shape[0] <= expert_id:
             grown = np.full(max(expert_id + 1, 2 * (0 if table is None else table.shape[0])), -1, dtype=np.int64)
@@ -205,6 +217,31 @@ class ExpertPrefetcher:
         self.version += 1
         self._layouts[tensor_id] = tuple(layout)
         return tensor_id
+
+    def holds_every_expert(self) -> bool:
+        """Whether each device's cache holds every expert registered on it
+        at once, each in its own slot, and the handle has no tensors but
+        these: then no expert is ever evicted, and what an eviction policy
+        is told about next uses changes nothing (OraclePredictor sends no
+        next-use hints then, Note [No hints when everything fits] in
+        prefetch/predictors.py). False for an engine without budgets, after
+        an ``adopt`` (its size is not known here), and while nothing is
+        registered. Worked out again after each registration through this
+        prefetcher; a tensor registered on the handle directly later is
+        not seen until then."""
+        version = self.version
+        if self._holds_all[0] != version:
+            self._holds_all = (version, self._fits_whole())
+        return self._holds_all[1]
+
+    def _fits_whole(self) -> bool:
+        engine = self.engine
+        sizes = self._slot_bytes
+        if not sizes or not callable(getattr(engine, "budget_bytes", None)) or not hasattr(engine, "stats"):
+            return False
+        if engine.stats()["registered"] != len(self._layouts):
+            return False  # the handle holds tensors of someone else's
+        return all(need <= engine.budget_bytes(device) for device, need in sizes.items())
 
     def _lookup(self, layer_id: int, expert_id: int) -> int:
         table = self._ids.get(layer_id)

@@ -134,8 +134,9 @@ class OraclePredictor:
     when each expert will next be read, on the controller's routing clock,
     so a handle made with ``eviction_policy="next-use"`` evicts by Belady's
     rule. ``hints=None`` (default) gives them only to such a handle (other
-    policies ignore hints, so they would cost host time for nothing); True or
-    False forces it.
+    policies ignore hints, so they would cost host time for nothing), and
+    only while its cache cannot hold every expert at once (Note [No hints
+    when everything fits]); True or False forces it.
 
     On a host-routed model (OffloadedMoEBlock, BM5) the guesses are made
     one layer late (Note [Speculation after launch] in
@@ -288,8 +289,25 @@ class OraclePredictor:
         return guesses, keys, times
 
     def _sends_hints(self, controller) -> bool:
+        """Note [No hints when everything fits]
+        Hints tell a next-use handle which expert to evict. When each
+        device's cache holds every registered expert at once, nothing is
+        ever evicted and they change nothing, yet making and sending them
+        was the oracle's largest host cost with every expert cached:
+        `tools/layer_overhead.py --share 1.0 --tokens 48 --predictor oracle
+        --policy next-use` (tiny OLMoE, host backend, this project's 2-core
+        VM) took 26.5 us of host time a layer with hints, 18.0 without them
+        (this rule), against 17.5-18.5 for the oracle on an lru handle and
+        13.7-14.9 with no predictor; in BM6 on the H200 the oracle row took
+        68-77 us a layer against 40-54 for the others (runs 111 and 113).
+        So with ``hints=None`` they go only to a next-use handle that may
+        evict. The check is the prefetcher's, cached per registration
+        (``holds_every_expert``); the guesses are not affected."""
         if self.hints is None:
-            return getattr(controller.handle, "eviction_policy", None) == "next-use"
+            if getattr(controller.handle, "eviction_policy", None) != "next-use":
+                return False
+            holds_all = getattr(getattr(controller, "prefetcher", None), "holds_every_expert", None)
+            return holds_all is None or not holds_all()
         return self.hints
 
     def end_request(self) -> None:

@@ -6,6 +6,7 @@ import torch
 
 import prefetch
 from prefetch import ExpertPrefetcher
+from prefetch.expert_prefetcher import expert_layout
 
 
 class RecordingEngine:
@@ -291,3 +292,86 @@ def test_adopt_maps_an_id_registered_by_hand():
         assert h.stats()["pinned_count"] == 0
     finally:
         h.close()
+
+
+def packed_slot_bytes(weights) -> int:
+    """The cache bytes an expert packed by pack_expert takes: its packed
+    size (each part starts on a SLOT_ALIGNMENT boundary) rounded up to a
+    whole slot."""
+    last = expert_layout(weights)[-1]
+    slot = prefetch.SLOT_ALIGNMENT
+    return -(-(last.offset + last.nbytes) // slot) * slot
+
+
+def test_holds_every_expert_follows_registrations_and_the_budgets(make_handle):
+    # Note [No hints when everything fits]: each device's budget against the
+    # slots its experts take (whole multiples of SLOT_ALIGNMENT), worked out
+    # again at every registration through the prefetcher.
+    weights = expert_weights(0)
+    per = packed_slot_bytes(weights)
+    h = make_handle(device_budget_bytes=[3 * per, 2 * per])
+    pf = ExpertPrefetcher(h)
+    assert not pf.holds_every_expert()  # nothing registered
+    for expert in range(3):
+        pf.register_expert(0, expert, weights, device=0)
+    pf.register_expert(1, 0, weights, device=1)
+    assert pf.holds_every_expert()
+    pf.register_expert(1, 1, weights, device=1)
+    assert pf.holds_every_expert()  # device 1 exactly full
+    pf.register_expert(1, 2, weights, device=1)
+    assert not pf.holds_every_expert()  # one too many on device 1; device 0 still fits
+    # A packed buffer takes its whole size (the engine copies all of it).
+    h2 = make_handle(device_budget_bytes=2 * per)
+    pf2 = ExpertPrefetcher(h2)
+    buffer, layout = prefetch.pack_expert(weights)
+    pf2.register_packed(0, 0, buffer, layout)
+    assert pf2.holds_every_expert()
+    pf2.register_packed(0, 1, torch.zeros(per + 1, dtype=torch.uint8), layout)  # a slot more than per
+    assert not pf2.holds_every_expert()
+    # Tensors on the handle that are not the prefetcher's, and adopted ids
+    # (their size is not known here), count as not fitting.
+    h3 = make_handle(device_budget_bytes=1 << 20)
+    h3.register(100, np.zeros(256, dtype=np.uint8))
+    pf3 = ExpertPrefetcher(h3)
+    pf3.register_expert(0, 0, weights)
+    assert not pf3.holds_every_expert()
+    h4 = make_handle(device_budget_bytes=1 << 20)
+    pf4 = ExpertPrefetcher(h4)
+    pf4.register_expert(0, 0, weights)
+    assert pf4.holds_every_expert()
+    h4.register(100, np.zeros(256, dtype=np.uint8))
+    pf4.adopt(0, 1, 100)
+    assert not pf4.holds_every_expert()
+    # An engine without budgets never holds everything.
+    assert not ExpertPrefetcher(RecordingEngine(batched=True)).holds_every_expert()
+
+
+def test_a_cache_that_holds_every_expert_never_evicts(make_handle, rng):
+    # What Note [No hints when everything fits] rests on: with every
+    # expert's slot inside the budget, acquires, releases, prefetches and
+    # cancels in any order evict nothing, on every eviction policy.
+    sizes = [(16, 24), (16, 8), (32, 24), (8, 8)]  # experts of four sizes
+    for policy in ("lru", "cyclic", "next-use"):
+        experts = [expert_weights(i, hidden=sizes[i % 4][0], inter=sizes[i % 4][1]) for i in range(12)]
+        need = sum(packed_slot_bytes(e) for e in experts)
+        h = make_handle(device_budget_bytes=need, eviction_policy=policy)
+        pf = ExpertPrefetcher(h)
+        for i, e in enumerate(experts):
+            pf.register_expert(i // 4, i % 4, e)
+        assert pf.holds_every_expert()
+        for _ in range(60):
+            layer = int(rng.integers(0, 3))
+            chosen = sorted(set(rng.integers(0, 4, size=3).tolist()))
+            ids = pf.tensor_ids(layer, chosen)
+            what = rng.integers(0, 3)
+            if what == 0:
+                h.prefetch_tensors(ids, int(rng.integers(0, 5)))
+            elif what == 1:
+                h.cancel(ids)
+            else:
+                h.acquire(ids, timeout=10)
+                h.release(ids)
+        h.acquire(np.arange(12, dtype=np.int64), timeout=10)  # every expert at once still fits
+        h.release(np.arange(12, dtype=np.int64))
+        s = h.stats()
+        assert s["evictions"] == 0 and s["resident_count"] == 12, (policy, s)

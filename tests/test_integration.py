@@ -832,27 +832,32 @@ def test_the_oracles_plan_serves_the_synced_transformers_path():
         ctl.close()
 
 
-@pytest.mark.parametrize("policy", ["lru", "next-use"])
-def test_sync_free_oracle_goes_steady_once_nothing_is_fetched(policy):
+@pytest.mark.parametrize("policy,hints", [("lru", None), ("next-use", None), ("next-use", True)])
+def test_sync_free_oracle_goes_steady_once_nothing_is_fetched(policy, hints):
     # Note [Steady pins] with a host-side predictor: every expert cached,
     # the oracle probes only (Note [Speculation with nothing to fetch]), and
     # then its steps pin once a step without running it; tokens are the
-    # untouched model's, and nothing stays pinned. On a next-use handle the
-    # oracle has next-use hints every step: they ride on the steady call
-    # (run 56 found no steady step while hints kept a step layer by layer).
+    # untouched model's, and nothing stays pinned. The cache holds every
+    # expert, so on a next-use handle the oracle sends no hints by default
+    # (Note [No hints when everything fits]); forced to, its hints ride on
+    # the steady call (run 56 found no steady step while hints kept a step
+    # layer by layer).
     cfg, ref, ids, seq_ref, logits_ref, trace = recorded_olmoe(6, 12)
     model = copy.deepcopy(ref)
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
-                              predictor=OraclePredictor(trace, distance=2), sync_free=True,
+                              predictor=OraclePredictor(trace, distance=2, hints=hints), sync_free=True,
                               handle_options={"eviction_policy": policy})
     try:
+        assert ctl.prefetcher.holds_every_expert()
         seq, logits = greedy(model, ids, steps=12)
         assert torch.equal(seq, seq_ref)
         for a, b in zip(logits, logits_ref):
             assert torch.equal(a, b)
         assert ctl.nothing_fetched and ctl.steady_steps > 0
-        if policy == "next-use":  # the last step (steady) sent hints at its first layer
+        if hints:  # the last step (steady) sent hints at its first layer
             assert ctl.handle.hint_clock() == ctl.clock - (cfg.num_hidden_layers - 1)
+        else:
+            assert ctl.handle.hint_clock() is None
         assert ctl.report()["speculation_paused_layers"] >= ctl.steady_steps * cfg.num_hidden_layers
         assert ctl.handle.stats()["pinned_count"] == 0
     finally:
