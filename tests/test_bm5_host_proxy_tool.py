@@ -30,11 +30,11 @@ def test_bm5_host_proxy_reports_every_row(tmp_path):
     out = tmp_path / "proxy.json"
     tool = load_tool("bm5_host_proxy")
     assert tool.main([trace_file(tmp_path), "--steps", "2", "--warmup", "1", "--rounds", "1",
-                      "--policies", "all-resident", "on-demand", "oracle", "--json", str(out)]) == 0
+                      "--policies", "all-resident", "on-demand", "oracle", "on-demand-bare", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["model"] == "gemma4-26b-a4b"
     rows = {r["policy"]: r for r in got["rows"]}
-    assert set(rows) == {"all-resident", "on-demand", "oracle"}
+    assert set(rows) == {"all-resident", "on-demand", "oracle", "on-demand-bare"}
     assert rows["all-resident"]["x_resident"] == 1.0
     for r in rows.values():
         assert r["p50_ms"] > 0
@@ -43,6 +43,10 @@ def test_bm5_host_proxy_reports_every_row(tmp_path):
         phases = rows[policy]["host_us_per_layer"]
         assert phases["engine"] > 0 and phases["speculate"] >= 0
         assert rows[policy]["experts_copied"] == 0  # preloaded: host work alone
+    # The controller left out: the same engine, no controller phases.
+    assert rows["on-demand-bare"]["experts_copied"] == 0
+    assert "engine" not in rows["on-demand-bare"]["host_us_per_layer"]
+    assert "speculate" not in rows["on-demand-bare"]["host_us_per_layer"]
 
 
 def test_bm5_host_proxy_refuses_bad_arguments(tmp_path):

@@ -29,6 +29,11 @@ host work:
     by-hand LRU has no preload: its first reads copy ("copied", experts
     copied in the measured steps).
 
+--policies may also name on-demand-bare, a row of this tool's own:
+on-demand's engine call, slot send and gathers with the controller left
+out (one handle.step a layer on the layer's tensor ids), so its difference
+to on-demand is what the controller's Python costs inside the step.
+
 Prints per row and round the step's p50 (ms), its ratio to the round's
 resident p50 and the host microseconds per layer of each phase of
 Decoder.step (speculate, sync, acquire, compute launch, release) and the
@@ -51,6 +56,45 @@ from bench.e2e_decoder import MODELS, Decoder, measure_steps  # noqa: E402
 from bench.e2e_providers import make_provider, policy_eviction  # noqa: E402
 
 POLICIES = ("all-resident", "on-demand", "oracle", "torch-by-hand")
+# A diagnostic row of this tool's own: on-demand's engine and gathers with
+# the controller left out (BareEngineProvider).
+BARE = "on-demand-bare"
+
+
+class BareEngineProvider:
+    """On-demand without the controller: each layer's acquire is one
+    handle.step on the layer's tensor ids (releasing the last layer's), its
+    slots sent and gathered as EngineProvider.acquire_stacked does. No
+    scoring, trace, clock or counters: the difference to the on-demand row
+    is what the controller's Python costs inside the decode step."""
+
+    def __init__(self, inner):
+        self.inner = inner  # an on-demand EngineProvider: its handle, views and slot index
+        self.handle = inner.handle
+        self.ctl = inner.ctl  # for preload_all
+        self._table = inner.ctl.prefetcher._ids
+        self._held = None
+
+    def acquire_stacked(self, layer, x, experts, routed):
+        inner = self.inner
+        ids = self._table[layer][experts]
+        where = self.handle.step(ids, release=self._held, stream=inner.dec.stream(layer))
+        self._held = ids
+        d = inner.dec.layer_dev[layer]
+        gate_up, down = inner._views(d)
+        index = inner._index[d].send(where[:, 0] // inner.dec.slot_bytes)
+        return gate_up.index_select(0, index), down.index_select(0, index)
+
+    def release(self, layer, experts):
+        if layer == self.inner.dec.spec["layers"] - 1:
+            self.handle.release(self._held, stream=self.inner.dec.stream(layer))
+            self._held = None
+
+    def stats(self):
+        return {"bytes": self.handle.stats()["bytes_copied"]}
+
+    def close(self):
+        self.inner.close()
 
 
 def fault_handles(prefetch):
@@ -85,7 +129,10 @@ def preload_all(provider, slots: int, expected: int, limit_s: float = 60.0) -> N
 
 
 def run_row(torch, dec, policy, inputs, warmup, budget, trace, route, preload: bool) -> dict:
-    provider = make_provider(dec, policy, budget, trace, policy_eviction(policy, "cyclic"))
+    if policy == BARE:
+        provider = BareEngineProvider(make_provider(dec, "on-demand", budget, trace, "cyclic"))
+    else:
+        provider = make_provider(dec, policy, budget, trace, policy_eviction(policy, "cyclic"))
     try:
         if preload and hasattr(provider, "ctl"):
             spec = dec.spec
