@@ -225,8 +225,8 @@ class ExpertPrefetcher:
         is told about next uses changes nothing (OraclePredictor sends no
         next-use hints then, Note [No hints when everything fits] in
         prefetch/predictors.py). False for an engine without budgets, after
-        an ``adopt`` (its size is not known here), and while nothing is
-        registered. Worked out again after each registration through this
+        an ``adopt`` (its size is not known here), while nothing is
+        registered and once the handle is closed. Worked out again after each registration through this
         prefetcher; a tensor registered on the handle directly later is
         not seen until then."""
         version = self.version
@@ -237,7 +237,8 @@ class ExpertPrefetcher:
     def _fits_whole(self) -> bool:
         engine = self.engine
         sizes = self._slot_bytes
-        if not sizes or not callable(getattr(engine, "budget_bytes", None)) or not hasattr(engine, "stats"):
+        if (not sizes or not callable(getattr(engine, "budget_bytes", None)) or not hasattr(engine, "stats")
+                or getattr(engine, "closed", False)):
             return False
         if engine.stats()["registered"] != len(self._layouts):
             return False  # the handle holds tensors of someone else's

@@ -296,9 +296,9 @@ class OraclePredictor:
         was the oracle's largest host cost with every expert cached:
         `tools/layer_overhead.py --share 1.0 --tokens 48 --predictor oracle
         --policy next-use` (tiny OLMoE, host backend, this project's 2-core
-        VM) took 26.5 us of host time a layer with hints, 18.0 without them
-        (this rule), against 17.5-18.5 for the oracle on an lru handle and
-        13.7-14.9 with no predictor; in BM6 on the H200 the oracle row took
+        VM) took 26.2 us of host time a layer with hints, 17.6 without them
+        (this rule), against 17.8 for the oracle on an lru handle and 14.8
+        with no predictor (docs/results.md, stop 36); in BM6 on the H200 the oracle row took
         68-77 us a layer against 40-54 for the others (runs 111 and 113).
         So with ``hints=None`` they go only to a next-use handle that may
         evict. The check is the prefetcher's, cached per registration

@@ -342,6 +342,14 @@ def test_holds_every_expert_follows_registrations_and_the_budgets(make_handle):
     h4.register(100, np.zeros(256, dtype=np.uint8))
     pf4.adopt(0, 1, 100)
     assert not pf4.holds_every_expert()
+    # A closed handle holds nothing (asked again after a registration).
+    h5 = make_handle(device_budget_bytes=1 << 20)
+    pf5 = ExpertPrefetcher(h5)
+    pf5.register_expert(0, 0, weights)
+    assert pf5.holds_every_expert()
+    h5.close()
+    pf5.version += 1  # as a registration would (none is possible after close)
+    assert not pf5.holds_every_expert()
     # An engine without budgets never holds everything.
     assert not ExpertPrefetcher(RecordingEngine(batched=True)).holds_every_expert()
 
