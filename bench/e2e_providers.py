@@ -209,6 +209,12 @@ class EngineProvider:
             raise RuntimeError(f"layer {layer}: an expert's cache slot is not on the grid of "
                                f"{slot_bytes}-byte slots (offsets {offsets}): "
                                "the handle holds tensors of another size")
+        return self.gather(layer, slots)
+
+    def gather(self, layer, slots):
+        """The weights in cache slots `slots` (ints, in order) of `layer`'s
+        device as two tensors [n, 2I, H] and [n, H, I]: the slot numbers
+        sent in one copy, one index_select per weight."""
         d = self.dec.layer_dev[layer]
         gate_up, down = self._views(d)
         index = self._index[d].send(slots)

@@ -204,7 +204,7 @@ class ExpertPrefetcher:
         if nbytes is None or self._slot_bytes is None:
             self._slot_bytes = None
         else:
-            slot = max(SLOT_ALIGNMENT, -(-int(nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT)
+            slot = max(SLOT_ALIGNMENT, _align(int(nbytes)))  # the engine's slot of nbytes (device_cache.h)
             self._slot_bytes[device] = self._slot_bytes.get(device, 0) + slot
         table = self._ids.get(layer_id)
         if table is None or table.shape[0] <= expert_id:
@@ -226,9 +226,9 @@ class ExpertPrefetcher:
         next-use hints then, Note [No hints when everything fits] in
         prefetch/predictors.py). False for an engine without budgets, after
         an ``adopt`` (its size is not known here), while nothing is
-        registered and once the handle is closed. Worked out again after each registration through this
-        prefetcher; a tensor registered on the handle directly later is
-        not seen until then."""
+        registered and once the handle is closed. Worked out again after
+        each registration through this prefetcher; a tensor registered on
+        the handle directly later is not seen until then."""
         version = self.version
         if self._holds_all[0] != version:
             self._holds_all = (version, self._fits_whole())

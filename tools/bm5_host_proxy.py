@@ -80,10 +80,7 @@ class BareEngineProvider:
         ids = self._table[layer][experts]
         where = self.handle.step(ids, release=self._held, stream=inner.dec.stream(layer))
         self._held = ids
-        d = inner.dec.layer_dev[layer]
-        gate_up, down = inner._views(d)
-        index = inner._index[d].send(where[:, 0] // inner.dec.slot_bytes)
-        return gate_up.index_select(0, index), down.index_select(0, index)
+        return inner.gather(layer, where[:, 0] // inner.dec.slot_bytes)
 
     def release(self, layer, experts):
         if layer == self.inner.dec.spec["layers"] - 1:
@@ -104,10 +101,7 @@ def fault_handles(prefetch):
     real = prefetch.PrefetchHandle
 
     def handle(**kwargs):
-        kwargs["backend"] = "fault"
-        made = real(**kwargs)
-        made.set_faults(report_async=1)
-        return made
+        return real(**{**kwargs, "backend": "fault", "faults": {"report_async": 1}})
 
     prefetch.PrefetchHandle = handle
 
@@ -145,7 +139,7 @@ def run_row(torch, dec, policy, inputs, warmup, budget, trace, route, preload: b
     per_layer = 1e6 / (len(lat) * dec.spec["layers"])
     phases = {name: seconds * per_layer for name, seconds in sorted(timers.items())}
     if "engine_ns" in after:
-        phases["engine"] = (after["engine_ns"] - before.get("engine_ns", 0)) / 1e3 * per_layer / 1e6
+        phases["engine"] = (after["engine_ns"] - before.get("engine_ns", 0)) * per_layer / 1e9  # as run_policy
     copies = None
     if "bytes" in after:
         copies = (after["bytes"] - before.get("bytes", 0)) // dec.expert_bytes
