@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath syncprobe bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
+# steps: tox gputests enginepath syncprobe bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
@@ -197,6 +197,11 @@ for step in $steps; do
       # tools/copy_interference_probe.py: BM5's resident decoder with copy traffic beside it (INTERFERENCE_ARGS).
       python3 tools/copy_interference_probe.py ${INTERFERENCE_ARGS:-} --json "$out/interference.json" 2>&1 \
         | tee "$out/interference.txt" || status=1 ;;
+    hostproxy)
+      # tools/bm5_host_proxy.py on this machine's CPU (PROXY_ARGS: trace, --share, --rounds, --policies):
+      # BM5's host work per layer with nothing copied, on the host the GPU runs depend on.
+      python3 tools/bm5_host_proxy.py ${PROXY_ARGS:-traces/gemma4-26b-a4b.json} --json "$out/hostproxy${PROXY_TAG:-}.json" 2>&1 \
+        | tee "$out/hostproxy${PROXY_TAG:-}.txt" || status=1 ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     disk)
