@@ -25,6 +25,8 @@ import numpy as np
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from prefetch._engine import slot_numbers  # noqa: E402
+
 from bench.common import LruSlots  # noqa: E402
 
 
@@ -83,14 +85,41 @@ class SlotIndex:
         """`slots`: an int64 numpy array or a list of ints. The copy goes on
         the device's current stream (the decoder's compute stream), ahead of
         the gathers that read the index."""
-        torch = self.torch
         if not self.cuda:
-            return torch.from_numpy(np.asarray(slots, dtype=np.int64))
+            return self.torch.from_numpy(np.asarray(slots, dtype=np.int64))
+        i = self._take()
+        n = len(slots)
+        self.host_np[i][:n] = slots
+        return self._copy(i, n)
+
+    def send_slots_of(self, where, slot_bytes: int):
+        """The slot numbers of an acquire's (offset, device) rows, every
+        slot `slot_bytes` long, sent as `send` sends: written straight into
+        the staging buffer by prefetch's `slot_numbers` (one C call for the
+        division, the grid check and the write; Note [Short expert lists
+        in C]). An offset off the grid raises ValueError, nothing sent."""
+        if not self.cuda:
+            out = np.empty(where.shape[0], dtype=np.int64)
+            slot_numbers(where, slot_bytes, out)
+            return self.torch.from_numpy(out)
+        i = self._take()
+        try:
+            n = slot_numbers(where, slot_bytes, self.host_np[i])
+        except ValueError:
+            self.next = i  # the buffer stays free for the next send
+            raise
+        return self._copy(i, n)
+
+    def _take(self) -> int:
+        """The next staging buffer of the ring, once its last copy was read."""
         i = self.next
         self.next = (i + 1) % len(self.host)
         self.done[i].synchronize()  # this buffer's previous copy has been read
-        n = len(slots)
-        self.host_np[i][:n] = slots
+        return i
+
+    def _copy(self, i: int, n: int):
+        """Buffer i's first n slot numbers to its device buffer."""
+        torch = self.torch
         views = self.views[i].get(n)
         if views is None:
             views = self.views[i][n] = (self.host[i][:n], self.dev[i][:n])
@@ -201,23 +230,19 @@ class EngineProvider:
         check: a layer's experts are registered on the layer's device."""
         stream = self.dec.stream(layer)
         _, where = self.ctl.route_and_acquire(layer, x, experts, stream=stream)
-        slot_bytes = self.dec.slot_bytes
-        offsets = where[:, 0].tolist()  # a few ints: Python is cheaper than two numpy calls here
-        slots = [o // slot_bytes for o in offsets]
-        if any(o % slot_bytes for o in offsets):
+        try:
+            return self.gather(layer, where)
+        except ValueError as e:
             self.ctl.release_held(stream)
-            raise RuntimeError(f"layer {layer}: an expert's cache slot is not on the grid of "
-                               f"{slot_bytes}-byte slots (offsets {offsets}): "
-                               "the handle holds tensors of another size")
-        return self.gather(layer, slots)
+            raise RuntimeError(f"layer {layer}: {e}") from e
 
-    def gather(self, layer, slots):
-        """The weights in cache slots `slots` (ints, in order) of `layer`'s
-        device as two tensors [n, 2I, H] and [n, H, I]: the slot numbers
-        sent in one copy, one index_select per weight."""
+    def gather(self, layer, where):
+        """The weights in the cache slots of acquire's rows `where` (in
+        order) of `layer`'s device as two tensors [n, 2I, H] and [n, H, I]:
+        the slot numbers sent in one copy, one index_select per weight."""
         d = self.dec.layer_dev[layer]
         gate_up, down = self._views(d)
-        index = self._index[d].send(slots)
+        index = self._index[d].send_slots_of(where, self.dec.slot_bytes)
         return gate_up.index_select(0, index), down.index_select(0, index)
 
     def before_sync(self, layer):

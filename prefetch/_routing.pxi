@@ -4,7 +4,7 @@
 # a step with the routings already on the host). These loops are over a
 # model's (layer, expert) table: 1,024 entries for OLMoE-1B-7B.
 from libc.stdint cimport uint8_t
-from libc.string cimport memset
+from libc.string cimport memmove, memset
 
 
 @cython.boundscheck(False)
@@ -172,3 +172,84 @@ def hint_arrays(list hints, tables):
                 times_v[pos + j] = when_v[j]
         pos += n
     return ids, times
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def distinct_short(object experts, int64_t num_experts):
+    """Note [Short expert lists in C]
+    A layer's routed experts at small batch (or a predictor's guess) as a
+    sorted distinct int64 array, for `prefetch.expert_ids.distinct`: a list
+    of Python ints or a 1-D int64 array of at most 64 entries, sorted by
+    insertion in one pass. Returns None for anything else (the caller's
+    general path takes it). The Python version (a set, sorted, np.array)
+    took 3.6 us a call alone on the development VM and about three times
+    that inside BM5's decode step, where it runs once a layer (tools/
+    bm5_host_proxy.py, stop 37 in docs/results.md). An id outside
+    0..num_experts-1 raises ValueError."""
+    cdef int64_t buf[64]
+    cdef Py_ssize_t n, i, j, k = 0
+    cdef int64_t v
+    cdef const int64_t[::1] arr_v
+    if type(experts) is list:
+        n = len(<list>experts)
+        if n > 64:
+            return None
+        for i in range(n):
+            item = (<list>experts)[i]
+            if type(item) is not int:
+                return None
+            if not 0 <= item < num_experts:  # before the C conversion: no OverflowError
+                raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
+            buf[i] = item
+    elif type(experts) is np.ndarray and experts.ndim == 1 and experts.dtype == np.int64 \
+            and experts.shape[0] <= 64 and experts.flags.c_contiguous:
+        arr_v = experts
+        n = arr_v.shape[0]
+        for i in range(n):
+            buf[i] = arr_v[i]
+    else:
+        return None
+    for i in range(n):
+        v = buf[i]
+        if v < 0 or v >= num_experts:
+            raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
+        # Insertion into the sorted distinct prefix buf[:k].
+        j = k
+        while j > 0 and buf[j - 1] > v:
+            j -= 1
+        if j > 0 and buf[j - 1] == v:
+            continue
+        if j < k:
+            memmove(&buf[j + 1], &buf[j], (k - j) * sizeof(int64_t))
+        buf[j] = v
+        k += 1
+    out = np.empty(k, dtype=np.int64)
+    cdef int64_t[::1] out_v = out
+    for i in range(k):
+        out_v[i] = buf[i]
+    return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def slot_numbers(const int64_t[:, ::1] where, int64_t slot_bytes, int64_t[::1] out):
+    """Cache slot numbers of an acquire's (offset, device) rows when every
+    slot holds one expert of `slot_bytes`: out[i] = offset / slot_bytes,
+    for each of the n rows, written into the first n entries of `out`
+    (a caller's buffer: a page-locked staging array goes to the device in
+    one copy). Returns n. An offset off that grid (a handle holding
+    tensors of another size) or a too-short `out` raises ValueError before
+    anything is written."""
+    cdef Py_ssize_t n = where.shape[0], i
+    if slot_bytes <= 0:
+        raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+    if where.shape[1] < 1 or out.shape[0] < n:
+        raise ValueError(f"slot_numbers: {n} rows for a buffer of {out.shape[0]}")
+    for i in range(n):
+        if where[i, 0] < 0 or where[i, 0] % slot_bytes:
+            raise ValueError(f"offset {where[i, 0]} is not on the grid of {slot_bytes}-byte slots: "
+                             "the handle holds tensors of another size")
+    for i in range(n):
+        out[i] = where[i, 0] // slot_bytes
+    return n

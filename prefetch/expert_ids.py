@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from prefetch._engine import distinct_short
 from prefetch.read_back import to_host
 
 __all__ = ["EMPTY", "routed_experts", "distinct"]
@@ -25,6 +26,9 @@ def routed_experts(routed: np.ndarray, num_experts: int) -> np.ndarray:
 def distinct(experts, num_experts: int) -> np.ndarray:
     """Sorted distinct expert ids of a host sequence, numpy array or CPU
     tensor, as int64."""
+    short = distinct_short(experts, num_experts)  # Note [Short expert lists in C]
+    if short is not None:
+        return short
     if type(experts) is np.ndarray and experts.ndim == 1 and experts.dtype.kind in "iu" and experts.shape[0] <= 64:
         experts = experts.tolist()
     if type(experts) is list and len(experts) <= 64:

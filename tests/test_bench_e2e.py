@@ -285,7 +285,18 @@ def test_slot_index_rings_give_each_send_its_own_slots(device):
     index = SlotIndex(torch, dev, capacity=16, depth=2)
     rng = np.random.default_rng(3)
     sends = [rng.choice(100, size=int(rng.integers(1, 17)), replace=False).tolist() for _ in range(9)]
-    got = [table.index_select(0, index.send(slots)) for slots in sends]
+    # Half the sends as slot numbers, half as an acquire's (offset, device)
+    # rows of 64-byte slots (send_slots_of); an offset off the grid in
+    # between is refused and leaves the ring as it was.
+    got = []
+    for i, slots in enumerate(sends):
+        if i % 2:
+            where = np.array([[64 * s, 0] for s in slots], dtype=np.int64)
+            got.append(table.index_select(0, index.send_slots_of(where, 64)))
+            with pytest.raises(ValueError, match="not on the grid"):
+                index.send_slots_of(np.array([[64, 0], [65, 0]], dtype=np.int64), 64)
+        else:
+            got.append(table.index_select(0, index.send(slots)))
     for slots, out in zip(sends, got):
         assert out.cpu().tolist() == [10 * s for s in slots]
 

@@ -2,7 +2,15 @@
 numpy it replaced, and its refusal of out-of-range input."""
 import numpy as np
 import pytest
-from prefetch._engine import fill_rows, hint_arrays, mark_pinned, read_routed, same_offsets
+from prefetch._engine import (
+    distinct_short,
+    fill_rows,
+    hint_arrays,
+    mark_pinned,
+    read_routed,
+    same_offsets,
+    slot_numbers,
+)
 
 LAYERS, EXPERTS = 5, 12
 
@@ -114,3 +122,64 @@ def test_hint_arrays_refuses_times_of_another_length():
     tabs = {0: np.arange(EXPERTS, dtype=np.int64)}
     with pytest.raises(ValueError, match="2 times for 3 experts"):
         hint_arrays([(0, np.array([0, 1, 2]), np.array([5, 6]))], tabs)
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("as_array", [False, True])
+def test_distinct_short_matches_sorted_set(seed, as_array):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 65))  # duplicates and every length up to the limit
+    got = rng.integers(0, EXPERTS, n).tolist()
+    short = distinct_short(np.array(got, dtype=np.int64) if as_array else got, EXPERTS)
+    assert short.dtype == np.int64
+    assert short.tolist() == sorted(set(got))
+
+
+@pytest.mark.parametrize("experts", [[1, EXPERTS], [-1, 2], [2**70], np.array([0, EXPERTS], dtype=np.int64)])
+def test_distinct_short_refuses_ids_out_of_range(experts):
+    with pytest.raises(ValueError, match=f"must be in 0..{EXPERTS - 1}"):
+        distinct_short(experts, EXPERTS)
+
+
+@pytest.mark.parametrize("experts", [
+    list(range(65)),  # longer than its buffer
+    [1, 2.0],  # not ints: the general path converts or refuses them
+    [1, True],
+    [np.int64(3)],
+    (1, 2),
+    np.array([1, 2], dtype=np.int32),
+    np.arange(8, dtype=np.int64)[::2],  # not contiguous
+    np.zeros((2, 2), dtype=np.int64),
+])
+def test_distinct_short_leaves_other_input_to_the_general_path(experts):
+    assert distinct_short(experts, 100) is None
+
+
+def test_distinct_goes_through_the_short_path_and_agrees_with_the_general_one():
+    from prefetch.expert_ids import distinct
+
+    assert distinct([5, 1, 5, 0], EXPERTS).tolist() == [0, 1, 5]
+    assert distinct(list(range(70)) + [3], 80).tolist() == list(range(70))  # the general path
+    assert distinct([1, 2.0, 2], EXPERTS).tolist() == [1, 2]  # floats: the general path's int()
+    with pytest.raises(ValueError, match="must be in"):
+        distinct([0, 2**70], EXPERTS)
+
+
+def test_slot_numbers_writes_the_slot_of_each_offset():
+    where = np.array([[3 * 512, 0], [0, 0], [7 * 512, 1]], dtype=np.int64)
+    out = np.full(5, -9, dtype=np.int64)
+    assert slot_numbers(where, 512, out) == 3
+    assert out.tolist() == [3, 0, 7, -9, -9]
+
+
+@pytest.mark.parametrize("where, slot_bytes, size, match", [
+    ([[512, 0], [700, 0]], 512, 4, "not on the grid"),
+    ([[-512, 0]], 512, 4, "not on the grid"),
+    ([[0, 0], [512, 0]], 512, 1, "2 rows for a buffer of 1"),
+    ([[0, 0]], 0, 4, "slot_bytes must be > 0"),
+])
+def test_slot_numbers_refuses_bad_input_and_writes_nothing(where, slot_bytes, size, match):
+    out = np.full(size, -9, dtype=np.int64)
+    with pytest.raises(ValueError, match=match):
+        slot_numbers(np.array(where, dtype=np.int64), slot_bytes, out)
+    assert (out == -9).all()

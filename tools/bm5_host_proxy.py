@@ -80,7 +80,7 @@ class BareEngineProvider:
         ids = self._table[layer][experts]
         where = self.handle.step(ids, release=self._held, stream=inner.dec.stream(layer))
         self._held = ids
-        return inner.gather(layer, where[:, 0] // inner.dec.slot_bytes)
+        return inner.gather(layer, where)
 
     def release(self, layer, experts):
         if layer == self.inner.dec.spec["layers"] - 1:
