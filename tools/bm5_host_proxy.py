@@ -29,15 +29,24 @@ host work:
     by-hand LRU has no preload: its first reads copy ("copied", experts
     copied in the measured steps).
 
---policies may also name on-demand-bare, a row of this tool's own:
-on-demand's engine call, slot send and gathers with the controller left
-out (one handle.step a layer on the layer's tensor ids), so its difference
-to on-demand is what the controller's Python costs inside the step.
+--policies may also name rows of this tool's own, each on-demand with
+parts taken away, so that the differences between them say what each part
+costs inside the step:
+  on-demand-bare   on-demand's engine call, slot send and gathers with the
+                   controller left out (one handle.step a layer on the
+                   layer's tensor ids);
+  bare-no-engine   on-demand-bare with the engine call replaced by a
+                   lookup of the same (offset, device) rows, made once;
+  arena-table      the resident row's path on the engine's cache: the
+                   routed experts' slots looked up on the device from a
+                   table made once and gathered from the arena's slot
+                   views, no engine call, no slot send; what an engine row
+                   would cost if its bookkeeping were free.
 
 Prints per row and round the step's p50 (ms), its ratio to the round's
 resident p50 and the host microseconds per layer of each phase of
-Decoder.step (speculate, sync, acquire, compute launch, release) and the
-engine calls inside them. Rows run in turn within each round. The figures
+Decoder.step (speculate, sync, acquire, compute launch, release, and the
+rest of the step as "other") and the engine calls inside them. Rows run in turn within each round. The figures
 of a 2-core VM: compare within one run; what they say of the H200 host
 (about 3-6x slower per call) is a proportion, not a figure.
 """
@@ -56,9 +65,10 @@ from bench.e2e_decoder import MODELS, Decoder, measure_steps  # noqa: E402
 from bench.e2e_providers import make_provider, policy_eviction  # noqa: E402
 
 POLICIES = ("all-resident", "on-demand", "oracle", "torch-by-hand")
-# A diagnostic row of this tool's own: on-demand's engine and gathers with
-# the controller left out (BareEngineProvider).
+# Diagnostic rows of this tool's own: on-demand with parts taken away.
 BARE = "on-demand-bare"
+NO_ENGINE = "bare-no-engine"
+ARENA = "arena-table"
 
 
 class BareEngineProvider:
@@ -94,6 +104,55 @@ class BareEngineProvider:
         self.inner.close()
 
 
+class NoEngineProvider(BareEngineProvider):
+    """BareEngineProvider with its engine call replaced by a lookup of the
+    same rows: every expert is acquired once (after the preload) to learn
+    its (offset, device) row, then released; each layer then takes its
+    experts' rows from that table (one numpy index, as the tensor ids are)
+    and sends and gathers them as the bare row does. The cache never
+    changes (every expert resident, nothing acquired), so the rows stay
+    right."""
+
+    def __init__(self, inner):
+        super().__init__(inner)
+        self._rows = None
+
+    def learn_rows(self):
+        dec = self.inner.dec
+        self._rows = []
+        for layer in range(dec.spec["layers"]):
+            ids = self._table[layer]
+            stream = dec.stream(layer)
+            self._rows.append(self.handle.step(ids, stream=stream))
+            self.handle.release(ids, stream=stream)
+
+    def acquire_stacked(self, layer, x, experts, routed):
+        self._table[layer][experts]  # the tensor-id lookup the bare row makes
+        return self.inner.gather(layer, self._rows[layer][experts])
+
+    def release(self, layer, experts):
+        pass
+
+
+class ArenaTableProvider(NoEngineProvider):
+    """The resident provider's path on the engine's arena: each layer's
+    expert -> slot table on the device (made once from the learned rows),
+    indexed with the routing's device tensor and gathered from the arena's
+    slot views, as the resident row gathers from its pool."""
+
+    def learn_rows(self):
+        super().learn_rows()
+        torch, dec = self.inner.torch, self.inner.dec
+        self._slots = [torch.from_numpy(rows[:, 0] // dec.slot_bytes).to(dec.devs[dec.layer_dev[layer]])
+                       for layer, rows in enumerate(self._rows)]
+
+    def acquire_stacked(self, layer, x, experts, routed):
+        inner = self.inner
+        slots = self._slots[layer].index_select(0, routed)
+        gate_up, down = inner._views(inner.dec.layer_dev[layer])
+        return gate_up.index_select(0, slots), down.index_select(0, slots)
+
+
 def fault_handles(prefetch):
     """Makes every PrefetchHandle the providers build use the fault backend
     in its asynchronous mode (the CUDA paths, bytes copied at once).
@@ -123,14 +182,17 @@ def preload_all(provider, slots: int, expected: int, limit_s: float = 60.0) -> N
 
 
 def run_row(torch, dec, policy, inputs, warmup, budget, trace, route, preload: bool) -> dict:
-    if policy == BARE:
-        provider = BareEngineProvider(make_provider(dec, "on-demand", budget, trace, "cyclic"))
+    diagnostic = {BARE: BareEngineProvider, NO_ENGINE: NoEngineProvider, ARENA: ArenaTableProvider}
+    if policy in diagnostic:
+        provider = diagnostic[policy](make_provider(dec, "on-demand", budget, trace, "cyclic"))
     else:
         provider = make_provider(dec, policy, budget, trace, policy_eviction(policy, "cyclic"))
     try:
         if preload and hasattr(provider, "ctl"):
             spec = dec.spec
             preload_all(provider, budget // dec.slot_bytes, spec["layers"] * spec["experts"])
+        if hasattr(provider, "learn_rows"):
+            provider.learn_rows()
         timers = {}
         lat, before, after = measure_steps(dec, provider, inputs, warmup, route, timers=timers)
     finally:
@@ -138,6 +200,9 @@ def run_row(torch, dec, policy, inputs, warmup, budget, trace, route, preload: b
             provider.close()
     per_layer = 1e6 / (len(lat) * dec.spec["layers"])
     phases = {name: seconds * per_layer for name, seconds in sorted(timers.items())}
+    # The rest of the step (norms, attention, router, top-k, the routing's
+    # sort): the same code in every row. Means, as the phases are.
+    phases["other"] = sum(lat) * per_layer - sum(phases.values())
     if "engine_ns" in after:
         phases["engine"] = (after["engine_ns"] - before.get("engine_ns", 0)) * per_layer / 1e9  # as run_policy
     copies = None
@@ -161,6 +226,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not 0 < args.share <= 1 or args.steps < 1 or args.warmup < 0 or args.rounds < 1:
         parser.error("need 0 < --share <= 1, --steps >= 1, --warmup >= 0, --rounds >= 1")
+    if args.share < 1 and {NO_ENGINE, ARENA} & set(args.policies):
+        parser.error(f"{NO_ENGINE} and {ARENA} need every expert cached (--share 1.0): "
+                     "their cache must not change")
     if "all-resident" not in args.policies:
         parser.error("--policies needs all-resident (the reference of every ratio)")
 
