@@ -176,29 +176,30 @@ def hint_arrays(list hints, tables):
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def distinct_short(object experts, int64_t num_experts):
+cdef Py_ssize_t _sorted_distinct(object experts, int64_t num_experts, int64_t* buf) except -2:
     """Note [Short expert lists in C]
-    A layer's routed experts at small batch (or a predictor's guess) as a
-    sorted distinct int64 array, for `prefetch.expert_ids.distinct`: a list
-    of Python ints or a 1-D int64 array of at most 64 entries, sorted by
-    insertion in one pass. Returns None for anything else (the caller's
-    general path takes it). The Python version (a set, sorted, np.array)
-    took 3.6 us a call alone on the development VM and about three times
-    that inside BM5's decode step, where it runs once a layer (tools/
-    bm5_host_proxy.py, stop 37 in docs/results.md). An id outside
+    A layer's routed experts at small batch (or a predictor's guess), a
+    list of Python ints or a 1-D int64 array of at most 64 entries, sorted
+    and made distinct by insertion into `buf` (64 places) in one pass.
+    Returns how many, or -1 for input of another kind (the caller's
+    general path takes it). Inside a decode step each numpy call costs
+    several times what it does alone (BM5's host proxy, tools/
+    bm5_host_proxy.py: a layer's numpy work took 6.5 us in a loop of its
+    own and 25-35 us more than the resident row's inside the step; stop
+    37 in docs/results.md), so a layer's id bookkeeping is one C pass
+    here, not a set, a sort and a fancy index. An id outside
     0..num_experts-1 raises ValueError."""
-    cdef int64_t buf[64]
     cdef Py_ssize_t n, i, j, k = 0
     cdef int64_t v
     cdef const int64_t[::1] arr_v
     if type(experts) is list:
         n = len(<list>experts)
         if n > 64:
-            return None
+            return -1
         for i in range(n):
             item = (<list>experts)[i]
             if type(item) is not int:
-                return None
+                return -1
             if not 0 <= item < num_experts:  # before the C conversion: no OverflowError
                 raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
             buf[i] = item
@@ -209,7 +210,7 @@ def distinct_short(object experts, int64_t num_experts):
         for i in range(n):
             buf[i] = arr_v[i]
     else:
-        return None
+        return -1
     for i in range(n):
         v = buf[i]
         if v < 0 or v >= num_experts:
@@ -224,11 +225,50 @@ def distinct_short(object experts, int64_t num_experts):
             memmove(&buf[j + 1], &buf[j], (k - j) * sizeof(int64_t))
         buf[j] = v
         k += 1
+    return k
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def distinct_short(object experts, int64_t num_experts):
+    """Sorted distinct int64 array of a short list or 1-D int64 array (Note
+    [Short expert lists in C]), or None for input of another kind; for
+    `prefetch.expert_ids.distinct` (3.6 us a call alone in Python on the
+    development VM, 1.0 here)."""
+    cdef int64_t buf[64]
+    cdef Py_ssize_t k = _sorted_distinct(experts, num_experts, buf), i
+    if k < 0:
+        return None
     out = np.empty(k, dtype=np.int64)
     cdef int64_t[::1] out_v = out
     for i in range(k):
         out_v[i] = buf[i]
     return out
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def distinct_ids(object experts, int64_t num_experts, const int64_t[::1] table):
+    """A layer's routed experts as (sorted distinct experts, their tensor
+    ids `table[expert]`), two int64 arrays, in one C pass (Note [Short
+    expert lists in C]); None for input `distinct_short` leaves to the
+    general path. `table` is the layer's expert -> tensor id table (-1: not
+    registered, which the engine refuses); an expert past its end raises
+    ValueError, as one past num_experts does."""
+    cdef int64_t buf[64]
+    cdef Py_ssize_t k = _sorted_distinct(experts, num_experts, buf), i
+    if k < 0:
+        return None
+    if k and buf[k - 1] >= table.shape[0]:
+        raise ValueError(f"expert {buf[k - 1]} has no entry in the layer's table of {table.shape[0]}")
+    routed = np.empty(k, dtype=np.int64)
+    ids = np.empty(k, dtype=np.int64)
+    cdef int64_t[::1] routed_v = routed
+    cdef int64_t[::1] ids_v = ids
+    for i in range(k):
+        routed_v[i] = buf[i]
+        ids_v[i] = table[buf[i]]
+    return routed, ids
 
 
 @cython.boundscheck(False)

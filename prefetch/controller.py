@@ -15,7 +15,7 @@ import time
 
 import numpy as np
 
-from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, hint_arrays
+from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, distinct_ids, hint_arrays
 from prefetch.expert_ids import EMPTY as _EMPTY
 from prefetch.expert_ids import distinct as _distinct
 from prefetch.expert_ids import routed_experts as _routed_experts
@@ -400,7 +400,8 @@ class OffloadController(SyncFreeDecode):
         return self.prefetcher._ids[layer][experts]
 
     def exchange(self, layer: int, experts: np.ndarray, guesses: dict, hints, *, stream=None,
-                 timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S, now: int | None = None) -> np.ndarray:
+                 timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S, now: int | None = None,
+                 acquire_ids: np.ndarray | None = None) -> np.ndarray:
         """The one engine call of a layer: release what the last exchange
         acquired, cancel this layer's guesses still queued,
         send hints, acquire `experts` of `layer` (distinct expert indices;
@@ -409,7 +410,8 @@ class OffloadController(SyncFreeDecode):
         acquire's (offset, device) rows. Expert parallel: `experts` are this
         rank's own; guesses and hints for other ranks' experts are dropped.
         `now`: the hint clock the hints were made at (default: the
-        routing clock)."""
+        routing clock). `acquire_ids`: the tensor ids of `experts`, where
+        the caller has them (`_routed_ids`)."""
         if self._unsent is not None:
             self._send_unsent()
         if self.local is not None:
@@ -440,7 +442,7 @@ class OffloadController(SyncFreeDecode):
         if self._held is not None and stream is not self._held_stream and stream != self._held_stream:
             self.release_held()  # another stream now: its own release
         held, self._held = self._held, None
-        acquire = self.ids(layer, experts)
+        acquire = self.ids(layer, experts) if acquire_ids is None else acquire_ids
         t0 = time.perf_counter_ns()
         try:
             where = self.handle.step(acquire, release=held, prefetch=prefetch, band=band, cancel=cancel,
@@ -588,12 +590,16 @@ class OffloadController(SyncFreeDecode):
             raise ValueError(f"first must be >= 1, got {first}")
         self.speculate(with_next_acquire=True)
         if self._defers_speculation():
-            routed = _distinct(experts, self.num_experts)
+            routed, ids = self._routed_ids(layer, experts)
             self.begin_layer(layer)
-            if self._unsent is not None:
-                where = self._acquire_with_unsent(layer, routed[:first], stream, timeout)
+            if first is not None:
+                routed_now, ids = routed[:first], ids[:first]
             else:
-                where = self.exchange(layer, routed[:first], {}, None, stream=stream, timeout=timeout)
+                routed_now = routed
+            if self._unsent is not None:
+                where = self._acquire_with_unsent(layer, routed_now, stream, timeout, ids)
+            else:
+                where = self.exchange(layer, routed_now, {}, None, stream=stream, timeout=timeout, acquire_ids=ids)
             self._deferred = (layer, routed)
             return routed, where
         if self._unsent is not None:
@@ -601,7 +607,20 @@ class OffloadController(SyncFreeDecode):
         routed, guesses, hints = self._host_routed(layer, hidden, experts)
         return routed, self.exchange(layer, routed[:first], guesses, hints, stream=stream, timeout=timeout)
 
-    def _acquire_with_unsent(self, layer: int, experts: np.ndarray, stream, timeout: float) -> np.ndarray:
+    def _routed_ids(self, layer: int, experts) -> tuple[np.ndarray, np.ndarray]:
+        """(sorted distinct `experts`, their tensor ids) in one C pass for a
+        short host list (Note [Short expert lists in C] in
+        prefetch/_routing.pxi), else as _distinct and ids make them."""
+        table = self.prefetcher._ids.get(layer)
+        if table is not None and table.shape[0] >= self.num_experts:
+            got = distinct_ids(experts, self.num_experts, table)
+            if got is not None:
+                return got
+        routed = _distinct(experts, self.num_experts)
+        return routed, self.ids(layer, routed)
+
+    def _acquire_with_unsent(self, layer: int, experts: np.ndarray, stream, timeout: float,
+                             acquire_ids: np.ndarray | None = None) -> np.ndarray:
         """Note [Speculation rides on the next acquire]
         `speculate(with_next_acquire=True)` makes the last layer's guesses
         and hints on the host and leaves them for this call: one engine
@@ -621,7 +640,8 @@ class OffloadController(SyncFreeDecode):
             guesses = {t: g for t, g in guesses.items() if t != layer}
         # The guesses for this layer queued by earlier calls are cancelled
         # by this call, as ever (exchange's `stale`).
-        return self.exchange(layer, experts, guesses, hints, stream=stream, timeout=timeout, now=clock)
+        return self.exchange(layer, experts, guesses, hints, stream=stream, timeout=timeout, now=clock,
+                             acquire_ids=acquire_ids)
 
     def _send_unsent(self) -> None:
         """Sends the guesses and hints `speculate(with_next_acquire=True)`

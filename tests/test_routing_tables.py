@@ -3,6 +3,7 @@ numpy it replaced, and its refusal of out-of-range input."""
 import numpy as np
 import pytest
 from prefetch._engine import (
+    distinct_ids,
     distinct_short,
     fill_rows,
     hint_arrays,
@@ -183,3 +184,22 @@ def test_slot_numbers_refuses_bad_input_and_writes_nothing(where, slot_bytes, si
     with pytest.raises(ValueError, match=match):
         slot_numbers(np.array(where, dtype=np.int64), slot_bytes, out)
     assert (out == -9).all()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_distinct_ids_matches_distinct_then_the_table(seed):
+    rng = np.random.default_rng(seed)
+    table = np.where(rng.random(EXPERTS) < 0.8, rng.permutation(EXPERTS) + 500, -1).astype(np.int64)
+    got = rng.integers(0, EXPERTS, int(rng.integers(0, 20))).tolist()
+    routed, ids = distinct_ids(got, EXPERTS, table)
+    assert routed.tolist() == sorted(set(got))
+    assert ids.tolist() == table[routed].tolist()  # -1 (not registered) passes through: the engine refuses it
+
+
+def test_distinct_ids_refuses_experts_past_the_table_and_leaves_other_input():
+    table = np.arange(4, dtype=np.int64)
+    with pytest.raises(ValueError, match="no entry in the layer's table of 4"):
+        distinct_ids([1, 5], 8, table)
+    with pytest.raises(ValueError, match="must be in 0..7"):
+        distinct_ids([8], 8, table)
+    assert distinct_ids([1, 2.0], 8, table) is None
