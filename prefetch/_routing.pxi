@@ -260,7 +260,8 @@ def distinct_ids(object experts, int64_t num_experts, const int64_t[::1] table):
     if k < 0:
         return None
     if k and buf[k - 1] >= table.shape[0]:
-        raise ValueError(f"expert {buf[k - 1]} has no entry in the layer's table of {table.shape[0]}")
+        raise ValueError(f"expert {buf[k - 1]} has no entry in the layer's table "
+                         f"of {table.shape[0]}")
     routed = np.empty(k, dtype=np.int64)
     ids = np.empty(k, dtype=np.int64)
     cdef int64_t[::1] routed_v = routed
