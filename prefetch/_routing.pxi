@@ -294,3 +294,42 @@ def slot_numbers(const int64_t[:, ::1] where, int64_t slot_bytes, int64_t[::1] o
     for i in range(n):
         out[i] = where[i, 0] // slot_bytes
     return n
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def hint_times(const int64_t[::1] offset, int64_t now, object never, int64_t no_next_use):
+    """The oracle's hint times of one layer (Note [The oracle's plan] in
+    prefetch/predictors.py): offset[i] + now, and `no_next_use` at the
+    positions in `never` (an int64 array, or None), in one C pass instead
+    of three numpy calls (Note [Short expert lists in C]). A position out
+    of range raises IndexError before anything is returned."""
+    cdef Py_ssize_t n = offset.shape[0], i
+    cdef const int64_t[::1] never_v
+    times = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] times_v = times
+    for i in range(n):
+        times_v[i] = offset[i] + now
+    if never is not None:
+        never_v = never
+        for i in range(never_v.shape[0]):
+            if never_v[i] < 0 or never_v[i] >= n:
+                raise IndexError(f"hint_times: position {never_v[i]} of {n}")
+            times_v[never_v[i]] = no_next_use
+    return times
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def take_ids(const int64_t[::1] table, const int64_t[::1] keys):
+    """table[keys] as a new int64 array, in one C pass (the oracle's hint
+    keys to tensor ids). A key out of range raises IndexError."""
+    cdef Py_ssize_t n = keys.shape[0], i
+    for i in range(n):
+        if keys[i] < 0 or keys[i] >= table.shape[0]:
+            raise IndexError(f"take_ids: key {keys[i]} out of a table of {table.shape[0]}")
+    out = np.empty(n, dtype=np.int64)
+    cdef int64_t[::1] out_v = out
+    for i in range(n):
+        out_v[i] = table[keys[i]]
+    return out

@@ -32,7 +32,7 @@ from typing import Protocol
 
 import numpy as np
 
-from prefetch._engine import NO_NEXT_USE
+from prefetch._engine import NO_NEXT_USE, hint_times
 
 __all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor"]
 
@@ -283,10 +283,7 @@ class OraclePredictor:
         if not hints:
             return guesses, None, None
         keys, offset = predicted if predict else observed
-        times = offset + now
-        if never is not None:
-            times[never] = NO_NEXT_USE
-        return guesses, keys, times
+        return guesses, keys, hint_times(offset, now, never, NO_NEXT_USE)
 
     def _sends_hints(self, controller) -> bool:
         """Note [No hints when everything fits]

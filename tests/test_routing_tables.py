@@ -7,10 +7,12 @@ from prefetch._engine import (
     distinct_short,
     fill_rows,
     hint_arrays,
+    hint_times,
     mark_pinned,
     read_routed,
     same_offsets,
     slot_numbers,
+    take_ids,
 )
 
 LAYERS, EXPERTS = 5, 12
@@ -203,3 +205,27 @@ def test_distinct_ids_refuses_experts_past_the_table_and_leaves_other_input():
     with pytest.raises(ValueError, match="must be in 0..7"):
         distinct_ids([8], 8, table)
     assert distinct_ids([1, 2.0], 8, table) is None
+
+
+@pytest.mark.parametrize("never", [None, np.array([], dtype=np.int64), np.array([0, 3], dtype=np.int64)])
+def test_hint_times_matches_numpy(never):
+    offset = np.array([0, 5, 2, 9, 1], dtype=np.int64)
+    want = offset + 1000
+    if never is not None:
+        want[never] = -7
+    assert hint_times(offset, 1000, never, -7).tolist() == want.tolist()
+
+
+@pytest.mark.parametrize("never", [np.array([5]), np.array([-1])])
+def test_hint_times_refuses_positions_out_of_range(never):
+    with pytest.raises(IndexError, match="position"):
+        hint_times(np.zeros(5, dtype=np.int64), 1, never.astype(np.int64), -7)
+
+
+def test_take_ids_matches_numpy_and_refuses_keys_out_of_range():
+    table = np.arange(10, dtype=np.int64) * 3 - 1
+    keys = np.array([9, 0, 4, 4], dtype=np.int64)
+    assert take_ids(table, keys).tolist() == table[keys].tolist()
+    for bad in (10, -1):
+        with pytest.raises(IndexError, match="out of a table of 10"):
+            take_ids(table, np.array([1, bad], dtype=np.int64))
