@@ -2,6 +2,7 @@
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
 # steps: tox gputests enginepath syncprobe bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy
+# abproxy (OLD_TREE)
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
@@ -202,6 +203,19 @@ for step in $steps; do
       # BM5's host work per layer with nothing copied, on the host the GPU runs depend on.
       python3 tools/bm5_host_proxy.py ${PROXY_ARGS:-traces/gemma4-26b-a4b.json} --json "$out/hostproxy${PROXY_TAG:-}.json" 2>&1 \
         | tee "$out/hostproxy${PROXY_TAG:-}.txt" || status=1 ;;
+    abproxy)
+      # tools/bm5_host_proxy.py (PROXY_ARGS) of an older tree (OLD_TREE, built here) and of this one,
+      # alternating (AB_ROUNDS, default 2), this one first: same-run figures of a host-path change.
+      (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
+      old_dir=$(cd "$OLD_TREE" && pwd)
+      for i in $(seq 1 "${AB_ROUNDS:-2}"); do
+        for side in new old; do
+          dir=$PWD
+          [ "$side" = old ] && dir=$old_dir
+          (cd "$dir" && PYTHONPATH="$dir" python3 tools/bm5_host_proxy.py ${PROXY_ARGS:-traces/gemma4-26b-a4b.json} \
+            --json "$out/abproxy_${side}_$i.json" 2>&1 | sed "s/^/$side $i: /") | tee -a "$out/abproxy.txt"
+        done
+      done ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     disk)
