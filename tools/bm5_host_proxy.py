@@ -46,9 +46,11 @@ costs inside the step:
 Prints per row and round the step's p50 (ms), its ratio to the round's
 resident p50 and the host microseconds per layer of each phase of
 Decoder.step (speculate, sync, acquire, compute launch, release, and the
-rest of the step as "other") and the engine calls inside them. Rows run in turn within each round. The figures
-of a 2-core VM: compare within one run; what they say of the H200 host
-(about 3-6x slower per call) is a proportion, not a figure.
+rest of the step as "other") and the engine calls inside them. Rows run in
+turn within each round, in the order given, round r starting at the r-th.
+Compare within one run: the same resident step took 11.5-19 ms on the
+2-core development VM in one session and 7.6-8.3 ms on the H200 machine's
+host (run 114, `tools/h200_run.sh OUT hostproxy`).
 """
 from __future__ import annotations
 
@@ -265,8 +267,13 @@ def main(argv=None) -> int:
     rows = []
     try:
         for r in range(args.rounds):
+            # Round r starts at row r: the first row of a round ran slower
+            # than the same row later in it on the development VM (stop 37
+            # in docs/results.md), so each row takes each place in turn.
+            k = r % len(args.policies)
+            order = args.policies[k:] + args.policies[:k]
             got = {p: run_row(torch, dec, p, inputs, args.warmup, budget, recorder.trace, route,
-                              preload=args.share >= 1) for p in args.policies}
+                              preload=args.share >= 1) for p in order}
             base = got["all-resident"]["p50_ms"]
             for policy in args.policies:
                 row = dict(got[policy], round=r, x_resident=got[policy]["p50_ms"] / base)
