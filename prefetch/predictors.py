@@ -417,7 +417,4 @@ class OraclePredictor:
             ahead, never = self._ahead[step][layer]
         else:  # routed other than the trace says: search
             ahead, never = self._layers_ahead(step, layer, experts, controller.num_layers)
-        times = ahead + at
-        if never is not None:
-            times[never] = NO_NEXT_USE
-        return layer, experts, times
+        return layer, experts, hint_times(ahead, at, never, NO_NEXT_USE)
