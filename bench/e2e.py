@@ -11,9 +11,9 @@ attention, RMSNorm, a router (softmax, top-k, renormalised), SwiGLU experts
 the whole batch with its dense routing weight, so a layer has one host sync,
 for the expert list), residual adds. --expert-compute grouped (default)
 runs the layer's routed experts in two batched matmuls, their weights
-gathered by every provider alike from its slot tensor (the resident pool,
-the engine's arena, the by-hand LRU's slots) with one index_select per
-weight, so no provider pays a tensor op per expert (bench/e2e_providers.py);
+gathered by every provider from its slot tensor (the resident pool,
+the engine's arena, the by-hand LRU's slots) with one kernel per weight,
+so no provider pays a tensor op per expert (bench/e2e_providers.py);
 "loop" runs one expert at a time as transformers' eager MoE does, which on a
 slow host CPU makes the step Python launch time rather than GPU time. Weights are
 random bf16 (never zeros); expert (layer, e) uses the bytes of one of

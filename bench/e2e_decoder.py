@@ -239,7 +239,7 @@ class Decoder:
             if stacked is not None:
                 # The routed experts' weights as two tensors in `experts`'
                 # order, gathered by the provider from its slot tensor with
-                # one index_select per weight (a device-to-device copy; no
+                # one kernel per weight (a device-to-device copy; no
                 # per-expert tensor op on the host).
                 gate_up, down = stacked(layer, x, experts, routed)  # [n, 2I, H], [n, H, I]
             else:

@@ -8,12 +8,14 @@ two tensors [n, 2I, H] and [n, H, I] in `experts`' order (grouped, the
 default). The stacked path is the same for every provider, so the ratios
 between them stay fair: each keeps its weights as a slot tensor per device
 ([slots, 2I, H] and [slots, H, I]: the resident pool, strided views of the
-engine's arena, the by-hand LRU's slots), maps the routed experts to slot
-numbers, sends those to the device in one copy (the resident reference
-maps on the device, from `routed`), and gathers with one index_select per
-weight. No tensor op per expert: the per-expert host work left is each
-provider's own bookkeeping (the engine's one call per layer, route_and_acquire, the by-hand
-LRU's Python dict)."""
+engine's arena, the by-hand LRU's slots) and gathers the routed experts'
+slots with one kernel per weight: the resident reference maps `routed` to
+its pool rows on the device and index_selects them; the engine and the
+by-hand LRU know their slot numbers on the host and concatenate those
+slots' views (SlotRows: one torch.cat per weight, no index sent to the
+device). No tensor op per expert: the per-expert host work left is each
+provider's own bookkeeping (the engine's one call per layer,
+route_and_acquire, the by-hand LRU's Python dict)."""
 from __future__ import annotations
 
 import os
@@ -51,84 +53,29 @@ def slot_views(torch, flat, slot_bytes: int, layout) -> dict:
     return views
 
 
-class SlotIndex:
-    """Slot numbers (host ints) to an int64 index tensor on `device`, for
-    index_select. On CUDA: one non_blocking copy from a small ring of page-
-    locked buffers; an event per buffer, recorded after its copy, is waited
-    on before the buffer is written again (the wait is free in BM5: the
-    layer's routing read-back in between synchronised the stream). On the
-    CPU: the numbers as a tensor, no copy. The copy goes into a device
-    buffer of the ring's, so each call is one copy_ and an event record;
-    the index returned is that buffer, written again `depth` sends later on
-    the same stream, so it is read (gathered with) before then. (A
-    non_blocking copy from pageable memory needs no buffer of its own and
-    took 6 us a call on an idle H200 host against this one's 15, but ~130
-    us behind queued GPU work: the page-locked copy only enqueues, whatever
-    the stream holds.)"""
+class SlotRows:
+    """A gather of cache slots as one torch.cat per weight. Per weight of
+    `parts` ({name: [slots, *shape] view of a slot tensor}, from
+    slot_views), every slot's [1, *shape] view is made once; a gather of
+    slots s1..sn concatenates those views in order: one kernel per weight,
+    the slots reaching it as the kernel's source pointers, so nothing goes
+    to the device first. (Until stop 38 the slot numbers went to the
+    device as an index tensor from a ring of page-locked buffers: an event
+    wait before reusing a buffer, a copy_ and an event record, then one
+    index_select per weight: three more torch calls on the decode step's
+    host path, which the resident row does not make.)"""
 
-    def __init__(self, torch, device, capacity: int, depth: int = 2):
+    def __init__(self, torch, parts: dict):
         self.torch = torch
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.host = self.host_np = self.done = self.dev = None
-        self.next = 0
-        if self.cuda:
-            self.host = [torch.empty(capacity, dtype=torch.int64, pin_memory=True) for _ in range(depth)]
-            self.host_np = [h.numpy() for h in self.host]
-            self.done = [torch.cuda.Event() for _ in range(depth)]
-            # Per buffer and length, the (host, device) views a send copies
-            # between: one copy_ a call, no slicing or allocation.
-            self.dev = [torch.empty(capacity, dtype=torch.int64, device=device) for _ in range(depth)]
-            self.views = [{} for _ in range(depth)]
+        self.names = tuple(parts)
+        self.rows = tuple([view[s : s + 1] for s in range(view.shape[0])] for view in parts.values())
 
-    def send(self, slots):
-        """`slots`: an int64 numpy array or a list of ints. The copy goes on
-        the device's current stream (the decoder's compute stream), ahead of
-        the gathers that read the index."""
-        if not self.cuda:
-            return self.torch.from_numpy(np.asarray(slots, dtype=np.int64))
-        i = self._take()
-        n = len(slots)
-        self.host_np[i][:n] = slots
-        return self._copy(i, n)
-
-    def send_slots_of(self, where, slot_bytes: int):
-        """The slot numbers of an acquire's (offset, device) rows, every
-        slot `slot_bytes` long, sent as `send` sends: written straight into
-        the staging buffer by prefetch's `slot_numbers` (one C call for the
-        division, the grid check and the write; Note [Short expert lists
-        in C]). An offset off the grid raises ValueError, nothing sent."""
-        if not self.cuda:
-            out = np.empty(where.shape[0], dtype=np.int64)
-            slot_numbers(where, slot_bytes, out)
-            return self.torch.from_numpy(out)
-        i = self._take()
-        try:
-            n = slot_numbers(where, slot_bytes, self.host_np[i])
-        except ValueError:
-            self.next = i  # the buffer stays free for the next send
-            raise
-        return self._copy(i, n)
-
-    def _take(self) -> int:
-        """The next staging buffer of the ring, once its last copy was read."""
-        i = self.next
-        self.next = (i + 1) % len(self.host)
-        self.done[i].synchronize()  # this buffer's previous copy has been read
-        return i
-
-    def _copy(self, i: int, n: int):
-        """Buffer i's first n slot numbers to its device buffer."""
-        torch = self.torch
-        views = self.views[i].get(n)
-        if views is None:
-            views = self.views[i][n] = (self.host[i][:n], self.dev[i][:n])
-        # The device buffer is rewritten by a later send on the same stream,
-        # so after the gathers that read this one.
-        views[1].copy_(views[0], non_blocking=True)
-        self.done[i].record(torch.cuda.current_stream(self.device))
-        return views[1]
-
+    def gather(self, slots) -> tuple:
+        """The weights of `slots` (a list of ints, in range), stacked in
+        that order: one [n, *shape] tensor per weight, copies (the slots
+        may be reused once the kernels reading these have run)."""
+        cat = self.torch.cat
+        return tuple(cat([rows[s] for s in slots]) for rows in self.rows)
 
 class ResidentProvider:
     """Every expert on the GPU (the reference): a layer's experts come from
@@ -200,7 +147,8 @@ class EngineProvider:
                                                       layout, device=dec.layer_dev[layer])
 
         self._slot_views = {}  # device -> (gate_up [slots, 2I, H], down [slots, H, I])
-        self._index = [SlotIndex(self.torch, dev, dec.spec["experts"]) for dev in dec.devs]
+        self._slot_rows = {}  # device -> SlotRows of its arena
+        self._slot_buf = np.empty(dec.spec["experts"], dtype=np.int64)  # a layer's slot numbers
 
     def acquire(self, layer, x, experts):
         routed, where = self.ctl.route_and_acquire(layer, x, experts, stream=self.dec.stream(layer))
@@ -208,7 +156,8 @@ class EngineProvider:
         return [(w["gate_up"], w["down"]) for w in got]
 
     def _views(self, device: int):
-        """The engine's arena of `device` as slot tensors (built once)."""
+        """The engine's arena of `device` as slot tensors (built once, with
+        their SlotRows)."""
         views = self._slot_views.get(device)
         if views is None:
             arena = self.handle.arena(device)
@@ -217,6 +166,7 @@ class EngineProvider:
             parts = slot_views(self.torch, arena, self.dec.slot_bytes, self.dec.pool_host[0][1])
             views = (parts["gate_up"], parts["down"])
             self._slot_views[device] = views
+            self._slot_rows[device] = SlotRows(self.torch, {"gate_up": views[0], "down": views[1]})
         return views
 
     def acquire_stacked(self, layer, x, experts, routed):
@@ -239,11 +189,16 @@ class EngineProvider:
     def gather(self, layer, where):
         """The weights in the cache slots of acquire's rows `where` (in
         order) of `layer`'s device as two tensors [n, 2I, H] and [n, H, I]:
-        the slot numbers sent in one copy, one index_select per weight."""
+        the slot numbers made in one C call (`slot_numbers`: an offset off
+        the slot grid raises ValueError), one torch.cat per weight
+        (SlotRows)."""
         d = self.dec.layer_dev[layer]
-        gate_up, down = self._views(d)
-        index = self._index[d].send_slots_of(where, self.dec.slot_bytes)
-        return gate_up.index_select(0, index), down.index_select(0, index)
+        rows = self._slot_rows.get(d)
+        if rows is None:
+            self._views(d)
+            rows = self._slot_rows[d]
+        n = slot_numbers(where, self.dec.slot_bytes, self._slot_buf)
+        return rows.gather(self._slot_buf[:n].tolist())
 
     def before_sync(self, layer):
         """The last layer's predictor part (Note [Speculation after launch]
@@ -299,7 +254,7 @@ class ByHandCache:
         self.lru = LruSlots(n_slots)
         self.used = {}  # slot -> event (last read done)
         self.side = torch.cuda.Stream(device=device) if dec.cuda else None
-        self.index = SlotIndex(torch, torch.device(device), dec.spec["experts"])
+        self.rows = SlotRows(torch, {"gate_up": self.gate_up, "down": self.down})
         self.in_use = {}  # layer -> its acquired experts' slots, until release
         self.bytes = 0
 
@@ -342,8 +297,7 @@ class ByHandCache:
         return [(self.gate_up[s], self.down[s]) for s in self._fill(layer, experts, compute)]
 
     def acquire_stacked(self, layer, experts, compute):
-        index = self.index.send(self._fill(layer, experts, compute))
-        return self.gate_up.index_select(0, index), self.down.index_select(0, index)
+        return self.rows.gather(self._fill(layer, experts, compute))
 
     def release(self, layer, experts, compute):
         slots = self.in_use.pop(layer)

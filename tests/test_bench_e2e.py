@@ -273,32 +273,49 @@ def test_slot_views_start_at_the_flat_tensors_own_first_byte():
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
-def test_slot_index_rings_give_each_send_its_own_slots(device):
-    # BM5's SlotIndex reuses a ring of page-locked and device buffers: every
-    # send's index must gather that send's slots, also when later sends
-    # (more than the ring's depth, of other lengths) were queued behind it
-    # on the same stream before anything ran.
-    from bench.e2e_providers import SlotIndex
+def test_slot_rows_gather_each_calls_slots(device):
+    # BM5's SlotRows gathers a call's slots by concatenating cached views:
+    # each gather must hold exactly those slots' bytes, in the call's order,
+    # as index_select with the same slots gives, also when later gathers
+    # (of other lengths, repeated slots) were queued behind it before any
+    # ran, and after the slot tensor is written again (copies, not views).
+    from bench.e2e_providers import SlotRows
 
     dev = torch.device(device)
-    table = torch.arange(100, dtype=torch.int64, device=dev) * 10
-    index = SlotIndex(torch, dev, capacity=16, depth=2)
+    gate_up = torch.randn(50, 6, 4, device=dev).to(torch.bfloat16)
+    down = torch.randn(50, 4, 3, device=dev).to(torch.bfloat16)
+    rows = SlotRows(torch, {"gate_up": gate_up, "down": down})
     rng = np.random.default_rng(3)
-    sends = [rng.choice(100, size=int(rng.integers(1, 17)), replace=False).tolist() for _ in range(9)]
-    # Half the sends as slot numbers, half as an acquire's (offset, device)
-    # rows of 64-byte slots (send_slots_of); an offset off the grid in
-    # between is refused and leaves the ring as it was.
-    got = []
-    for i, slots in enumerate(sends):
-        if i % 2:
-            where = np.array([[64 * s, 0] for s in slots], dtype=np.int64)
-            got.append(table.index_select(0, index.send_slots_of(where, 64)))
-            with pytest.raises(ValueError, match="not on the grid"):
-                index.send_slots_of(np.array([[64, 0], [65, 0]], dtype=np.int64), 64)
-        else:
-            got.append(table.index_select(0, index.send(slots)))
-    for slots, out in zip(sends, got):
-        assert out.cpu().tolist() == [10 * s for s in slots]
+    calls = [rng.integers(0, 50, size=int(rng.integers(1, 9))).tolist() for _ in range(9)]
+    got = [rows.gather(slots) for slots in calls]
+    want = [(gate_up[slots].clone(), down[slots].clone()) for slots in calls]
+    gate_up.fill_(0)
+    down.fill_(0)
+    for slots, (gu, dn), (wgu, wdn) in zip(calls, got, want):
+        assert gu.shape == (len(slots), 6, 4) and dn.shape == (len(slots), 4, 3)
+        assert torch.equal(gu, wgu) and torch.equal(dn, wdn)
+        assert gu.is_contiguous() and dn.is_contiguous()
+
+
+def test_engine_provider_gather_refuses_offsets_off_the_grid():
+    # EngineProvider.gather makes its slot numbers with slot_numbers: an
+    # offset that is not a whole number of slots is refused, not rounded.
+    from bench.e2e_providers import make_provider
+
+    spec = dict(layers=2, experts=8, top_k=2, hidden=16, inter=8, name="t")
+    dec = e2e.Decoder(torch, spec, pool=3, device="cpu")
+    provider = make_provider(dec, "on-demand", 4 * dec.slot_bytes, None)
+    try:
+        views = provider._views(0)
+        for part in views:  # the arena's bytes are not initialised: known values first
+            part.copy_(torch.randn(part.shape).to(part.dtype))
+        where = np.array([[2 * dec.slot_bytes, 0], [dec.slot_bytes, 0]], dtype=np.int64)
+        gu, dn = provider.gather(0, where)
+        assert torch.equal(gu, views[0][[2, 1]]) and torch.equal(dn, views[1][[2, 1]])
+        with pytest.raises(ValueError, match="not on the grid"):
+            provider.gather(0, np.array([[dec.slot_bytes + 1, 0]], dtype=np.int64))
+    finally:
+        provider.close()
 
 
 def test_policies_carry_handle_options():

@@ -81,7 +81,7 @@ class BareEngineProvider:
     is what the controller's Python costs inside the decode step."""
 
     def __init__(self, inner):
-        self.inner = inner  # an on-demand EngineProvider: its handle, views and slot index
+        self.inner = inner  # an on-demand EngineProvider: its handle, views and slot rows
         self.handle = inner.handle
         self.ctl = inner.ctl  # for preload_all
         self._table = inner.ctl.prefetcher._ids
