@@ -48,6 +48,7 @@ class Decoder:
         self.spec = spec
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
+        self._step_streams = None  # per device, while a step runs (stream)
         L, E, H, inter = spec["layers"], spec["experts"], spec["hidden"], spec["inter"]
         if not 1 <= devices <= L:
             raise ValueError(f"devices must be in 1..{L}")
@@ -143,7 +144,17 @@ class Decoder:
                 self.torch.cuda.synchronize(d)
 
     def stream(self, layer: int = 0):
-        return self.torch.cuda.current_stream(self.devs[self.layer_dev[layer]]) if self.cuda else None
+        """The compute stream of `layer`'s device: torch's current stream
+        there, as `step` found it when it started (read once a step, not
+        once a layer: a current_stream call is a few us of a host-bound
+        step; nothing changes the stream inside one), or now outside a
+        step."""
+        if not self.cuda:
+            return None
+        streams = self._step_streams
+        if streams is None:
+            return self.torch.cuda.current_stream(self.devs[self.layer_dev[layer]])
+        return streams[self.layer_dev[layer]]
 
     def rms(self, x):
         xf = x.float()
@@ -191,6 +202,15 @@ class Decoder:
         torch = self.torch
         h = x0
         k = self.spec["top_k"]
+        if self.cuda:
+            self._step_streams = [torch.cuda.current_stream(d) for d in self.devs]
+        try:
+            return self._layers(h, provider, forced, k)
+        finally:
+            self._step_streams = None
+
+    def _layers(self, h, provider, forced, k):
+        torch = self.torch
         if forced is not None:
             # Every layer's allowed experts in one host-to-device copy a step.
             sizes = [len(f) for f in forced]
