@@ -32,9 +32,10 @@ own):
   trace            engine + activation-matrix predictor trained on --train
                    other requests first
   oracle           engine + replay of the routing this request really takes,
-                   --oracle-distance layers ahead (default 2), with next-use
-                   hints and eviction_policy="next-use" (Belady's rule: the
-                   ceiling)
+                   --oracle-distance layers ahead (default 4: at 2 the
+                   real traces' copies were late, docs/results.md stop
+                   38), with next-use hints and eviction_policy="next-use"
+                   (Belady's rule: the ceiling)
   oracle-cyclic    the same prefetches, no hints, --eviction's policy
   torch-by-hand    Python copy_(non_blocking=True) per missing expert on a
                    side stream into an LRU of device slots kept in Python
@@ -107,7 +108,7 @@ ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted")
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
-               eviction="cyclic", profile=None, disk_dir=None, oracle_distance=2):
+               eviction="cyclic", profile=None, disk_dir=None, oracle_distance=4):
     """Decodes `inputs` (one tensor per step) under `policy`. Returns the
     measured step latencies (after `warmup` steps), the provider's counters
     over the measured steps, and the routing trace (all-resident only).
@@ -246,8 +247,8 @@ def main(argv=None) -> int:
                         help="split the layers over this many GPUs (one cache, queue and stream each)")
     parser.add_argument("--eviction", default="cyclic", choices=["cyclic", "lru"],
                         help="engine eviction policy of the engine policies but oracle (always next-use)")
-    parser.add_argument("--oracle-distance", type=int, default=2,
-                        help="layers ahead the oracle and oracle-cyclic policies guess (default 2)")
+    parser.add_argument("--oracle-distance", type=int, default=4,
+                        help="layers ahead the oracle and oracle-cyclic policies guess (default 4)")
     parser.add_argument("--expert-compute", default="grouped", choices=["grouped", "loop"],
                         help="routed experts in two batched matmuls, or one expert at a time")
     parser.add_argument("--profile", metavar="DIR",
@@ -263,6 +264,24 @@ def main(argv=None) -> int:
         parser.error("--repeats must be >= 1")
     if args.profile_steps < 1:
         parser.error("--profile-steps must be >= 1")
+    if args.oracle_distance < 1:
+        parser.error("--oracle-distance must be >= 1")
+    if not args.smoke_cpu:
+        # A guess reaches at most the next step's layer before its own: the
+        # controller files a guess under the step its target layer comes
+        # next, which a lookahead of a whole step or more would get wrong.
+        for policy in args.policies:
+            try:
+                base, options = split_policy(policy)
+            except ValueError as e:
+                parser.error(str(e))
+            if base not in ("oracle", "oracle-cyclic"):
+                continue
+            distance = options.get("distance", args.oracle_distance)
+            for name in args.models:
+                if distance >= MODELS[name]["layers"]:
+                    parser.error(f"{policy}: an oracle distance of {distance} is not below {name}'s "
+                                 f"{MODELS[name]['layers']} layers (--oracle-distance)")
 
     import torch
 

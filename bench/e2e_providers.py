@@ -371,7 +371,7 @@ def split_policy(policy: str):
 
 
 def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=None, disk_dir=None,
-                  oracle_distance=2):
+                  oracle_distance=4):
     from prefetch.integration import NextLayerGatePredictor, OraclePredictor, RoutingTrace, TracePredictor
 
     policy, options = split_policy(policy)

@@ -118,7 +118,7 @@ def test_main_loop_with_repeats_on_the_cpu(monkeypatch, tmp_path, capsys):
     out = tmp_path / "bm5.json"
     assert e2e.main(["--models", "tiny", "--batches", "1", "--shares", "0.5", "--policies", "all-resident",
                      "on-demand", "oracle", "torch-by-hand", "--warmup", "1", "--steps", "3", "--pool", "4",
-                     "--train", "0", "--repeats", "3", "--json", str(out)]) == 0
+                     "--train", "0", "--repeats", "3", "--oracle-distance", "2", "--json", str(out)]) == 0
     rows = json.loads(out.read_text())["rows"]
     assert [r["policy"] for r in rows] == ["all-resident", "on-demand", "oracle", "torch-by-hand"]
     for r in rows:
@@ -365,3 +365,19 @@ def test_routed_experts_match_unique_without_waiting_for_the_gpu(device):
         want = torch.unique(top_i).tolist()
         assert experts == want, (top_i, experts)
         assert routed.device == top_i.device and routed.tolist() == want
+
+
+def test_oracle_distance_must_stay_below_the_models_layers(monkeypatch, capsys):
+    # The controller files a guess under the step its target layer comes
+    # next, so a lookahead of a whole step or more would score (and hint)
+    # against the wrong step: BM5 refuses it before building anything.
+    monkeypatch.setitem(e2e.MODELS, "tiny", dict(layers=3, experts=8, top_k=2, hidden=16, inter=8))
+    for argv in (["--policies", "oracle"], ["--policies", "oracle:distance=3", "--oracle-distance", "2"],
+                 ["--policies", "oracle-cyclic", "--oracle-distance", "5"]):
+        with pytest.raises(SystemExit) as got:
+            e2e.main(["--models", "tiny", *argv])
+        assert got.value.code == 2
+        assert "is not below tiny's 3 layers" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        e2e.main(["--models", "tiny", "--policies", "oracle", "--oracle-distance", "0"])
+    assert "--oracle-distance must be >= 1" in capsys.readouterr().err
