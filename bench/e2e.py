@@ -267,9 +267,10 @@ def main(argv=None) -> int:
     if args.oracle_distance < 1:
         parser.error("--oracle-distance must be >= 1")
     if not args.smoke_cpu:
-        # A guess reaches at most the next step's layer before its own: the
-        # controller files a guess under the step its target layer comes
-        # next, which a lookahead of a whole step or more would get wrong.
+        # Below the layer count a guess's target comes later in this step or
+        # earlier in the next one, and the controller files (scores, hints)
+        # it under that step: a lookahead of a whole step or more would put
+        # it under the wrong one.
         for policy in args.policies:
             try:
                 base, options = split_policy(policy)
@@ -451,12 +452,14 @@ def smoke_cpu(torch, args) -> int:
     inputs = dec.inputs(4, 2, seed=0)
     outs = {}
     trace = None
-    runs = [(policy, False) for policy in POLICIES] + [("oracle:copy_poll_us=0,copy_lanes=1,distance=3", False)]
+    runs = [(policy, False) for policy in POLICIES] + [("oracle:copy_poll_us=0,copy_lanes=1,distance=1", False)]
     if dec.grouped:
         runs += [(policy, True) for policy in ("all-resident", "on-demand", "torch-by-hand")]
     for policy, per_expert in runs:
         budget = 6 * dec.slot_bytes * args.devices  # every device holds a whole layer's experts
-        provider = make_provider(dec, policy, budget, trace, args.eviction, disk_dir=args.disk_dir)
+        # Lookahead 2 (below the smoke model's 3 layers, as main requires).
+        provider = make_provider(dec, policy, budget, trace, args.eviction, disk_dir=args.disk_dir,
+                                 oracle_distance=2)
         stepped = PerExpertViews(provider) if per_expert else provider
         try:
             if policy == "trace":
