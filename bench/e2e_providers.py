@@ -67,7 +67,6 @@ class SlotRows:
 
     def __init__(self, torch, parts: dict):
         self.torch = torch
-        self.names = tuple(parts)
         self.rows = tuple([view[s : s + 1] for s in range(view.shape[0])] for view in parts.values())
 
     def gather(self, slots) -> tuple:
