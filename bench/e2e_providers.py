@@ -76,6 +76,7 @@ class SlotRows:
         cat = self.torch.cat
         return tuple(cat([rows[s] for s in slots]) for rows in self.rows)
 
+
 class ResidentProvider:
     """Every expert on the GPU (the reference): a layer's experts come from
     the decoder's pool, mapped expert -> pool row on the device."""
