@@ -271,11 +271,8 @@ def main(argv=None) -> int:
         # earlier in the next one, and the controller files (scores, hints)
         # it under that step: a lookahead of a whole step or more would put
         # it under the wrong one.
-        for policy in args.policies:
-            try:
-                base, options = split_policy(policy)
-            except ValueError as e:
-                parser.error(str(e))
+        for policy in args.policies:  # each already parsed by policy_arg
+            base, options = split_policy(policy)
             if base not in ("oracle", "oracle-cyclic"):
                 continue
             distance = options.get("distance", args.oracle_distance)
