@@ -184,6 +184,7 @@ from bench.generate_model import (  # noqa: E402
     ModelState,
     build_model,
     make_sync,
+    moe_blocks,
     warm_lengths,
 )
 from bench.generate_modes import (  # noqa: E402
@@ -194,13 +195,18 @@ from bench.generate_modes import (  # noqa: E402
 )
 from bench.generate_report import explain_nulls, format_table, plot  # noqa: E402
 from bench.generate_rows import Block, make_twin, restore_check, run_planned_row  # noqa: E402
+from bench.generate_trace import FORCED_FAMILIES, TRACE_MODELS, ForcedRouting, force_routing, trace_shape  # noqa: E402
 
 
-def build(torch, name, family, shape, args, cuda, device, dtype):
+def build(torch, name, family, shape, args, cuda, device, dtype, trace=None):
     """The model `name` and its state, what is known of it, and the first
-    raw H2D reading (CUDA only)."""
+    raw H2D reading (CUDA only). `trace` (--trace-in): the model routes as
+    it says (Note [Forced routing] in bench/generate_trace.py), set up
+    before the state is saved, so every row keeps it."""
     t_build = time.perf_counter()
     model = build_model(torch, family, shape, args.vocab, device, dtype)
+    if trace is not None:
+        force_routing(model, moe_blocks(model), ForcedRouting(trace, device, start=args.trace_from))
     state = ModelState(model)
     build_s = time.perf_counter() - t_build
     raw = [raw_h2d_gbps(torch, state.expert_bytes, torch.cuda.current_device(), count=32)] if cuda else []
@@ -230,14 +236,17 @@ def row_plan(args) -> list:
 
 
 def run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, blocks, models_info,
-              checkpoint=None):
+              checkpoint=None, trace=None):
     """Every block of model `name`; `checkpoint(rows so far)`, if given, is
-    called after each row (the rows not settled yet: no floors)."""
+    called after each row (the rows not settled yet: no floors). `trace`:
+    --trace-in's routing trace, which the model's routing then follows."""
     sync = make_sync(torch, cuda)
-    model, state, info, raw = build(torch, name, family, shape, args, cuda, device, dtype)
+    model, state, info, raw = build(torch, name, family, shape, args, cuda, device, dtype, trace)
     models_info[name] = info
     model_rows = []
     for batch in args.batches:
+        if trace is not None:
+            model._forced_routing.set_batch(batch)  # before the twin is copied from the model
         block = Block(torch, model, state, batch, args, cuda, device, sync)
         # Note [Warm every sequence length]: the measured and TTFT shapes.
         warm_lengths(torch, model, [block.warm_prompt], args.new_tokens, sync)
@@ -308,6 +317,12 @@ def main(argv=None) -> int:
                              "waits for)")
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny configs on the CPU in float32: checks the logic, measures nothing")
+    parser.add_argument("--trace-in", metavar="TRACE.json",
+                        help="route as this routing trace says (Note [Forced routing] in bench/generate_trace.py): "
+                             f"models from {list(TRACE_MODELS)} (smoke: smoke-qwen3-moe) with the trace's layer "
+                             "and expert counts, top-k from its decode steps")
+    parser.add_argument("--trace-from", type=int, default=1,
+                        help="the trace's decode step that each generate's first decode token replays (default 1)")
     args = parser.parse_args(argv)
 
     import torch
@@ -315,7 +330,27 @@ def main(argv=None) -> int:
 
     transformers.logging.set_verbosity_error()
     smoke = args.smoke_cpu
-    table = SMOKE_MODELS if smoke else MODELS
+    trace = None
+    if args.trace_in:
+        from prefetch.integration import RoutingTrace
+
+        try:
+            trace = RoutingTrace.load(args.trace_in)
+            ForcedRouting(trace, torch.device("cpu"), start=args.trace_from)  # refuses a bad trace or start
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            parser.error(f"--trace-in {args.trace_in}: {e}")
+        table = {n: m for n, m in (SMOKE_MODELS if smoke else TRACE_MODELS).items() if m[0] in FORCED_FAMILIES}
+        try:
+            table = {n: (family, trace_shape(shape, trace)) for n, (family, shape) in table.items()
+                     if shape["num_hidden_layers"] == trace.num_layers and shape["num_experts"] == trace.num_experts}
+        except ValueError as e:
+            parser.error(f"--trace-in {args.trace_in}: {e}")
+        if not table:
+            parser.error(f"--trace-in {args.trace_in}: no model of this benchmark has its {trace.num_layers} layers "
+                         f"of {trace.num_experts} experts (trace models: {list(TRACE_MODELS)}; smoke: "
+                         f"smoke-qwen3-moe, 4 layers of 8)")
+    else:
+        table = SMOKE_MODELS if smoke else MODELS
     defaults = dict(models=list(table), batches=[2] if smoke else [1, 8], shares=[0.5] if smoke
                     else [0.1, 0.25, 0.5], new_tokens=4 if smoke else 64, warmup_tokens=2 if smoke else 8,
                     prompt_tokens=8 if smoke else 32, ttft_tokens=32 if smoke else 512,
@@ -335,16 +370,24 @@ def main(argv=None) -> int:
         parser.error("--repeats must be >= 1")
     if args.paired < 0 or args.paired_tokens < 2:
         parser.error("--paired must be >= 0 and --paired-tokens >= 2")
+    if trace is not None:
+        if min(args.prompt_tokens, args.ttft_tokens) < 2:
+            # Note [Forced routing]: a prefill is a call of more tokens than the batch.
+            parser.error("--trace-in needs --prompt-tokens and --ttft-tokens >= 2")
 
     cuda = not smoke and torch.cuda.is_available()
     report = {"benchmark": "BM6 generate", "machine": machine_info(), "smoke_cpu": smoke,
               "config": {k: getattr(args, k) for k in ("models", "batches", "shares", "rows", "new_tokens",
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
-                                                        "timer_sync", "repeats", "paired", "paired_tokens")},
+                                                        "timer_sync", "repeats", "paired", "paired_tokens",
+                                                        "trace_in", "trace_from")},
               "transformers": transformers.__version__,
               "notes": [f"vocab reduced to {args.vocab} (the real models' are 50304 and 151936)",
-                        "random weights; routing is the random model's, not a trained one's"],
+                        "random weights; routing is the random model's, not a trained one's" if trace is None else
+                        f"random weights; routing forced from {os.path.basename(args.trace_in)} (decode token i of "
+                        f"each generate routes as its step {args.trace_from} + i; Note [Forced routing] in "
+                        "bench/generate_trace.py)"],
               "models": {}, "blocks": [], "rows": None}
     if not smoke and not cuda:
         print("BM6 needs a CUDA device (or --smoke-cpu): not measured", file=sys.stderr)
@@ -367,7 +410,7 @@ def main(argv=None) -> int:
     for name in args.models:
         family, shape = table[name]
         run_model(torch, name, family, shape, args, cuda, device, dtype, started, rows, report["blocks"],
-                  report["models"], checkpoint)
+                  report["models"], checkpoint, trace)
     report["rows"] = rows
     report["partial"] = False
     report["wall_s"] = time.monotonic() - started
