@@ -4,8 +4,8 @@
         [--shares 0.1 0.25 0.5] [--rows ROW ...] [--new-tokens 64] [--warmup-tokens 8]
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
-        [--park-resident-experts] [--json PATH] [--plot PATH.png]
-    python bench/generate.py --smoke-cpu [--json PATH]
+        [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--json PATH] [--plot PATH.png]
+    python bench/generate.py --smoke-cpu [--trace-in TRACE.json] [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
 OLMoE-1B-7B-0924 (16 layers, 64 experts, top-8, hidden 2048, expert
@@ -21,6 +21,15 @@ lengths on other prompts (Note [Warm every sequence length] in
 bench/generate_model.py); each row then runs a warm-up generate on a
 different prompt, the measured generate, then the time-to-first-token
 generate.
+
+--trace-in: the model routes as a real routing trace says (../shared/traces,
+copied to traces/ here; Note [Forced routing] in bench/generate_trace.py):
+the models are then bench/generate_trace.py's TRACE_MODELS of the trace's
+layer and expert counts (gemma4-26b-a4b; gpt-oss-120b-narrow, its experts
+a quarter as wide so that they fit), top-k from the trace, and each
+generate's decode token i routes as the trace's step --trace-from + i. The
+gate row's guesses then come from the random router, not from the routing
+it guesses (the same holds in BM5's replays).
 
 Rows (share = device cache budget / all expert bytes; share-free rows have none):
   resident          every expert on the GPU, transformers' default experts

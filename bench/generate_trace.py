@@ -12,17 +12,26 @@ import numpy as np
 # decode steps. The expert widths are BM5's for the same trace
 # (bench/e2e_decoder.py: hidden 2816, expert intermediate 704, quoted from
 # the published config, not checked here). The rest is qwen3_moe's
-# architecture with an attention chosen here (16 heads of 176, 8 kv heads),
-# not gemma-4's: what is replayed is the routing and the expert bytes.
-# gpt-oss-120b's trace has no entry: at its widths (hidden and expert
-# intermediate 2880) its 36 x 128 experts are 229 GB, more than the H200
-# machine's GPU or host memory holds.
+# architecture with an attention chosen here (gemma-4: 16 heads of 176, 8
+# kv heads; gpt-oss: 64 heads of 64, 8 kv heads), not the real model's:
+# what is replayed is the routing and the expert bytes.
+# gpt-oss-120b at its widths (hidden and expert intermediate 2880) has 36 x
+# 128 experts of 229 GB in all, more than the H200 machine's GPU or host
+# memory holds: its entry keeps the hidden width and makes each expert a
+# quarter as wide (intermediate 720: 12.4 MB an expert, 57 GB in all), so
+# the routing is the trace's and the bytes a step moves a quarter of the
+# real model's ("-narrow" says so).
 TRACE_MODELS = {
     "gemma4-26b-a4b": ("qwen3_moe", dict(hidden_size=2816, intermediate_size=2816, moe_intermediate_size=704,
                                          num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
                                          head_dim=176, num_experts=128, num_experts_per_tok=6, norm_topk_prob=True,
                                          rms_norm_eps=1e-6, max_position_embeddings=4096,
                                          rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    "gpt-oss-120b-narrow": ("qwen3_moe", dict(hidden_size=2880, intermediate_size=2880, moe_intermediate_size=720,
+                                              num_hidden_layers=36, num_attention_heads=64, num_key_value_heads=8,
+                                              head_dim=64, num_experts=128, num_experts_per_tok=2,
+                                              norm_topk_prob=True, rms_norm_eps=1e-5, max_position_embeddings=4096,
+                                              rope_parameters={"rope_type": "default", "rope_theta": 150000.0})),
 }
 # The families whose router forced_gate_forward stands in for (a router
 # module with `weight` [experts, hidden], `hidden_dim`, `norm_topk_prob`,
