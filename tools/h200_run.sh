@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath syncprobe bm6 bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy
+# steps: tox gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy
 # abproxy (OLD_TREE)
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
@@ -137,6 +137,16 @@ for step in $steps; do
       # BM6_ARGS picks models, batches, shares (one model per device call fits its limit).
       python3 bench/generate.py ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-480}" --json "$out/bm6${BM6_TAG:-}.json" \
         --plot "$out/bm6${BM6_TAG:-}.png" 2>"$out/bm6${BM6_TAG:-}.log" | tee "$out/bm6${BM6_TAG:-}.txt" || status=1 ;;
+    bm6traces)
+      # BM6 with the routing forced from each real trace of ../shared/traces (copied to traces/;
+      # TRACES picks them): BM6_ARGS as for bm6 (batches, shares, rows), BM6_BUDGET_S per trace.
+      for t in ${TRACES:-traces/*.json}; do
+        name=$(basename "$t" .json)
+        python3 bench/generate.py --trace-in "$t" ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-300}" \
+          --json "$out/bm6_$name.json" --plot "$out/bm6_$name.png" 2>"$out/bm6_$name.log" \
+          | tee "$out/bm6_$name.txt" || status=1
+        tar -czf "$final/results.tgz" -C "$final" raw  # each trace's results kept if the next one is cut
+      done ;;
     bm7)
       # Expert parallel over the GPUs of this machine (BM7_ARGS: models, batches, shares).
       timeout "${BM7_TIMEOUT:-300}" torchrun --standalone --nproc-per-node "${BM7_RANKS:-2}" bench/ep_generate.py \
