@@ -340,6 +340,8 @@ def main(argv=None) -> int:
     transformers.logging.set_verbosity_error()
     smoke = args.smoke_cpu
     trace = None
+    if args.trace_from != 1 and not args.trace_in:
+        parser.error("--trace-from goes with --trace-in")
     if args.trace_in:
         from prefetch.integration import RoutingTrace
 
@@ -349,11 +351,9 @@ def main(argv=None) -> int:
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--trace-in {args.trace_in}: {e}")
         table = {n: m for n, m in (SMOKE_MODELS if smoke else TRACE_MODELS).items() if m[0] in FORCED_FAMILIES}
-        try:
-            table = {n: (family, trace_shape(shape, trace)) for n, (family, shape) in table.items()
-                     if shape["num_hidden_layers"] == trace.num_layers and shape["num_experts"] == trace.num_experts}
-        except ValueError as e:
-            parser.error(f"--trace-in {args.trace_in}: {e}")
+        # trace_shape cannot refuse these: the counts match and ForcedRouting took the trace.
+        table = {n: (family, trace_shape(shape, trace)) for n, (family, shape) in table.items()
+                 if shape["num_hidden_layers"] == trace.num_layers and shape["num_experts"] == trace.num_experts}
         if not table:
             parser.error(f"--trace-in {args.trace_in}: no model of this benchmark has its {trace.num_layers} layers "
                          f"of {trace.num_experts} experts (trace models: {list(TRACE_MODELS)}; smoke: "

@@ -89,10 +89,11 @@ class ForcedRouting:
         self.num_layers, self.num_experts, self.top_k = trace.num_layers, trace.num_experts, k
         self.start = start
         self._decode = np.asarray(steps[1:], dtype=np.int64)  # [D, layers, k]
-        # Per layer, the experts the prompt step used (all of them where it
-        # used fewer than k: a prompt token still routes to k).
-        self._union = [np.asarray(steps[0][layer], dtype=np.int64) if len(steps[0][layer]) >= k
-                       else np.arange(trace.num_experts, dtype=np.int64) for layer in range(trace.num_layers)]
+        # Per layer, the distinct experts the prompt step used (all of them
+        # where it used fewer than k: a prompt token still routes to k
+        # distinct experts).
+        unions = [np.unique(np.asarray(steps[0][layer], dtype=np.int64)) for layer in range(trace.num_layers)]
+        self._union = [u if u.shape[0] >= k else np.arange(trace.num_experts, dtype=np.int64) for u in unions]
         self.batch = None
         self.pos = -1  # the current decode token of this generate (-1: its prefill)
         self._dec = None  # device [D, layers, batch, k]

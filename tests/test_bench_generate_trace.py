@@ -73,6 +73,18 @@ def test_generate_routes_as_the_trace(batch, start):
         rec.close()
 
 
+def test_a_prompt_token_routes_to_distinct_experts():
+    trace = _trace()
+    steps = [list(s) for s in trace.steps]
+    steps[0] = [[3, 3, 5, 5, 6]] + [[1]] + [list(x) for x in steps[0][2:]]  # repeats; fewer than k
+    routing = ForcedRouting(RoutingTrace(LAYERS, EXPERTS, steps), torch.device("cpu"))
+    routing.set_batch(1)
+    for layer in (0, 1):
+        rows = routing.indices(layer, 7).tolist()
+        assert all(len(set(r)) == TOP_K for r in rows), (layer, rows)
+    assert {e for r in routing.indices(0, 7).tolist() for e in r} == {3, 5, 6}
+
+
 def test_a_router_called_outside_its_block_moves_nothing():
     trace = _trace()
     model, routing = _model(trace, 1)
@@ -139,6 +151,12 @@ def test_bm6_refuses_a_bad_trace_with_a_clear_error(tmp_path, capsys, make, mess
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--trace-in", str(path)])
     assert message in capsys.readouterr().err
+
+
+def test_trace_from_without_a_trace_is_refused(capsys):
+    with pytest.raises(SystemExit):
+        generate.main(["--smoke-cpu", "--trace-from", "3"])
+    assert "--trace-from goes with --trace-in" in capsys.readouterr().err
 
 
 def test_bm6_with_a_trace_keeps_its_routing_in_every_row(tmp_path):
