@@ -108,6 +108,7 @@ class OffloadController(SyncFreeDecode):
         # Note [Prefill read-ahead]: cache slots (set by the transformers
         # adapter; 0 turns it off) and the calls that read ahead.
         self.read_ahead_slots = 0
+        self.cache_slots = 0  # expert slots of the cache (set by the transformers adapter; Note [Step pins])
         self.read_aheads = 0
         self.preloaded = 0  # experts queued by preload() (Note [Preload])
         self._deferred = None  # (layer, routed experts): Note [Speculation after launch]
@@ -790,6 +791,7 @@ class OffloadController(SyncFreeDecode):
             "preloaded": self.preloaded,
             "speculation_paused_layers": self.speculation_paused_layers,
             "steady_steps": self.steady_steps if self.sync_free else None,
+            "step_pins": self.step_pins if self.sync_free else None,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
             "bytes_copied": s["bytes_copied"],

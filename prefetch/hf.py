@@ -159,6 +159,45 @@ def _no_stream():
     return None
 
 
+class _StepRows:
+    """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
+    row map (a pinned expert's slot row, another's host row) made at a
+    step's first layer from the pins of the whole step, and sent in one
+    copy, not one a layer; each layer gathers through its slice. Shared by
+    the offloaded layers of one model (no expert parallel)."""
+
+    def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
+        self.cuda = device.type == "cuda"
+        self.host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
+        if self.host_rows.shape[0] != num_layers * num_experts or (self.host_rows < 0).any():
+            raise ValueError("the host experts do not hold every expert of every layer")
+        self.arena_row0 = universe.arena_row0
+        n = num_layers * num_experts
+        # Written with copy_ at each step: made outside inference mode (as
+        # ExpertsOffload.enable_sync_free's map).
+        with torch.inference_mode(False):
+            self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.cuda)
+            self.dev = torch.empty(n, dtype=torch.int64, device=device) if self.cuda else self.host
+        self.np = self.host.numpy()
+        self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]
+        self.last = np.full(n, -2, dtype=np.int64)  # the offsets the map was made from (-2: none yet)
+        self.event = None
+
+    def update(self, offsets: np.ndarray) -> None:
+        """The map for `offsets` (every layer's pinned slot offset, -1: not
+        pinned), sent on the current stream unless it is the last one's."""
+        if same_offsets(offsets, self.last):
+            return
+        if self.event is not None:
+            self.event.synchronize()  # the buffer's last copy (a step ago: done)
+        fill_rows(offsets, self.host_rows, self.arena_row0, _ROW_BYTES, self.np, self.last)
+        if self.cuda:
+            self.dev.copy_(self.host, non_blocking=True)
+            if self.event is None:
+                self.event = torch.cuda.Event()
+            self.event.record()
+
+
 class ExpertsOffload:
     """One offloaded MoE layer (attached to its experts module)."""
 
@@ -209,6 +248,7 @@ class ExpertsOffload:
         self._index_np = None
         # Sync-free decode (Note [Sync-free decode]): set by offload_hf_model.
         self.universe = None
+        self.step_rows = None  # _StepRows (Note [Step pins]); None with expert parallel
         self._uva_stand = None
         self._rowmap_host = None
         self._rowmap_dev = None
@@ -259,12 +299,21 @@ class ExpertsOffload:
         ctl.begin_layer(layer)
         stream = self._stream()
         offsets, pinned = ctl.pin_layer(layer, hidden_states, stream)
+        step_rows = self.step_rows if ctl._steady is not None else None
+        if step_rows is not None:
+            # Every layer was pinned at layer 0 (Note [Step pins], Note
+            # [Steady pins]): so is every layer's map.
+            if layer == 0:
+                step_rows.update(ctl._all_out_flat)
+            rowmap = step_rows.layers[layer]
+        else:
+            rowmap = self._rowmap_dev if self._cuda else self._rowmap_host
         # Row of each expert: its slot when pinned, else its host row. In a
         # steady decode the pins are the same every step: the map on the
         # device is still right and nothing is sent. (Compared and made in C,
         # prefetch/_routing.pxi: np.array_equal alone cost more than the rest
         # of the branch test's layer.)
-        if not same_offsets(offsets, self._last_offsets):
+        if step_rows is None and not same_offsets(offsets, self._last_offsets):
             rows = self._rowmap_np
             if self._rowmap_event is not None:
                 self._rowmap_event.synchronize()  # this buffer's last copy (a step ago: done)
@@ -282,7 +331,7 @@ class ExpertsOffload:
                     self._rowmap_event = torch.cuda.Event()
                 self._rowmap_event.record()
         # torch.take: the same gather as indexing, through less dispatch.
-        index = torch.take(self._rowmap_dev if self._cuda else self._rowmap_host, top_k_index)
+        index = torch.take(rowmap, top_k_index)
         routing = top_k_index
         if self.ep is not None:  # this rank's experts, per (token, k) pair (Note [Expert parallel])
             hidden_states, index, top_k_weights = self._pairs(hidden_states, index, top_k_weights, routing)
@@ -679,6 +728,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         offloads.append(ExpertsOffload(controller, layer, experts, gate_up_shape, down_shape, dtype,
                                        model_device(hf_blocks, layer), ep=ep))
     controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
+    controller.cache_slots = offloads[0].slots
     # A predictor whose guesses are device tensors (the router of a later
     # layer) guesses only on synced steps: its guesses reach the engine
     # through the routing's sync. Sync-free steps are those whose experts
@@ -692,8 +742,10 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                 raise ValueError(f"sync_free=True, but the sync-free decode path cannot run here: {err}") from err
             universe = None
         if universe is not None:
+            step_rows = None if ep is not None else _StepRows(universe, len(hf_blocks), num_experts, device)
             for offload in offloads:
                 offload.enable_sync_free(universe, sync_free_max_rows)
+                offload.step_rows = step_rows
             controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes,
                                         adaptive=sync_free is None)
     for (_, experts, _), offload in zip(hf_blocks, offloads):

@@ -191,25 +191,30 @@ class OraclePredictor:
         self._hints: list = []  # (layer, experts, one time or an array) not yet returned
         self._plans = [[self._plan_arrays(s, la) for la in range(layers)] for s in range(steps)]
         self._primed = False  # this request's first reads were hinted (Note [Hints at a request's start])
-        self._step_reads: dict = {}  # (step, experts) -> flat reads (step_reads)
+        self._step_reads: dict = {}  # (step, experts, ahead) -> flat reads (step_reads)
 
-    def step_reads(self, step: int, num_layers: int, num_experts: int):
-        """Every (layer, expert) step `step` of the trace reads, and the
-        next step's first `distance` layers (what this step's guesses would
-        name), as flat indices layer * num_experts + expert of a model of
-        `num_layers` x `num_experts`; None past the trace or for a trace of
-        another shape. The sync-free path checks them against its pins at a
-        step's first layer (Note [Steady pins]). Made once per step."""
+    def step_reads(self, step: int, num_layers: int, num_experts: int, ahead: bool = True):
+        """Every (layer, expert) step `step` of the trace reads, and with
+        `ahead` the next step's first `distance` layers (what this step's
+        guesses would name), as flat indices layer * num_experts + expert
+        of a model of `num_layers` x `num_experts` (sorted without
+        `ahead`); None past the trace or for a trace of another shape. The
+        sync-free path checks them against its pins at a step's first
+        layer (Note [Steady pins]) and pins and fetches by them (Note
+        [Step pins] in prefetch/sync_free.py). Made once per step; the
+        array is shared, and read-only."""
         if (not 0 <= step < len(self._experts) or self.trace.num_layers != num_layers
                 or self.trace.num_experts > num_experts):
             return None
-        key = (step, num_experts)
+        key = (step, num_experts, ahead)
         flat = self._step_reads.get(key)
         if flat is None:
             rows = [la * num_experts + e for la, e in enumerate(self._experts[step])]
-            if step + 1 < len(self._experts):
+            if ahead and step + 1 < len(self._experts):
                 rows += [la * num_experts + e for la, e in enumerate(self._experts[step + 1][: self.distance])]
-            flat = self._step_reads[key] = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+            flat = np.concatenate(rows) if rows else np.empty(0, dtype=np.int64)
+            flat.flags.writeable = False
+            self._step_reads[key] = flat
         return flat
 
     def _plan_arrays(self, step: int, layer: int):

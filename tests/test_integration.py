@@ -903,6 +903,106 @@ def test_an_oracle_step_whose_reads_are_all_pinned_goes_steady():
         ctl.close()
 
 
+def test_step_pins_make_one_engine_call_a_decode_step():
+    # Note [Step pins]: the oracle knows each step's reads and the next
+    # step's; with room for both, a sync-free decode step makes one engine
+    # call (this step's resident reads pinned in every layer, the next
+    # step's queued) and the other layers none. The prompt (6 tokens, 12
+    # rows: sync-free too) reads more than fits beside the next step's and
+    # goes layer by layer. Bits are the untouched model's, the plan's
+    # guesses score 1.0, the pins are read from, and nothing stays pinned.
+    cfg, ref, ids, seq_ref, logits_ref, trace = recorded_olmoe(6, 12)
+    per, _ = expert_bytes(ref)
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=12 * (per + 512), backend="host",
+                              predictor=OraclePredictor(trace), sync_free=True,
+                              handle_options={"eviction_policy": "next-use"})
+    real = ctl.handle
+    try:
+        assert ctl.cache_slots == 12
+        assert torch.equal(greedy(model, ids, steps=12)[0], seq_ref)
+        ctl.new_sequence()  # the oracle replays the trace from its start
+        pins, hits = ctl.step_pins, ctl.pinned_hits
+        ctl.handle = CountingHandle(real)
+        seq, logits = greedy(model, ids, steps=12)
+        calls = dict(ctl.handle.calls)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        assert ctl.step_pins - pins == 11
+        assert calls == {"step": cfg.num_hidden_layers + 11, "release": 12, "other": 0}
+        r = ctl.report()
+        assert r["prediction_precision"] == 1.0
+        assert ctl.pinned_hits > hits
+        assert real.stats()["pinned_count"] == 0
+    finally:
+        ctl.handle = real
+        ctl.close()
+
+
+def test_step_pins_stop_when_the_plan_is_wrong():
+    # Note [Step pins]: a plan that names none of what the model reads (each
+    # layer's routed experts swapped for others) pins and fetches the wrong
+    # experts; the routed ones are read from host memory, the same bits.
+    # Its guesses score 0, speculation pauses, and the next request gets no
+    # step plan.
+    cfg, ref, ids, seq_ref, logits_ref, trace = recorded_olmoe(6, 12)
+    per, num_experts = expert_bytes(ref)
+    wrong = RoutingTrace(trace.num_layers, num_experts,
+                         [[[e for e in range(num_experts) if e not in layer][: len(layer)] for layer in step]
+                          for step in trace.steps])
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=12 * (per + 512), backend="host",
+                              predictor=OraclePredictor(wrong), sync_free=True,
+                              handle_options={"eviction_policy": "next-use"})
+    try:
+        seq, logits = greedy(model, ids, steps=12)
+        assert torch.equal(seq, seq_ref)
+        for a, b in zip(logits, logits_ref):
+            assert torch.equal(a, b)
+        r = ctl.report()
+        assert ctl.step_pins > 0 and r["zero_copy_reads"] > 0
+        assert r["prediction_precision"] == 0.0 and ctl.speculation_paused
+        ctl.new_sequence()
+        pins = ctl.step_pins
+        assert torch.equal(greedy(model, ids, steps=12)[0], seq_ref)
+        assert ctl.step_pins == pins
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
+def test_a_step_plan_needs_room_for_two_steps():
+    # Note [Step pins]: the plan is taken only where this step's reads and
+    # the next step's fit the cache together; past the trace there is none.
+    cfg, ref, ids, seq_ref, _, trace = recorded_olmoe(6, 12)
+    per, num_experts = expert_bytes(ref)
+    model = copy.deepcopy(ref)
+    oracle = OraclePredictor(trace)
+    ctl = offload_moe_experts(model, device_budget_bytes=12 * (per + 512), backend="host", predictor=oracle,
+                              sync_free=True)
+    try:
+        layers = cfg.num_hidden_layers
+        ctl.step = 3
+        now = oracle.step_reads(3, layers, num_experts, ahead=False)
+        nxt = oracle.step_reads(4, layers, num_experts, ahead=False)
+        assert now.tolist() == sorted(la * num_experts + e for la, row in enumerate(trace.steps[3]) for e in row)
+        assert not now.flags.writeable  # shared by the calls of a step
+        ctl.cache_slots = now.shape[0] + nxt.shape[0]
+        plan = ctl._step_plan()
+        assert plan is not None and plan[0] is now and plan[1] is nxt
+        ctl.cache_slots -= 1
+        assert ctl._step_plan() is None
+        ctl.cache_slots += 1
+        ctl.step = len(trace.steps)  # past the trace
+        assert ctl._step_plan() is None
+        ctl.step = len(trace.steps) - 1  # the last step: nothing after it to fetch
+        plan = ctl._step_plan()
+        assert plan is not None and plan[1].shape[0] == 0
+    finally:
+        ctl.close()
+
+
 def test_nothing_fetched_counts_copies_asked_for_not_finished():
     # Note [Speculation with nothing to fetch]: a step that asked the engine
     # for copies is not idle, however slow the copies are to finish (a
