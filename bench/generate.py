@@ -105,6 +105,10 @@ Figures per row:
   steady_steps      engine rows on the sync-free path: steps that pinned
                     every layer in one engine call (Note [Steady pins];
                     report(); over the whole row, warm-up included)
+  step_pins         engine rows on the sync-free path: steps pinned and
+                    fetched by the predictor's plan of the whole step in one
+                    engine call (Note [Step pins]; report(); over the whole
+                    row, warm-up included)
   preloaded         engine rows: experts queued at offload (Note [Preload]:
                     all of them where every expert fits the budget, else 0)
   preload_wait_s    engine rows: seconds the row waited after offloading

@@ -161,7 +161,7 @@ class EngineMode(Mode):
                 "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer"),
                 "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
                 "declined": r.get("declined"), "speculation_paused_layers": r.get("speculation_paused_layers"),
-                "steady_steps": r.get("steady_steps"), "preloaded": r.get("preloaded"),
+                "steady_steps": r.get("steady_steps"), "step_pins": r.get("step_pins"), "preloaded": r.get("preloaded"),
                 "preload_wait_s": self.preload_wait_s}
 
     def trace_steps(self, n):
