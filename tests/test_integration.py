@@ -931,6 +931,15 @@ def test_step_pins_make_one_engine_call_a_decode_step():
             assert torch.equal(a, b)
         assert ctl.step_pins - pins == 11
         assert calls == {"step": cfg.num_hidden_layers + 11, "release": 12, "other": 0}
+        # The layers shared one row map, made from the last step's pins: a
+        # pinned expert's row is its slot's, every other expert's its host row.
+        offloads = [m.__dict__["_prefetch_offload"] for m in offloaded_experts(model)]
+        rows = offloads[0].step_rows
+        assert all(o.step_rows is rows for o in offloads)
+        pinned = rows.last >= 0
+        assert pinned.any() and (rows.last >= -1).all()
+        assert np.array_equal(rows.np[pinned], rows.arena_row0 + rows.last[pinned] // prefetch.SLOT_ALIGNMENT)
+        assert np.array_equal(rows.np[~pinned], rows.host_rows[~pinned])
         r = ctl.report()
         assert r["prediction_precision"] == 1.0
         assert ctl.pinned_hits > hits
