@@ -4,7 +4,8 @@
         [--shares 0.1 0.25 0.5] [--rows ROW ...] [--new-tokens 64] [--warmup-tokens 8]
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
-        [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--json PATH] [--plot PATH.png]
+        [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--profile DIR [--profile-tokens 16]]
+        [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--trace-in TRACE.json] [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -147,6 +148,14 @@ Figures per row:
                     right after or before it (Note [Paired generates] in
                     bench/generate_rows.py); paired_runs_ms the pairs; the
                     resident row's own x_paired is the estimator's bias
+  profile           with --profile DIR: one more generate of --profile-tokens
+                    tokens after the paired ones, under torch.profiler from
+                    its first logits call on (decode steps only), written to
+                    DIR/<model>_b<batch>_<share>_<row>.json (Chrome trace)
+                    and .txt (ops by self device time); per decode token:
+                    wall ms (profiled), GPU busy, compute, host-to-device
+                    and idle ms, kernels launched, and count and host us of
+                    the CUDA runtime calls (bench/generate_profile.py)
   steal_runs_ms     host CPU time the hypervisor gave to others during each
                     measured generate (/proc/stat; null where unreadable);
                     resident_adjacent_steal_ms likewise
@@ -261,6 +270,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
         if trace is not None:
             model._forced_routing.set_batch(batch)  # before the twin is copied from the model
         block = Block(torch, model, state, batch, args, cuda, device, sync)
+        block.model_name = name
         # Note [Warm every sequence length]: the measured and TTFT shapes.
         warm_lengths(torch, model, [block.warm_prompt], args.new_tokens, sync)
         warm_lengths(torch, model, [block.warm_ttft_prompt], 1, sync)
@@ -334,6 +344,12 @@ def main(argv=None) -> int:
                         help="route as this routing trace says (Note [Forced routing] in bench/generate_trace.py): "
                              f"models from {list(TRACE_MODELS)} (smoke: smoke-qwen3-moe) with the trace's layer "
                              "and expert counts, top-k from its decode steps")
+    parser.add_argument("--profile", metavar="DIR",
+                        help="after each row's paired generates, one more generate under torch.profiler, its "
+                             "decode steps only: Chrome traces and op tables in DIR, the row's 'profile' says "
+                             "where the time went (bench/generate_profile.py)")
+    parser.add_argument("--profile-tokens", type=int, default=None,
+                        help="tokens of the profiled generate (default 16; smoke 3)")
     parser.add_argument("--trace-from", type=int, default=1,
                         help="the trace's decode step that each generate's first decode token replays (default 1)")
     args = parser.parse_args(argv)
@@ -368,7 +384,8 @@ def main(argv=None) -> int:
                     else [0.1, 0.25, 0.5], new_tokens=4 if smoke else 64, warmup_tokens=2 if smoke else 8,
                     prompt_tokens=8 if smoke else 32, ttft_tokens=32 if smoke else 512,
                     accelerate_tokens=3 if smoke else 4, vocab=128 if smoke else 32000,
-                    budget_s=300 if smoke else 540, paired_tokens=4 if smoke else 32)
+                    budget_s=300 if smoke else 540, paired_tokens=4 if smoke else 32,
+                    profile_tokens=3 if smoke else 16)
     for key, value in defaults.items():
         if getattr(args, key) is None:
             setattr(args, key, value)
@@ -383,6 +400,8 @@ def main(argv=None) -> int:
         parser.error("--repeats must be >= 1")
     if args.paired < 0 or args.paired_tokens < 2:
         parser.error("--paired must be >= 0 and --paired-tokens >= 2")
+    if args.profile_tokens < 2:
+        parser.error("--profile-tokens must be >= 2 (the profile covers decode steps only)")
     if trace is not None:
         if min(args.prompt_tokens, args.ttft_tokens) < 2:
             # Note [Forced routing]: a prefill is a call of more tokens than the batch.
@@ -394,7 +413,8 @@ def main(argv=None) -> int:
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
                                                         "timer_sync", "repeats", "paired", "paired_tokens",
-                                                        "trace_in", "trace_from")},
+                                                        "trace_in", "trace_from", "profile",
+                                                        "profile_tokens")},
               "transformers": transformers.__version__,
               "notes": [f"vocab reduced to {args.vocab} (the real models' are 50304 and 151936)",
                         "random weights; routing is the random model's, not a trained one's" if trace is None else

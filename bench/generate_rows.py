@@ -40,6 +40,7 @@ from bench.generate_modes import (  # noqa: E402
     cpu_sync_noop,
     shared_host_experts,
 )
+from bench.generate_profile import profile_generate, profile_path  # noqa: E402
 
 
 class Block:
@@ -59,6 +60,7 @@ class Block:
         self.warm_prompt = prompt(200 + batch, args.prompt_tokens)
         self.ttft_prompt = prompt(300 + batch, args.ttft_tokens)
         self.warm_ttft_prompt = prompt(400 + batch, args.ttft_tokens)
+        self.model_name = None  # BM6's name of the model (set by bench/generate.run_model)
         self.reference = None  # resident's generated ids
         self.resident_p50 = None
         self.resident_ttft = None
@@ -119,6 +121,7 @@ class Measured:
     ttft_s: float
     steal: list  # host steal (ms or None) during the measured generate and each repeat
     pairs: list  # Note [Paired generates]: [row p50, twin p50] (ms) per pair
+    profile: dict | None = None  # --profile: bench/generate_profile.profile_generate's figures
 
 
 def repeat_p50s(block: Block, mode, new_tokens: int, steal: list) -> list:
@@ -225,9 +228,11 @@ def paired_p50s(block: Block, mode, new_tokens: int) -> list:
     return pairs
 
 
-def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_tokens: int, out: dict) -> Measured:
-    """The warm-up, measured, repeated and TTFT generates of `row` with its
-    mode set up (the engine rows' routing trace goes to out["trace_steps"])."""
+def measure_row(block: Block, row: str, share, mode, recorder, new_tokens: int, warm_tokens: int,
+                out: dict) -> Measured:
+    """The warm-up, measured, repeated, paired, profiled (--profile) and
+    TTFT generates of `row` with its mode set up (the engine rows' routing
+    trace goes to out["trace_steps"])."""
     torch, model, sync = block.torch, block.model, block.sync
     block.phase = "warm-up"
     generate(torch, model, block.warm_prompt, warm_tokens, sync)
@@ -260,6 +265,11 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
     runs = repeat_p50s(block, mode, new_tokens, steal)
     block.phase = "paired generates"
     pairs = paired_p50s(block, mode, new_tokens)
+    profiled = None
+    if block.args.profile:
+        block.phase = "profiled generate"
+        path = profile_path(block.args.profile, block.model_name, block.batch, share, row)
+        profiled = profile_generate(block, mode, path, min(block.args.profile_tokens, new_tokens))
     block.phase = "time to first token"
     if row == "resident":
         # The floor of every row's TTFT: not the process's first
@@ -268,7 +278,7 @@ def measure_row(block: Block, row: str, mode, recorder, new_tokens: int, warm_to
     mode.before_ttft(block.ttft_steps)
     _, s0, s1 = generate(torch, model, block.ttft_prompt, 1, sync)
     return Measured(timer, t0, ids, before, marks["counters"], after, accesses, extra, runs, s1 - s0, steal,
-                    pairs)
+                    pairs, profiled)
 
 
 def row_figures(m: Measured, out: dict) -> dict:
@@ -279,6 +289,8 @@ def row_figures(m: Measured, out: dict) -> dict:
     out["p50_runs_ms"] = ([p50] if p50 is not None else []) + m.runs
     out["steal_runs_ms"] = m.steal
     out["paired_runs_ms"] = m.pairs
+    if m.profile is not None:
+        out["profile"] = m.profile
     out["x_paired"] = statistics.median(r / t for r, t in m.pairs) if m.pairs else None
     out.update({
         "p50_ms": statistics.median(out["p50_runs_ms"]) if out["p50_runs_ms"] else None,
@@ -325,7 +337,7 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
             mode = make_mode(block, row, budget, trace, out)
             if mode.accesses_from_routing:
                 recorder = RoutingRecorder(block.model)
-            measured = measure_row(block, row, mode, recorder, new_tokens, warm_tokens, out)
+            measured = measure_row(block, row, share, mode, recorder, new_tokens, warm_tokens, out)
     except BaseException as exc:
         # The failed calls' frames hold the row's offload and its cache
         # while the exception is in flight: cleared, the restore below has

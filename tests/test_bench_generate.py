@@ -217,6 +217,34 @@ def test_paired_generates_against_a_second_resident_copy(tmp_path):
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--paired", "-1"])
 
+def test_profile_writes_each_rows_decode_steps(tmp_path):
+    # --profile: one more generate per row under torch.profiler, from its
+    # first logits call on (decode steps only); a Chrome trace and an op
+    # table per row, and the row's "profile" per decode token. On the CPU
+    # the GPU's figures are null; the tokens are still the resident ones.
+    folder = tmp_path / "prof"
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "oracle",
+                  "--new-tokens", "4", "--profile", str(folder), "--profile-tokens", "3")
+    rows = report["rows"]
+    assert [r["row"] for r in rows] == ["resident", "on-demand", "oracle"]
+    for row in rows:
+        assert row.get("reason") is None and row["tokens_equal"] is True, row
+        prof = row["profile"]
+        assert prof["decode_tokens"] == 2 and prof["wall_ms_per_token"] > 0
+        assert prof["gpu_busy_ms_per_token"] is None and prof["kernel_launches_per_token"] is None
+        stem = folder / ("smoke-olmoe_b2_all_resident" if row["share"] is None
+                         else f"smoke-olmoe_b2_50pct_{row['row']}")
+        trace = json.loads(stem.with_suffix(".json").read_text())
+        assert trace["traceEvents"]  # the profiled steps' events
+        assert "Self CPU" in stem.with_suffix(".txt").read_text()
+    assert report["config"]["profile"] == str(folder)
+    with pytest.raises(SystemExit):
+        generate.main(["--smoke-cpu", "--profile", str(folder), "--profile-tokens", "1"])
+    # Without --profile no row has one.
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--new-tokens", "3")
+    assert "profile" not in report["rows"][0]
+
+
 def test_a_row_crowded_out_by_the_twin_runs_again_unpaired(tmp_path, monkeypatch):
     # Note [Paired generates]: the twin's room is an estimate (run 85: Qwen3
     # at a quarter ran out of memory beside it). A row that runs out of

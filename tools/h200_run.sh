@@ -134,15 +134,18 @@ for step in $steps; do
       python3 tools/sync_probe.py ${SYNC_ARGS:-} --json "$out/sync_probe.json" 2>"$out/sync_probe.log" \
         | tee "$out/sync_probe.txt" || status=1 ;;
     bm6)
-      # BM6_ARGS picks models, batches, shares (one model per device call fits its limit).
-      python3 bench/generate.py ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-480}" --json "$out/bm6${BM6_TAG:-}.json" \
+      # BM6_ARGS picks models, batches, shares (one model per device call fits its limit);
+      # BM6_PROFILE=1 adds --profile (a profiled generate per row, bench/generate_profile.py).
+      python3 bench/generate.py ${BM6_ARGS:-} ${BM6_PROFILE:+--profile "$out/bm6_profile${BM6_TAG:-}"} \
+        --budget-s "${BM6_BUDGET_S:-480}" --json "$out/bm6${BM6_TAG:-}.json" \
         --plot "$out/bm6${BM6_TAG:-}.png" 2>"$out/bm6${BM6_TAG:-}.log" | tee "$out/bm6${BM6_TAG:-}.txt" || status=1 ;;
     bm6traces)
       # BM6 with the routing forced from each real trace of ../shared/traces (copied to traces/;
-      # TRACES picks them): BM6_ARGS as for bm6 (batches, shares, rows), BM6_BUDGET_S per trace.
+      # TRACES picks them): BM6_ARGS and BM6_PROFILE as for bm6, BM6_BUDGET_S per trace.
       for t in ${TRACES:-traces/*.json}; do
         name=$(basename "$t" .json)
-        python3 bench/generate.py --trace-in "$t" ${BM6_ARGS:-} --budget-s "${BM6_BUDGET_S:-300}" \
+        python3 bench/generate.py --trace-in "$t" ${BM6_ARGS:-} ${BM6_PROFILE:+--profile "$out/bm6_profile_$name"} \
+          --budget-s "${BM6_BUDGET_S:-300}" \
           --json "$out/bm6_$name.json" --plot "$out/bm6_$name.png" 2>"$out/bm6_$name.log" \
           | tee "$out/bm6_$name.txt" || status=1
         tar -czf "$final/results.tgz" -C "$final" raw  # each trace's results kept if the next one is cut
