@@ -28,7 +28,7 @@ def profile_path(folder: str, model: str, batch: int, share, row: str) -> str:
 
 def profile_generate(block, mode, path: str, tokens: int) -> dict:
     """A generate of `tokens` new tokens on the measured prompt, profiled
-    from its first logits call (the prefill's end) to its last, after the
+    from its first logits call (the prefill's end) to its end, after the
     row's measured ones (the profiler's cost stays out of every other
     figure); the mode starts a new sequence before and after it. Writes
     `path`.json (Chrome trace) and `path`.txt (ops by self device time on
