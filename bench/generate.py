@@ -269,8 +269,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
     for batch in args.batches:
         if trace is not None:
             model._forced_routing.set_batch(batch)  # before the twin is copied from the model
-        block = Block(torch, model, state, batch, args, cuda, device, sync)
-        block.model_name = name
+        block = Block(torch, model, state, batch, args, cuda, device, sync, name)
         # Note [Warm every sequence length]: the measured and TTFT shapes.
         warm_lengths(torch, model, [block.warm_prompt], args.new_tokens, sync)
         warm_lengths(torch, model, [block.warm_ttft_prompt], 1, sync)

@@ -46,8 +46,9 @@ from bench.generate_profile import profile_generate, profile_path  # noqa: E402
 class Block:
     """One model and batch: prompts, the resident reference and the routing."""
 
-    def __init__(self, torch, model, state, batch, args, cuda, device, sync):
+    def __init__(self, torch, model, state, batch, args, cuda, device, sync, model_name=None):
         self.torch, self.model, self.state, self.batch = torch, model, state, batch
+        self.model_name = model_name  # BM6's name of the model (--profile's file names)
         self.args, self.cuda, self.device, self.sync = args, cuda, device, sync
         self.timer_sync = make_sync(torch, cuda, args.timer_sync)  # the per-token clock's wait
         vocab = model.config.vocab_size
@@ -60,7 +61,6 @@ class Block:
         self.warm_prompt = prompt(200 + batch, args.prompt_tokens)
         self.ttft_prompt = prompt(300 + batch, args.ttft_tokens)
         self.warm_ttft_prompt = prompt(400 + batch, args.ttft_tokens)
-        self.model_name = None  # BM6's name of the model (set by bench/generate.run_model)
         self.reference = None  # resident's generated ids
         self.resident_p50 = None
         self.resident_ttft = None
