@@ -139,7 +139,7 @@ def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inp
                                            at_warmup_end=score_from_here)
         delta = {key: after[key] - before.get(key, 0)
                  for key in ("hits", "misses", "bytes", "disk_read_bytes", "late", "engine_ns",
-                             "speculation_paused_layers", *ENGINE_COUNTS)
+                             "speculation_paused_layers", "step_pins", *ENGINE_COUNTS)
                  if after.get(key) is not None}
         # Host time per decode layer of the measured steps, by phase of
         # Decoder.step (wall clock of the one Python thread; "engine" is the
@@ -205,6 +205,7 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round):
         "recall": delta.get("recall"),
         "disk_read_bytes": delta.get("disk_read_bytes"),
         "late": delta.get("late"),
+        "step_pins": delta.get("step_pins"),  # steps taken by the oracle's step plan (Note [Host-routed step pins])
         "speculation_paused_layers": delta.get("speculation_paused_layers"),
         "host_us_per_layer": delta.get("host_us_per_layer"),
         **{key: delta.get(key) for key in ENGINE_COUNTS},

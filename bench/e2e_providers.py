@@ -111,10 +111,15 @@ class ResidentProvider:
 class EngineProvider:
     """Experts through the engine; prediction through prefetch.integration."""
 
-    def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None, disk=None):
+    def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None, disk=None,
+                 step_plan: bool = True):
         """`disk`: (folder, host tier bytes): the experts are read from the
         decoder's pool file there through the engine's host tier instead of
-        registered from host memory (the on-demand-disk policy)."""
+        registered from host memory (the on-demand-disk policy).
+        `step_plan`: the controller knows the cache's slot count, so a
+        predictor that knows whole steps (the oracle) gets step plans (Note
+        [Host-routed step pins] in prefetch/step_plan.py); False keeps it
+        layer by layer."""
         import prefetch
         from prefetch.integration import OffloadController, layer_handle_options
 
@@ -132,6 +137,10 @@ class EngineProvider:
                    for layer in range(dec.spec["layers"])]
         self.ctl = OffloadController(self.handle, num_layers=dec.spec["layers"], num_experts=dec.spec["experts"],
                                      top_k=dec.spec["top_k"], predictor=predictor, routers=routers)
+        if step_plan:
+            # As offload_moe_experts sets it: slots of one device (with
+            # several, the controller makes no step plan).
+            self.ctl.cache_slots = self.handle.budget_bytes(0) // dec.slot_bytes
         pool = None
         if disk is not None:
             path, offsets = dec.pool_file(disk[0])
@@ -221,7 +230,10 @@ class EngineProvider:
     def stats(self):
         s = self.handle.stats()
         r = self.ctl.report()
-        return {"hits": s["hits"], "misses": s["misses"], "bytes": s["bytes_copied"], "late": s["late"],
+        # Experts read from the step plan's pins were not acquired (Note
+        # [Host-routed step pins]): the controller counts them.
+        return {"hits": s["hits"] + self.ctl.pinned_hits, "misses": s["misses"], "step_pins": self.ctl.step_pins,
+                "bytes": s["bytes_copied"], "late": s["late"],
                 "disk_read_bytes": s["disk_read_bytes"], "host_tier_hits": s["host_tier_hits"],
                 "wasted": s["wasted"], "caller_copies": s["caller_copies"], "on_demand": s["on_demand"],
                 "upgraded": s["upgraded"], "declined": s["declined"], "cancelled": s["cancelled"],
@@ -356,7 +368,9 @@ def split_policy(policy: str):
     "on-demand:copy_lanes=1,copy_chunk_bytes=8388608": (the policy, {option:
     int}); a plain policy gives {}. Options only go with engine policies;
     "distance" (the oracle's and oracle-cyclic's, over --oracle-distance) is
-    the predictor's, the others the handle's."""
+    the predictor's, "step_plan=0" (an engine policy's) turns the
+    controller's step plans off (Note [Host-routed step pins]), the others
+    are the handle's."""
     from bench.e2e_decoder import ENGINE_POLICIES, POLICIES
 
     base, _, rest = policy.partition(":")
@@ -367,6 +381,8 @@ def split_policy(policy: str):
         raise ValueError(f"policy {policy!r}: handle options need an engine policy ({', '.join(ENGINE_POLICIES)})")
     if "distance" in options and (base not in ("oracle", "oracle-cyclic") or options["distance"] < 1):
         raise ValueError(f"policy {policy!r}: distance goes with oracle or oracle-cyclic, and is >= 1")
+    if options.get("step_plan", 1) not in (0, 1):
+        raise ValueError(f"policy {policy!r}: step_plan is 0 or 1")
     return base, options
 
 
@@ -376,6 +392,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
 
     policy, options = split_policy(policy)
     oracle_distance = options.pop("distance", oracle_distance)
+    step_plan = bool(options.pop("step_plan", 1))
     handle_options = {**(handle_options or {}), **options} or None
     spec = dec.spec
     if policy == "all-resident":
@@ -398,7 +415,8 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
 
         total = spec["layers"] * spec["experts"] * dec.slot_bytes
         disk = (disk_dir or tempfile.gettempdir(), max(int(DISK_HOST_SHARE * total), 3 * dec.slot_bytes + 3 * 4096))
-    return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options, disk)
+    return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options, disk,
+                          step_plan=step_plan)
 
 
 def policy_eviction(policy: str, eviction: str) -> str:

@@ -21,6 +21,7 @@ from prefetch.expert_ids import distinct as _distinct
 from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import ExpertPrefetcher
 from prefetch.read_back import to_host
+from prefetch.step_plan import HostStepPlan
 from prefetch.sync_free import SyncFreeDecode
 from prefetch.trace import RoutingTrace
 
@@ -51,7 +52,7 @@ class _TensorHints:
         self.when = when
 
 
-class OffloadController(SyncFreeDecode):
+class OffloadController(SyncFreeDecode, HostStepPlan):
     """Owns the engine, the (layer, expert) mapping, the predictor and the
     accounting for one offloaded model."""
 
@@ -108,7 +109,11 @@ class OffloadController(SyncFreeDecode):
         # Note [Prefill read-ahead]: cache slots (set by the transformers
         # adapter; 0 turns it off) and the calls that read ahead.
         self.read_ahead_slots = 0
-        self.cache_slots = 0  # expert slots of the cache (set by the transformers adapter; Note [Step pins])
+        # Expert slots of the cache (set by offload_moe_experts; Note [Step
+        # pins], Note [Host-routed step pins]); 0: no step plans.
+        self.cache_slots = 0
+        self.step_pins = 0  # steps pinned and fetched by the predictor's step plan (either path)
+        self._init_host_plan()
         self.read_aheads = 0
         self.preloaded = 0  # experts queued by preload() (Note [Preload])
         self._deferred = None  # (layer, routed experts): Note [Speculation after launch]
@@ -239,13 +244,18 @@ class OffloadController(SyncFreeDecode):
         if predicted is not None:
             # Both sorted and distinct: the overlap of two short lists.
             hits = len(set(predicted.tolist()).intersection(experts.tolist()))
-            self.prediction_hits += hits
-            self.predicted_total += int(predicted.shape[0])
-            self.actual_total += int(experts.shape[0])
-            self._recent_hits = self._recent_hits * _PRECISION_DECAY + hits
-            self._recent_guessed = self._recent_guessed * _PRECISION_DECAY + int(predicted.shape[0])
+            self._count_score(hits, int(predicted.shape[0]), int(experts.shape[0]))
         if self._trace is not None:
             self._trace.add(step, layer, experts)
+
+    def _count_score(self, hits: int, guessed: int, routed: int) -> None:
+        """One scored layer: `hits` of its `guessed` guesses were among its
+        `routed` experts (Note [Speculation by its precision])."""
+        self.prediction_hits += hits
+        self.predicted_total += guessed
+        self.actual_total += routed
+        self._recent_hits = self._recent_hits * _PRECISION_DECAY + hits
+        self._recent_guessed = self._recent_guessed * _PRECISION_DECAY + guessed
 
     def observe_and_guess(self, layer: int, experts: np.ndarray) -> tuple[dict, object]:
         """For a predictor with host guesses (`host_guesses`; their
@@ -443,6 +453,8 @@ class OffloadController(SyncFreeDecode):
         if self._held is not None and stream is not self._held_stream and stream != self._held_stream:
             self.release_held()  # another stream now: its own release
         held, self._held = self._held, None
+        if self._plan_step is not None:  # a planned step's pins go with this release
+            self._end_plan()
         acquire = self.ids(layer, experts) if acquire_ids is None else acquire_ids
         t0 = time.perf_counter_ns()
         try:
@@ -492,6 +504,8 @@ class OffloadController(SyncFreeDecode):
             self._send_unsent()
         held, self._held = self._held, None
         self._steady = None  # Note [Steady pins]: a steady step's pins were held here
+        if self._plan_step is not None:
+            self._end_plan()
         if held is not None and held.shape[0]:
             t0 = time.perf_counter_ns()
             self.handle.release(held, stream=stream if stream is not None else self._held_stream)
@@ -590,6 +604,10 @@ class OffloadController(SyncFreeDecode):
         if first is not None and first < 1:
             raise ValueError(f"first must be >= 1, got {first}")
         self.speculate(with_next_acquire=True)
+        if (not layer or self._plan_step is not None) and self._plan_applies(layer, stream):
+            got = self._route_planned(layer, experts, stream, timeout, first)  # Note [Host-routed step pins]
+            if got is not None:
+                return got
         if self._defers_speculation():
             routed, ids = self._routed_ids(layer, experts)
             self.begin_layer(layer)
@@ -791,7 +809,7 @@ class OffloadController(SyncFreeDecode):
             "preloaded": self.preloaded,
             "speculation_paused_layers": self.speculation_paused_layers,
             "steady_steps": self.steady_steps if self.sync_free else None,
-            "step_pins": self.step_pins if self.sync_free else None,
+            "step_pins": self.step_pins if self.sync_free or self.step_pins else None,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
             "bytes_copied": s["bytes_copied"],
@@ -811,6 +829,8 @@ class OffloadController(SyncFreeDecode):
     def close(self) -> None:
         if self._routings:
             self.read_routings()  # the trace stays complete; nothing more is prefetched
+        if self._planned:
+            self._observe_planned()
         self._use = self._fetch = None
         self._held = None
         self._unsent = None  # nothing more is prefetched

@@ -311,6 +311,7 @@ def offload_moe_experts(
         else:
             slots = generic[0].capacity(handle.budget_bytes(0))  # before attach, which drops the host copies
             controller = _offload_generic(generic, handle, predictor, record_trace)
+            controller.cache_slots = slots  # Note [Host-routed step pins]
     except BaseException:
         handle.close()
         raise

@@ -192,6 +192,7 @@ class OraclePredictor:
         self._plans = [[self._plan_arrays(s, la) for la in range(layers)] for s in range(steps)]
         self._primed = False  # this request's first reads were hinted (Note [Hints at a request's start])
         self._step_reads: dict = {}  # (step, experts, ahead) -> flat reads (step_reads)
+        self._step_next: dict = {}  # step -> its reads' next reads (observe_step)
 
     def step_reads(self, step: int, num_layers: int, num_experts: int, ahead: bool = True):
         """Every (layer, expert) step `step` of the trace reads, and with
@@ -216,6 +217,48 @@ class OraclePredictor:
             flat.flags.writeable = False
             self._step_reads[key] = flat
         return flat
+
+    def start_hints(self, controller, step: int) -> list:
+        """Note [Host-routed step pins] in prefetch/step_plan.py: a step
+        plan at the first step of a request makes no `predict` call, so the
+        request's first reads are hinted here instead (Note [Hints at a
+        request's start]): [(layer, experts, times)], or [] when they were
+        hinted already or hints are off."""
+        if self._primed or not self._sends_hints(controller):
+            return []
+        self._primed = True
+        return self._first_reads(controller, step, 0)
+
+    def observe_step(self, controller, step: int, clock0: int):
+        """Note [Host-routed step pins] in prefetch/step_plan.py: for step
+        `step` of a model of the trace's shape, whose every layer routed as
+        the trace says (layer l at clock `clock0` + l) without a `predict`
+        or `observe` call, each read's next read as hints (keys layer *
+        experts + expert, times; NO_NEXT_USE where the trace reads it no
+        more), or None without hints; the predictor's state moves as after
+        the step's last `observe`. One array op a step instead of an
+        `observe` a layer."""
+        layers = self.trace.num_layers
+        self._hints = []
+        self._routed = (step, layers - 1, self._experts[step][layers - 1], clock0 + layers - 1)
+        if not self._sends_hints(controller):
+            return None
+        got = self._step_next.get(step)
+        if got is None:
+            num_experts = self.trace.num_experts
+            keys, offset, never, start = [], [], [], 0
+            for layer in range(layers):
+                experts = self._experts[step][layer]
+                ahead, none = self._ahead[step][layer]
+                keys.append(layer * num_experts + experts)
+                offset.append(ahead + layer)
+                if none is not None:
+                    never.append(none + start)
+                start += experts.shape[0]
+            got = (np.concatenate(keys), np.concatenate(offset), np.concatenate(never) if never else None)
+            self._step_next[step] = got
+        keys, offset, never = got
+        return keys, hint_times(offset, clock0, never, NO_NEXT_USE)
 
     def _plan_arrays(self, step: int, layer: int):
         """Note [The oracle's plan]: what `plan` returns for (step, layer),

@@ -71,7 +71,6 @@ class SyncFreeDecode:
         self.steady_steps = 0  # steps whose layers made one engine call in all (Note [Steady pins])
         # Note [Step pins]: the pin call's answers for a whole step's reads.
         self._step_buf = np.empty(self.num_layers * num_experts, dtype=np.int64)
-        self.step_pins = 0  # steps pinned and fetched by the predictor's step plan (Note [Step pins])
         self._host_guesses = bool(getattr(self.predictor, "host_guesses", False))
         # Note [Routing read-back queued early]: (routings covered, the
         # page-locked slice copied into, event after it) of the copy queued
@@ -222,20 +221,26 @@ class SyncFreeDecode:
     # already) does that instead: its pins and its map are then the last
     # step's.
 
-    def _step_plan(self):
-        """Note [Step pins]: (this step's reads, the next step's) as sorted
-        flat indices layer * experts + expert, or None where the
-        predictor gives no plan for this step."""
+    def _step_plan(self, step: int | None = None, host: bool = False):
+        """Note [Step pins]: (the reads of `step`, default this one, and of
+        the step after) as sorted flat indices layer * experts + expert,
+        or None where the predictor gives no plan for it. `host`: for the
+        host-routed path (Note [Host-routed step pins] in
+        prefetch/step_plan.py), whose room also keeps a layer's worth of
+        slots for experts the pins do not cover."""
         reads_of = getattr(self.predictor, "step_reads", None)
-        if reads_of is None or not self._owns_all or not self.cache_slots or self.speculation_paused:
+        owns_all = self.local is None if host else self._owns_all
+        if reads_of is None or not owns_all or not self.cache_slots or self.speculation_paused:
             return None
-        now = reads_of(self.step, self.num_layers, self.num_experts, ahead=False)
+        step = self.step if step is None else step
+        now = reads_of(step, self.num_layers, self.num_experts, ahead=False)
         if now is None:
             return None
-        nxt = reads_of(self.step + 1, self.num_layers, self.num_experts, ahead=False)
+        nxt = reads_of(step + 1, self.num_layers, self.num_experts, ahead=False)
         if nxt is None:
             nxt = _EMPTY
-        if now.shape[0] + nxt.shape[0] > self.cache_slots:
+        room = max(nxt.shape[0], self.num_experts) if host else nxt.shape[0]
+        if now.shape[0] + room > self.cache_slots:
             return None
         return now, nxt
 
@@ -466,6 +471,8 @@ class SyncFreeDecode:
             self._send_unsent()
         if self._routings:
             self.read_routings()
+        if self._planned:  # Note [Host-routed step pins]
+            self._observe_planned()
         if (self._use is not None or self._fetch is not None) and not self.handle.closed:
             use, fetch, self._use, self._fetch = self._use, self._fetch, None, None
             t0 = time.perf_counter_ns()
