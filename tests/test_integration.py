@@ -1566,6 +1566,51 @@ def test_generic_block_waits_for_the_gpu_once_a_layer():
         ctl.close()
 
 
+@pytest.mark.gpu
+def test_host_routed_step_pins_on_gpu():
+    # Note [Host-routed step pins] on CUDA: OffloadedMoEBlocks decoding one
+    # row a step replay their recorded routing with the oracle: one plan a
+    # step (its pins taken on the stream, a copy still in flight waited for
+    # there), the reference blocks' bits, and nothing left pinned.
+    torch.manual_seed(9)
+    layers_ref, layers_off = generic_layers(4, 6)
+    layers_ref, layers_off = layers_ref.cuda(), layers_off.cuda()
+    second = copy.deepcopy(layers_off)
+    budget = 20 * (3 * 16 * 24 * 4 + 256)  # 21 slots: room for 8 reads a step + max(8, 6)
+    xs = [torch.randn(1, 16, device="cuda") for _ in range(8)]
+
+    def run(layers):
+        outs = []
+        for x in xs:
+            h = x
+            for layer in layers:
+                h = h + layer(h)
+            outs.append(h)
+        return outs
+
+    ref = run(layers_ref)
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=budget, backend="cuda", record_trace=True)
+    try:
+        for a, b in zip(ref, run(layers_off)):
+            assert torch.equal(a, b)
+        trace = ctl.trace
+    finally:
+        ctl.close()
+    ctl = offload_moe_experts(second, device_budget_bytes=budget, backend="cuda",
+                              predictor=OraclePredictor(trace, distance=2),
+                              handle_options={"eviction_policy": "next-use"})
+    try:
+        assert ctl.cache_slots >= 16  # room for the plan
+        for a, b in zip(ref, run(second)):
+            assert torch.equal(a, b)
+        r = ctl.report()
+        assert r["step_pins"] == len(xs) and r["prediction_precision"] == 1.0
+        torch.cuda.synchronize()
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
 @pytest.mark.parametrize("predictor", [None, "gate", "oracle"])
 def test_generic_block_larger_than_the_cache_runs_in_pieces(predictor):
     # 64 rows route to all 6 experts of every block; the cache holds 3: each
