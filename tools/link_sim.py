@@ -22,7 +22,10 @@ compute: the model here overlaps less host work with a copy than the GPU
 does, never more). `release_held` and `speculate` end each step.
 
 Policies: on-demand (no predictor, cyclic eviction), oracle (the trace
-replayed, next-use hints and eviction, distance 2), oracle:D (distance D).
+replayed, next-use hints and eviction, distance 2), oracle:D (distance D),
+oracle-plan (the oracle with the controller's step plan, as BM5 runs it:
+Note [Host-routed step pins] in prefetch/step_plan.py; the others run
+without it).
 --option passes PrefetchHandle options to every policy's handle
 (max_speculative_bytes_in_flight=49152, copy_poll_us=0, ...). --separate
 sends the last layer's guesses in an engine call of their own before this
@@ -65,8 +68,9 @@ def spin(seconds: float) -> None:
 def parse_policy(text: str):
     """"on-demand", "oracle" or "oracle:D": (name, distance)."""
     name, _, distance = text.partition(":")
-    if name not in ("on-demand", "oracle") or (distance and (name != "oracle" or not distance.isdigit())):
-        raise argparse.ArgumentTypeError(f"policy must be on-demand, oracle or oracle:D, got {text!r}")
+    if name not in ("on-demand", "oracle", "oracle-plan") or (
+            distance and (name != "oracle" or not distance.isdigit())):
+        raise argparse.ArgumentTypeError(f"policy must be on-demand, oracle, oracle:D or oracle-plan, got {text!r}")
     return text
 
 
@@ -78,16 +82,18 @@ def run_policy(policy: str, trace, args) -> dict:
     layers, experts = trace.num_layers, trace.num_experts
     slots = max(1, int(layers * experts * args.share))
     ns_per_kib = int(args.expert_us * 1000 * 1024 / EXPERT_BYTES)
-    options = layer_handle_options(layers, {"eviction_policy": "next-use" if name == "oracle" else "cyclic",
-                                            **args.option})
+    oracle = name in ("oracle", "oracle-plan")
+    options = layer_handle_options(layers, {"eviction_policy": "next-use" if oracle else "cyclic", **args.option})
     handle = prefetch.PrefetchHandle(device_budget_bytes=slots * EXPERT_BYTES, backend="fault",
                                      copy_chunk_bytes=CHUNK_BYTES,
                                      faults={"report_async": 1, "async_copy_ns_per_kib": ns_per_kib}, **options)
     try:
         predictor = None
-        if name == "oracle":
+        if oracle:
             predictor = OraclePredictor(trace, distance=int(distance or 2), hints=True)
         ctl = OffloadController(handle, num_layers=layers, num_experts=experts, top_k=1, predictor=predictor)
+        if name == "oracle-plan":
+            ctl.cache_slots = slots
         import torch
 
         weight = torch.zeros(EXPERT_BYTES, dtype=torch.uint8)
@@ -100,6 +106,7 @@ def run_policy(policy: str, trace, args) -> dict:
         for i, step in enumerate(trace.steps[: args.warmup + args.steps]):
             if i == args.warmup:
                 before = handle.stats()
+                pinned_before = ctl.pinned_hits
                 idle_before = handle.fault_counts()
             t0 = time.perf_counter()
             for layer in range(layers):
@@ -116,6 +123,7 @@ def run_policy(policy: str, trace, args) -> dict:
         measured = wall[args.warmup:]
         copied = (after["bytes_copied"] - before["bytes_copied"]) / EXPERT_BYTES
         delta = {k: after[k] - before[k] for k in ("hits", "misses", "late", "on_demand", "cancelled", "declined")}
+        delta["hits"] += ctl.pinned_hits - pinned_before  # read from a step plan's pins: not acquired
         return {"policy": policy, "ms_per_step": statistics.median(measured) * 1e3,
                 "link_busy": copied * args.expert_us / 1e6 / sum(measured),
                 "experts_copied_per_step": copied / len(measured),
