@@ -714,6 +714,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.step = 0
         self._seen_layer0 = False
         self._pending.clear()
+        self._plan_now = self._plan_filed = None  # Note [Host-routed step pins]: the step numbers start again
 
     # -- reporting
 
