@@ -221,10 +221,8 @@ class HostStepPlan:
         step, each routed as planned, and the predictor has
         `observe_step`; else None."""
         plan = self._plan_now
-        if (plan is None or len(planned) != self.num_layers or planned[0][0] != plan[0]
-                or not hasattr(self.predictor, "observe_step")):
-            return None
-        if any(p[0] != plan[0] or p[1] != i for i, p in enumerate(planned)):
+        if (plan is None or len(planned) != self.num_layers or not hasattr(self.predictor, "observe_step")
+                or any(p[0] != plan[0] or p[1] != i for i, p in enumerate(planned))):
             return None
         e = self.num_experts
         flat = np.concatenate([routed + layer * e for _, layer, routed, _ in planned])
