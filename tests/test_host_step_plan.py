@@ -3,24 +3,22 @@ path (route_and_acquire a layer, as BM5's decoder and OffloadedMoEBlock call
 it) a predictor that knows whole steps gets one engine call a step; the
 layers read the pins, acquire only what the pins miss, and the bytes,
 scores, trace and pins come out as on the layer-by-layer path."""
-import copy
 
 import numpy as np
 import pytest
 import torch
 from conftest import CountingHandle, wait_drained
-from torch import nn
 
 import prefetch
 from prefetch.integration import (
     OffloadController,
-    OffloadedMoEBlock,
     OraclePredictor,
     RoutingTrace,
     belady_misses,
-    offload_moe_experts,
 )
 
+# OffloadedMoEBlock models take the plan too:
+# tests/test_integration.py::test_offloaded_blocks_replaying_their_routing_take_the_step_plan.
 LAYERS, EXPERTS = 6, 16
 
 
@@ -227,56 +225,3 @@ def test_plan_rows_checks_its_indices():
     with pytest.raises(ValueError):
         plan_rows(offsets, 0, np.array([0], dtype=np.int64), where)
     assert where.tolist() == [[512, 0], [-1, 0]]  # nothing written by a refused call
-
-
-class TinyExpert(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.up = nn.Linear(dim, hidden, bias=False)
-        self.down = nn.Linear(hidden, dim, bias=False)
-
-    def forward(self, x):
-        return self.down(torch.relu(self.up(x)))
-
-
-def test_offloaded_blocks_replaying_their_routing_take_the_plan():
-    # OffloadedMoEBlock layers, decoded one token at a time: the routing
-    # recorded in a first pass, replayed by the oracle in a second; the
-    # outputs are bit-equal, and the second pass goes by step plans.
-    torch.manual_seed(7)
-    layers, experts = 4, 6
-    blocks = nn.ModuleList(OffloadedMoEBlock(nn.Linear(16, experts, bias=False),
-                                             [TinyExpert(16, 24) for _ in range(experts)], 2) for _ in range(layers))
-    second = copy.deepcopy(blocks)
-    per = 2 * 16 * 24 * 4
-    budget = 24 * (per + 256)  # 24 slots: 8 reads a step + max(8, 6)
-    xs = [torch.randn(1, 16) for _ in range(10)]
-
-    def run(model):
-        outs = []
-        for x in xs:
-            h = x
-            for block in model:
-                h = h + block(h)
-            outs.append(h)
-        return outs
-
-    ctl = offload_moe_experts(blocks, device_budget_bytes=budget, backend="host", record_trace=True)
-    try:
-        assert ctl.cache_slots >= 14
-        ref = run(blocks)
-        trace = ctl.trace
-    finally:
-        ctl.close()
-    ctl = offload_moe_experts(second, device_budget_bytes=budget, backend="host",
-                              predictor=OraclePredictor(trace, distance=2),
-                              handle_options={"eviction_policy": "next-use"})
-    try:
-        outs = run(second)
-        for a, b in zip(ref, outs):
-            assert torch.equal(a, b)
-        r = ctl.report()
-        assert r["step_pins"] == len(xs) and r["prediction_precision"] == 1.0
-        assert ctl.handle.stats()["pinned_count"] == 0
-    finally:
-        ctl.close()

@@ -1570,18 +1570,19 @@ def test_generic_block_waits_for_the_gpu_once_a_layer():
         ctl.close()
 
 
-@pytest.mark.gpu
-def test_host_routed_step_pins_on_gpu():
-    # Note [Host-routed step pins] on CUDA: OffloadedMoEBlocks decoding one
-    # row a step replay their recorded routing with the oracle: one plan a
-    # step (its pins taken on the stream, a copy still in flight waited for
-    # there), the reference blocks' bits, and nothing left pinned.
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_offloaded_blocks_replaying_their_routing_take_the_step_plan(device):
+    # Note [Host-routed step pins]: OffloadedMoEBlocks decoding one row a
+    # step replay their recorded routing with the oracle: one plan a step
+    # (on CUDA its pins taken on the stream, a copy still in flight waited
+    # for there), the reference blocks' bits, and nothing left pinned.
     torch.manual_seed(9)
     layers_ref, layers_off = generic_layers(4, 6)
-    layers_ref, layers_off = layers_ref.cuda(), layers_off.cuda()
+    layers_ref, layers_off = layers_ref.to(device), layers_off.to(device)
     second = copy.deepcopy(layers_off)
+    backend = "cuda" if device == "cuda" else "host"
     budget = 20 * (3 * 16 * 24 * 4 + 256)  # 21 slots: room for 8 reads a step + max(8, 6)
-    xs = [torch.randn(1, 16, device="cuda") for _ in range(8)]
+    xs = [torch.randn(1, 16, device=device) for _ in range(8)]
 
     def run(layers):
         outs = []
@@ -1593,14 +1594,14 @@ def test_host_routed_step_pins_on_gpu():
         return outs
 
     ref = run(layers_ref)
-    ctl = offload_moe_experts(layers_off, device_budget_bytes=budget, backend="cuda", record_trace=True)
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=budget, backend=backend, record_trace=True)
     try:
         for a, b in zip(ref, run(layers_off)):
             assert torch.equal(a, b)
         trace = ctl.trace
     finally:
         ctl.close()
-    ctl = offload_moe_experts(second, device_budget_bytes=budget, backend="cuda",
+    ctl = offload_moe_experts(second, device_budget_bytes=budget, backend=backend,
                               predictor=OraclePredictor(trace, distance=2),
                               handle_options={"eviction_policy": "next-use"})
     try:
@@ -1609,7 +1610,8 @@ def test_host_routed_step_pins_on_gpu():
             assert torch.equal(a, b)
         r = ctl.report()
         assert r["step_pins"] == len(xs) and r["prediction_precision"] == 1.0
-        torch.cuda.synchronize()
+        if device == "cuda":
+            torch.cuda.synchronize()
         assert ctl.handle.stats()["pinned_count"] == 0
     finally:
         ctl.close()
