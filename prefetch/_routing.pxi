@@ -321,13 +321,16 @@ def hint_times(const int64_t[::1] offset, int64_t now, object never, int64_t no_
 
 @cython.boundscheck(False)
 @cython.wraparound(False)
-def take_ids(const int64_t[::1] table, const int64_t[::1] keys):
+def take_ids(const int64_t[::1] table, const int64_t[::1] keys, bint ascending=False):
     """table[keys] as a new int64 array, in one C pass (the oracle's hint
-    keys to tensor ids). A key out of range raises IndexError."""
+    keys to tensor ids). A key out of range raises IndexError; with
+    `ascending`, keys not strictly ascending raise ValueError."""
     cdef Py_ssize_t n = keys.shape[0], i
     for i in range(n):
         if keys[i] < 0 or keys[i] >= table.shape[0]:
             raise IndexError(f"take_ids: key {keys[i]} out of a table of {table.shape[0]}")
+        if ascending and i and keys[i] <= keys[i - 1]:
+            raise ValueError("take_ids: keys must be sorted and distinct")
     out = np.empty(n, dtype=np.int64)
     cdef int64_t[::1] out_v = out
     for i in range(n):
@@ -361,3 +364,76 @@ def plan_rows(const int64_t[::1] offsets, int64_t base, const int64_t[::1] route
         if k >= 0:
             pinned += 1
     return pinned
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def plan_pins(const int64_t[::1] reads, const int64_t[::1] pinned_into, const int64_t[::1] ids,
+              int64_t[::1] offsets, int64_t num_layers, int64_t num_experts):
+    """After a host-routed step plan's pin call (Note [Host-routed step pins]
+    in prefetch/step_plan.py): `offsets` (the flat [layers * experts] table)
+    set to -1 but at each of the plan's `reads` (sorted flat indices),
+    where it takes the call's answer `pinned_into`; returns (the ids of
+    `ids`, the pinned tensor ids, whose answer is >= 0: those to release;
+    per layer l, reads[bounds[l] : bounds[l + 1]] are its reads, as a
+    list). One C pass instead of seven numpy calls. Arrays of other sizes,
+    reads out of range or not sorted raise before anything is written."""
+    cdef Py_ssize_t n = reads.shape[0], i, k = 0
+    cdef int64_t layer
+    if num_layers < 1 or num_experts < 1 or offsets.shape[0] != num_layers * num_experts:
+        raise ValueError(f"plan_pins: a table of {offsets.shape[0]} for "
+                         f"{num_layers} x {num_experts}")
+    if pinned_into.shape[0] != n or ids.shape[0] != n:
+        raise ValueError("plan_pins: arrays of different sizes")
+    for i in range(n):
+        if reads[i] < 0 or reads[i] >= offsets.shape[0] or (i and reads[i] <= reads[i - 1]):
+            raise ValueError("plan_pins: reads must be sorted, distinct and in "
+                             f"0..{offsets.shape[0] - 1}")
+    for i in range(offsets.shape[0]):
+        offsets[i] = -1
+    for i in range(n):
+        offsets[reads[i]] = pinned_into[i]
+        if pinned_into[i] >= 0:
+            k += 1
+    held = np.empty(k, dtype=np.int64)
+    cdef int64_t[::1] held_v = held
+    k = 0
+    for i in range(n):
+        if pinned_into[i] >= 0:
+            held_v[k] = ids[i]
+            k += 1
+    bounds = [0] * (num_layers + 1)
+    i = 0
+    for layer in range(num_layers):
+        while i < n and reads[i] < (layer + 1) * num_experts:
+            i += 1
+        bounds[layer + 1] = i
+    return held, bounds
+
+
+@cython.boundscheck(False)
+@cython.wraparound(False)
+def plan_slot_table(const int64_t[::1] reads, const int64_t[::1] offsets, int64_t slot_bytes,
+                    int64_t[::1] table):
+    """Note [Planned slots on the device] (prefetch/step_plan.py): `table`
+    (flat [layers * experts]) set to -1 but at each of a plan's `reads`,
+    where it takes the slot number offsets[i] / slot_bytes of a pinned read
+    (offset >= 0). A read out of range, arrays of other sizes or an offset
+    off the grid of `slot_bytes` raise ValueError before anything is
+    written."""
+    cdef Py_ssize_t n = reads.shape[0], i
+    if slot_bytes <= 0:
+        raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
+    if offsets.shape[0] != n:
+        raise ValueError("plan_slot_table: arrays of different sizes")
+    for i in range(n):
+        if reads[i] < 0 or reads[i] >= table.shape[0]:
+            raise ValueError(f"plan_slot_table: read {reads[i]} out of a table of {table.shape[0]}")
+        if offsets[i] >= 0 and offsets[i] % slot_bytes:
+            raise ValueError(f"offset {offsets[i]} is not on the grid of {slot_bytes}-byte slots: "
+                             "the handle holds tensors of another size")
+    for i in range(table.shape[0]):
+        table[i] = -1
+    for i in range(n):
+        if offsets[i] >= 0:
+            table[reads[i]] = offsets[i] // slot_bytes

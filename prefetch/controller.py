@@ -17,6 +17,7 @@ import numpy as np
 
 from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, distinct_ids, hint_arrays, take_ids
 from prefetch.expert_ids import EMPTY as _EMPTY
+from prefetch.expert_ids import Guesses
 from prefetch.expert_ids import distinct as _distinct
 from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import ExpertPrefetcher
@@ -81,7 +82,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)
         self._seen_layer0 = False  # a second layer-0 routing starts a new step
         self._trace = RoutingTrace(num_layers, num_experts) if record_trace else None
-        self._pending: dict[tuple[int, int], np.ndarray] = {}  # (step, layer) -> guessed experts
+        self._pending = Guesses()  # (step, layer) -> guessed experts
         self._queued_guess: dict[int, np.ndarray] = {}  # layer -> guessed experts sent to the engine
         self._held: np.ndarray | None = None  # tensor ids acquired, released by the next exchange
         self._held_stream = None

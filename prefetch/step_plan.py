@@ -6,10 +6,52 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import torch
 
-from prefetch._engine import plan_rows, take_ids
+from prefetch._engine import plan_pins, plan_rows, plan_slot_table, take_ids
 
 __all__ = ["HostStepPlan"]
+
+
+class _SlotTable:
+    """Note [Planned slots on the device]: one plan's [layers, experts]
+    slot numbers on a device, with the host staging they are copied from."""
+
+    def __init__(self, layers: int, experts: int, slot_bytes: int, device, handle):
+        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
+            raise ValueError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
+        arena = handle.arena(0)
+        cache = arena.device if isinstance(arena, torch.Tensor) else torch.device("cpu")
+        if device != cache:
+            raise ValueError(f"routed is on {device}, not on the cache's device ({cache})")
+        self.slot_bytes = slot_bytes
+        self.device = device
+        self.cuda = device.type == "cuda"
+        self.host = torch.empty((layers, experts), dtype=torch.int64, pin_memory=self.cuda)
+        self.host_flat = self.host.numpy().reshape(-1)
+        self.table = torch.empty((layers, experts), dtype=torch.int64, device=device) if self.cuda else self.host
+        self.layer_rows = list(self.table)  # per layer, a view of its row
+        self.plan = None  # the plan it holds
+        self.copied = None  # (event after the last copy, its stream)
+
+    def rows(self, plan: int, reads: np.ndarray, offsets: np.ndarray, layer: int):
+        """`layer`'s row of plan `plan`'s table (`reads`: its flat indices,
+        `offsets`: their slot offsets, -1 not pinned), the table made and
+        copied first if it holds another plan."""
+        if self.plan != plan:
+            if self.cuda and self.copied is not None:
+                self.copied[0].synchronize()  # the staging's last copy is done (long since, a step ago)
+            plan_slot_table(reads, offsets, self.slot_bytes, self.host_flat)
+            if self.cuda:
+                stream = torch.cuda.current_stream(self.device)
+                if self.copied is not None and self.copied[1] != stream:
+                    stream.wait_stream(self.copied[1])  # the last table's readers
+                self.table.copy_(self.host, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+                self.copied = (event, stream)
+            self.plan = plan
+        return self.layer_rows[layer]
 
 # -- Note [Host-routed step pins]
 # On a host-routed layer (the routing read back, then the layer's experts
@@ -62,6 +104,13 @@ class HostStepPlan:
         self._plan_filed = None  # (step, flat reads): what the last plan filed as the next step's guesses
         self._plan_hints = None  # (tensor ids, times): the planned step's hints, for the next call
         self.host_step_pins = 0  # host-routed steps taken by the plan
+        self._plan_whole = None  # (layer, routed count) when that layer's experts were all pinned
+        self._plan_bounds = None  # per layer l, its reads in the plan: _plan_now's reads[bounds[l] : bounds[l + 1]]
+        self._plan_kept = False  # the planned step's layers so far came in order, each routed as planned
+        self._plan_whole_step = False  # ... and each found all its experts pinned
+        self._plan_used = None  # the tensor ids the plan pinned (released with the step; reported as used)
+        self._plans = 0  # plans made (which one the device slot table holds)
+        self._slot_table = None  # _SlotTable: the planned step's slots on the device
 
     def _plan_applies(self, layer: int, stream) -> bool:
         """Whether this call may go by a step plan: a step already planned
@@ -96,9 +145,18 @@ class HostStepPlan:
         where = np.empty((n, 2), dtype=np.int64)
         n_pinned = plan_rows(self._plan_out, layer * self.num_experts, routed, where)
         self.pinned_hits += n_pinned
+        a, b = self._plan_bounds[layer], self._plan_bounds[layer + 1]
+        if self._plan_kept:
+            # Pinned ones are planned ones: all n pinned and n planned is
+            # the plan's set (_followed_plan).
+            self._plan_kept = layer == len(self._planned) and n == b - a and (
+                n_pinned == n or np.array_equal(routed, self._plan_now[2][a:b] - layer * self.num_experts))
         if n_pinned == n:
             self._planned.append((self.step, layer, routed, ids))
+            self._plan_whole = (layer, n)
             return routed, where
+        self._plan_whole = None
+        self._plan_whole_step = False
         pinned = where[:, 0] >= 0
         self._planned.append((self.step, layer, routed, ids[pinned]))
         where[~pinned] = self._acquire_unpinned(ids[~pinned], stream, timeout)
@@ -110,13 +168,13 @@ class HostStepPlan:
         next step's reads (and drop the guesses earlier layer-by-layer
         calls left queued)."""
         table = self._flat_table()
-        pin = table[now]
+        pin = take_ids(table, now, True)  # now: sorted, distinct (plan_pins reads its layers' bounds off it)
         n = self.num_layers * self.num_experts
         if self._plan_out is None or self._plan_out.shape[0] != n:
             self._plan_out = np.full(n, -1, dtype=np.int64)
             self._plan_buf = np.empty(n, dtype=np.int64)
         buf = self._plan_buf[: pin.shape[0]]
-        fetch = table[nxt] if nxt.shape[0] else None
+        fetch = take_ids(table, nxt) if nxt.shape[0] else None
         if self._queued_guess:
             stale = [self.ids(t, g) for t, g in self._queued_guess.items()]
             self._queued_guess.clear()
@@ -127,14 +185,12 @@ class HostStepPlan:
         hint_ids, hint_when, had_hints = self._plan_hint_arrays()
         self._pin_call(pin, buf, self._use, fetch, hint_ids, hint_when, had_hints, stream)
         self._plan_hints = None
-        out = self._plan_out
-        out.fill(-1)
-        out[now] = buf
-        held = pin[buf >= 0]
-        self._plan_pins = held
+        held, self._plan_bounds = plan_pins(now, buf, pin, self._plan_out, self.num_layers, self.num_experts)
+        self._plan_pins = self._plan_used = held
         self._plan_extra = None
         self._held = held if held.shape[0] else None
         self._plan_step = self.step
+        self._plans += 1
         self.step_pins += 1
         self.host_step_pins += 1
         # What the last plan filed as this step's guesses: scored at once
@@ -142,6 +198,7 @@ class HostStepPlan:
         filed = self._plan_filed
         same = filed is not None and filed[0] == self.step and (filed[1] is now or np.array_equal(filed[1], now))
         self._plan_now = (self.step, self.clock, now, same)
+        self._plan_kept = self._plan_whole_step = True
         self._plan_filed = (self.step + 1, nxt)
         self._expect_step(self.step + 1, nxt)
 
@@ -169,7 +226,48 @@ class HostStepPlan:
 
     def _end_plan(self) -> None:
         """The planned step's pins were released (with what else was held)."""
-        self._plan_step = self._plan_pins = self._plan_extra = None
+        self._plan_step = self._plan_pins = self._plan_extra = self._plan_whole = None
+
+    def planned_slots(self, layer: int, routed, slot_bytes: int):
+        """Note [Planned slots on the device]
+        The cache slots of `layer`'s routed experts as an index tensor on
+        their device, when the last route_and_acquire (of `layer`) found
+        them all pinned by the step plan; else None (then use its rows).
+        The host-routed path hands each layer acquire's (offset, device)
+        rows; a caller that computes on the cache as slot tensors (the
+        arena seen as [slots, ...] views, every slot `slot_bytes` apart,
+        as BM5 does) must make slot indices of them on the device: a copy
+        to the device a layer, or a gather of the slots' views (BM5's
+        SlotRows, two torch.cat a layer): 30-40 us a layer more host work
+        than the resident model's gather (tools/bm5_host_proxy.py). With a
+        step plan every slot the step reads is fixed at layer 0, so the
+        plan's slots go to the device once a step, as one table of layers
+        x experts slot numbers (-1: not pinned), copied on torch's current
+        stream at the step's first call; each wholly pinned layer's index
+        is then one index_select of that table by `routed`, the device
+        tensor of route_and_acquire's experts (sorted, distinct, on the
+        cache's device, int64): the resident model's expert -> row lookup,
+        on the cache. The index is valid until the step's pins are released
+        (`release_held`), on the stream the table was copied on (a table
+        copy on another stream waits for the last one's stream first).
+        `routed` is checked on the host (a 1-D int64 tensor of the routed
+        count, on the cache's device), not its values, as for any torch
+        index: they must be the experts route_and_acquire returned, in its
+        order (a wrong one reads the wrong slot, or fails in index_select)."""
+        whole = self._plan_whole
+        if whole is None or whole[0] != layer or self._plan_step is None:
+            return None
+        if not isinstance(routed, torch.Tensor):
+            raise TypeError(f"routed must be a torch.Tensor, got {type(routed).__name__}")
+        if routed.dtype != torch.int64 or routed.dim() != 1 or routed.shape[0] != whole[1]:
+            raise ValueError(f"routed must be a 1-D int64 tensor of layer {layer}'s {whole[1]} routed experts, "
+                             f"got {routed.dtype} of shape {tuple(routed.shape)}")
+        table = self._slot_table
+        if table is None or table.slot_bytes != slot_bytes or table.device != routed.device:
+            table = _SlotTable(self.num_layers, self.num_experts, slot_bytes, routed.device, self.handle)
+            self._slot_table = table
+        return table.rows(self._plans, self._plan_now[2], self._plan_buf[: self._plan_now[2].shape[0]],
+                          layer).index_select(0, routed)
 
     def _cancel_queued(self, cancel: np.ndarray, stream) -> None:
         t0 = time.perf_counter_ns()
@@ -186,25 +284,28 @@ class HostStepPlan:
         (`observe_step`), takes one pass over the step; any other, an
         `observe` a layer."""
         planned, self._planned = self._planned, []
-        uses = [used for _, _, _, used in planned if used.shape[0]]
-        if uses:
-            use = np.concatenate(uses)
-            self._use = use if self._use is None else np.concatenate((self._use, use))
         step = self._followed_plan(planned)
+        if step is not None and self._plan_whole_step:
+            use = self._plan_used  # every read pinned, in the pins' order: the layers' reads in turn
+        else:
+            uses = [used for _, _, _, used in planned if used.shape[0]]
+            use = np.concatenate(uses) if uses else None
+        if use is not None and use.shape[0]:
+            self._use = use if self._use is None else np.concatenate((self._use, use))
         if step is None:
             for step, layer, routed, _ in planned:
                 _, hints = self.observe(layer, routed, {}, step=step)
                 if hints:
                     self._late_hints.extend(hints)
             return
-        now = self._plan_now[2]
         if self._plan_now[3]:
             # The last plan's guesses for this step were this plan's reads,
             # and the step read them: each layer's all hit.
-            counts = np.bincount(now // self.num_experts, minlength=self.num_layers).tolist()
-            pending = self._pending
-            for layer, count in enumerate(counts):
-                if pending.pop((step, layer), None) is not None:
+            bounds = self._plan_bounds
+            taken = self._pending.take_step(step, self.num_layers)
+            for layer in range(self.num_layers):
+                if taken[layer]:
+                    count = bounds[layer + 1] - bounds[layer]
                     self._count_score(count, count, count)
             if self._trace is not None:
                 for _, layer, routed, _ in planned:
@@ -218,15 +319,13 @@ class HostStepPlan:
 
     def _followed_plan(self, planned: list):
         """The step of `planned` when it holds every layer of the planned
-        step, each routed as planned, and the predictor has
-        `observe_step`; else None."""
+        step, in order, each routed as planned (`_plan_kept`, kept as the
+        layers route), and the predictor has `observe_step`; else None."""
         plan = self._plan_now
-        if (plan is None or len(planned) != self.num_layers or not hasattr(self.predictor, "observe_step")
-                or any(p[0] != plan[0] or p[1] != i for i, p in enumerate(planned))):
+        if (plan is None or not self._plan_kept or len(planned) != self.num_layers or planned[0][0] != plan[0]
+                or not hasattr(self.predictor, "observe_step")):
             return None
-        e = self.num_experts
-        flat = np.concatenate([routed + layer * e for _, layer, routed, _ in planned])
-        return plan[0] if np.array_equal(flat, plan[2]) else None
+        return plan[0]
 
     def _plan_hint_arrays(self):
         """(tensor ids, times, whether any) of the hints to send: the

@@ -268,11 +268,7 @@ class SyncFreeDecode:
             return
         e = self.num_experts
         bounds = np.searchsorted(flat, np.arange(self.num_layers + 1, dtype=np.int64) * e).tolist()
-        pending = self._pending
-        for layer in range(self.num_layers):
-            a, b = bounds[layer], bounds[layer + 1]
-            if b > a:
-                pending[(step, layer)] = flat[a:b] - layer * e
+        self._pending.file_step(step, flat, bounds, e)  # Note [Guesses filed a step at a time]
 
     def _steady_step(self) -> bool:
         """Layer 0, routings read: the last step missed nothing and there is
