@@ -591,6 +591,11 @@ void ArcherPrefetchHandle::FreeEverythingLocked() {
   for (auto& dev : devices_) {
     dev->inflight.clear();
     dev->inflight_bytes = 0;
+    for (const auto& chunk : dev->spec_chunks) {
+      backend_->ReleaseToken(chunk.first);
+    }
+    dev->spec_chunks.clear();
+    dev->spec_chunk_bytes = 0;
     if (dev->owns_arena) {
       backend_->FreeDevice(dev->index, dev->cache->arena(),
                            dev->cache->budget_bytes());

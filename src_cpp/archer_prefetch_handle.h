@@ -296,6 +296,10 @@ class ArcherPrefetchHandle {
     std::deque<Entry*> inflight;         // async: issued, ready pending
     size_t inflight_bytes = 0;           // bytes of `inflight`
     size_t inflight_urgent_bytes = 0;    // of those, on-demand (band 0)
+    // Note [Speculation counts what is on the link]: speculative chunks
+    // issued and not yet seen done (token with its own reference, bytes).
+    std::deque<std::pair<CopyToken, size_t>> spec_chunks;
+    size_t spec_chunk_bytes = 0;  // bytes of spec_chunks
     std::thread worker;
   };
   using Clock = std::chrono::steady_clock;
@@ -345,18 +349,18 @@ class ArcherPrefetchHandle {
   void CopyEntryLocked(DeviceState* dev, Entry* e, MutexLock& lk)
       REQUIRES(mu_);
   // Note [Speculation in chunks]: before each chunk of a speculative copy
-  // after its first, waits (mu_ dropped) while this copy's chunks still in
-  // flight and the other copies in flight would exceed
+  // after its first, waits (mu_ dropped) while the speculative chunks in
+  // flight (dev->spec_chunks, this copy's and earlier ones') would exceed
   // max_speculative_bytes_in_flight with the next chunk, or while an
   // on-demand copy is in flight or being issued. Returns at once when the
-  // entry is pinned (an acquirer waits for it), the handle stops, or none of
-  // its chunks is in flight (also with a miss in flight). `chunks`: this
-  // copy's chunk tokens not yet seen done, each with its bytes and its own
-  // reference.
-  void PaceSpeculativeChunkLocked(
-      DeviceState* dev, Entry* e, size_t next,
-      std::deque<std::pair<CopyToken, size_t>>* chunks, MutexLock& lk)
-      REQUIRES(mu_);
+  // entry is pinned (an acquirer waits for it), the handle stops, or no
+  // speculative chunk is in flight (also with a miss in flight).
+  void PaceSpeculativeChunkLocked(DeviceState* dev, Entry* e, size_t next,
+                                  MutexLock& lk) REQUIRES(mu_);
+  // Takes every chunk of dev->spec_chunks whose copy has completed off it
+  // (in any order: lanes finish out of issue order), returning its
+  // reference. Never drops mu_; only queries tokens.
+  void RetireSpecChunksLocked(DeviceState* dev) REQUIRES(mu_);
   // Waits for `token` with mu_ dropped, as copy_poll_us says (Note [Polite
   // waits]); holds its own reference for the wait. A failed wait is left to
   // whoever acquires the entry.

@@ -147,13 +147,43 @@ void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
   q.erase(keep, q.end());
 }
 
+void ArcherPrefetchHandle::RetireSpecChunksLocked(DeviceState* dev) {
+  auto& q = dev->spec_chunks;
+  auto keep = q.begin();
+  for (auto it = q.begin(); it != q.end(); ++it) {
+    if (backend_->Query(it->first)) {
+      dev->spec_chunk_bytes -= it->second;
+      backend_->ReleaseToken(it->first);
+    } else {
+      *keep++ = *it;
+    }
+  }
+  q.erase(keep, q.end());
+}
+
+// Note [Speculation counts what is on the link]
+// The cap on speculative bytes in flight is there to bound what a miss
+// queues behind on the copy engines (Note [Speculation never hurts]). It
+// counted a speculative entry whole until its last chunk landed, so after
+// the last chunk of an entry of many chunks was issued the worker started
+// the next entry only once that whole entry had landed: the link idled
+// for the worker's wake-up (a poll of copy_poll_us, the lock, the slot, the
+// driver call) once per entry. BM5's gpt-oss-120b replay, where the link
+// sets the pace (47.5 MiB experts, twelve chunks), moved 43.8 GB/s of the
+// link's 54.7 with the oracle's copies known a step ahead (run 131). The
+// cap now counts the speculative chunks themselves, across entries
+// (dev->spec_chunks): the next entry's first chunk goes as soon as it fits
+// beside the chunks still on the link, as a chunk of the same entry
+// would, so with the default cap of two chunks one is on the link and the
+// next queued behind it across entry boundaries too. What a miss queues
+// behind is still at most the cap.
 bool ArcherPrefetchHandle::SpeculationAllowedLocked(
     const DeviceState* dev) const {
-  // The worker loop retired finished copies just before asking.
+  // The worker loop retired finished copies and chunks just before asking.
   // copying_bytes > 0 here (outside the worker's own copy) is an acquirer
   // issuing its misses.
   return dev->copying_bytes == 0 && dev->inflight_urgent_bytes == 0 &&
-         dev->inflight_bytes < max_speculative_bytes_;
+         dev->spec_chunk_bytes < max_speculative_bytes_;
 }
 
 void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
@@ -170,6 +200,7 @@ void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
   MutexLock lk(mu_);
   while (!stop_) {
     if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
+    if (dev->spec_chunk_bytes > 0) RetireSpecChunksLocked(dev);
     if (paused_ || dev->queue.empty()) {
       dev->worker_waiting = true;
       dev->work_cv.wait(lk);
@@ -232,28 +263,42 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
     DeviceState* dev, Entry* e, MutexLock& lk) {
   const bool held_back =
       e->band != kOnDemandBand && !SpeculationAllowedLocked(dev);
-  if (held_back && dev->inflight.empty()) {
-    // An acquirer is issuing misses right now: let it finish.
+  if (!held_back && (dev->inflight.empty() ||
+                     dev->inflight_bytes + e->bytes <= max_bytes_in_flight_)) {
+    return false;
+  }
+  // What to wait for: a miss in flight first, then (held back by the cap)
+  // the oldest speculative chunk, else the oldest copy in flight.
+  CopyToken wait_for = kTokenDone;
+  bool found = false;
+  if (dev->inflight_urgent_bytes > 0) {
+    for (Entry* f : dev->inflight) {
+      if (f->band == kOnDemandBand) {
+        wait_for = f->ready;
+        found = true;
+        break;
+      }
+    }
+  }
+  if (!found && held_back && !dev->spec_chunks.empty()) {
+    wait_for = dev->spec_chunks.front().first;
+    found = true;
+  }
+  if (!found && !dev->inflight.empty()) {
+    wait_for = dev->inflight.front()->ready;
+    found = true;
+  }
+  if (!found) {
+    // Held back with nothing in flight: an acquirer is issuing misses right
+    // now; let it finish.
     dev->worker_waiting = true;
     dev->work_cv.wait_for(lk, std::chrono::microseconds(50));
     dev->worker_waiting = false;
     return true;
   }
-  if (!held_back && (dev->inflight.empty() ||
-                     dev->inflight_bytes + e->bytes <= max_bytes_in_flight_)) {
-    return false;
-  }
-  Entry* first = dev->inflight.front();
-  if (dev->inflight_urgent_bytes > 0) {
-    for (Entry* f : dev->inflight) {
-      if (f->band == kOnDemandBand) {
-        first = f;
-        break;
-      }
-    }
-  }
-  WorkerWaitLocked(first->ready, lk);
+  WorkerWaitLocked(wait_for, lk);
   RetireInflightLocked(dev);
+  RetireSpecChunksLocked(dev);
   return true;
 }
 
@@ -298,35 +343,33 @@ void ArcherPrefetchHandle::WorkerWaitLocked(CopyToken token, MutexLock& lk) {
 // MiB, twelve 4 MiB chunks issued back to back, so a band-0 miss could
 // queue behind up to 47.5 MiB of guesses (about 0.9 ms of the H200's
 // link) against a cap of 8 MiB. So the cap counts chunks: before each
-// chunk of a speculative copy after its first, the worker waits while this
-// copy's chunks still in flight plus the other copies in flight plus the
-// next chunk exceed the cap. While an on-demand copy is in flight or being
-// issued it sends no chunk either, until that copy has landed or its own
-// chunks in flight have (then none of its bytes are ahead of the miss on
+// chunk of a speculative copy after its first, the worker waits while the
+// speculative chunks still in flight (this copy's and the copies' before
+// it: Note [Speculation counts what is on the link]) plus the next chunk
+// exceed the cap. While an on-demand copy is in flight or being issued it
+// sends no chunk either, until that copy has landed or no speculative
+// chunk is in flight (then none of their bytes are ahead of the miss on
 // the link). With the default cap of two chunks one chunk is on the link
 // and the next queued behind it, so the link does not idle between chunks.
 // Once an acquirer pins the entry (it waits for this very copy) the pacing
 // ends and the rest goes in one copy.
-void ArcherPrefetchHandle::PaceSpeculativeChunkLocked(
-    DeviceState* dev, Entry* e, size_t next,
-    std::deque<std::pair<CopyToken, size_t>>* chunks, MutexLock& lk) {
+void ArcherPrefetchHandle::PaceSpeculativeChunkLocked(DeviceState* dev,
+                                                      Entry* e, size_t next,
+                                                      MutexLock& lk) {
   for (;;) {
-    while (!chunks->empty() && backend_->Query(chunks->front().first)) {
-      backend_->ReleaseToken(chunks->front().first);
-      chunks->pop_front();
-    }
-    if (chunks->empty() || e->pins > 0 || stop_) return;
-    size_t mine = 0;
-    for (const auto& chunk : *chunks) mine += chunk.second;
+    RetireSpecChunksLocked(dev);
+    if (dev->spec_chunks.empty() || e->pins > 0 || stop_) return;
     if (dev->inflight_bytes > 0) RetireInflightLocked(dev);
     // copying_bytes holds this copy's own bytes; more is an acquirer
     // issuing its misses right now.
     const bool misses = dev->inflight_urgent_bytes > 0 ||
                         dev->copying_bytes > e->bytes;
-    if (!misses && mine + dev->inflight_bytes + next <= max_speculative_bytes_) {
+    // Note [Speculation counts what is on the link]: the speculative chunks
+    // in flight, this copy's and the copies' before it.
+    if (!misses && dev->spec_chunk_bytes + next <= max_speculative_bytes_) {
       return;
     }
-    CopyToken wait_for = chunks->front().first;
+    CopyToken wait_for = dev->spec_chunks.front().first;
     if (dev->inflight_urgent_bytes > 0) {
       for (Entry* f : dev->inflight) {
         if (f->band == kOnDemandBand) {
@@ -380,12 +423,9 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
   CopyToken token = kTokenDone;
   std::string error;
   size_t done = 0;
-  // Note [Speculation in chunks]: this copy's chunks in flight (own refs).
-  std::deque<std::pair<CopyToken, size_t>> chunks;
   while (done < e->bytes) {
     if (!urgent && done > 0) {
-      PaceSpeculativeChunkLocked(dev, e, std::min(piece, e->bytes - done),
-                                 &chunks, lk);
+      PaceSpeculativeChunkLocked(dev, e, std::min(piece, e->bytes - done), lk);
     }
     // Pinned: an acquirer waits for this copy, so the rest goes at once.
     const size_t chunk =
@@ -400,8 +440,9 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     stats_.copy_seconds += seconds;
     if (!error.empty()) break;
     if (!urgent && token != kTokenDone) {
-      backend_->RetainToken(token);
-      chunks.emplace_back(token, chunk);
+      backend_->RetainToken(token);  // Note [Speculation in chunks]
+      dev->spec_chunks.emplace_back(token, chunk);
+      dev->spec_chunk_bytes += chunk;
     }
     done += chunk;
     if (stop_ && done < e->bytes) {
@@ -419,7 +460,6 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
       }
     }
   }
-  for (const auto& c : chunks) backend_->ReleaseToken(c.first);
   dev->copying_bytes -= e->bytes;
   FinishCopyLocked(dev, e, token, error, lk);
 }

@@ -54,6 +54,30 @@ def test_the_cap_option_sets_the_bound():
         assert 3 * CHUNK < h.fault_counts()["max_lane_bytes_in_flight"] <= 5 * CHUNK
 
 
+@pytest.mark.parametrize("poll_us", [0, 20])
+def test_the_link_does_not_idle_between_speculative_entries(poll_us):
+    # Note [Speculation counts what is on the link]: counted whole, an entry
+    # held the next one back until its last chunk had landed, and the link
+    # idled for the worker's wake-up at every entry boundary. Counted by
+    # chunk, the next entry's first chunk is queued behind the last one's
+    # while that is still on the link (20 ms a chunk: the worker has all of
+    # it to issue the next). Only the link's first copy has no predecessor.
+    with linked_handle(20_000, copy_poll_us=poll_us) as h:
+        entries = 4
+        for t in range(entries):
+            h.register(t, content(t, 0, 3 * CHUNK))
+        h.prefetch_tensors(list(range(entries)), priority=1)
+        wait_issued(h, entries)
+        counts = h.fault_counts()
+        assert counts["copies"] == 3 * entries
+        assert counts["link_idle_before_lane_us"] == 0
+        assert 0 < counts["max_lane_bytes_in_flight"] <= 2 * CHUNK
+        views = h.acquire(list(range(entries)), timeout=10)
+        for t, view in enumerate(views):
+            check(view, t, 0)
+        h.release(list(range(entries)))
+
+
 def test_a_miss_queues_behind_at_most_the_cap():
     # A miss issued while a long prefetch is on the link waits for at most the
     # two chunks of it in flight, then its own copy: 3 copy times on the
