@@ -10,15 +10,12 @@ between them stay fair: each keeps its weights as a slot tensor per device
 ([slots, 2I, H] and [slots, H, I]: the resident pool, strided views of the
 engine's arena, the by-hand LRU's slots) and gathers the routed experts'
 slots with one kernel per weight: the resident reference maps `routed` to
-its pool rows on the device and index_selects them; the engine does the
-same for a layer its step plan pinned whole (the plan's slot table goes
-to the device once a step: Note [Planned slots on the device] in
-prefetch/step_plan.py); otherwise the engine and the by-hand LRU know
-their slot numbers on the host and concatenate those slots' views
-(SlotRows: one torch.cat per weight, no index sent to the device). No
-tensor op per expert: the per-expert host work left is each provider's
-own bookkeeping (the engine's one call per layer, route_and_acquire, the
-by-hand LRU's Python dict)."""
+its pool rows on the device and index_selects them; the engine and the
+by-hand LRU know their slot numbers on the host and concatenate those
+slots' views (SlotRows: one torch.cat per weight, no index sent to the
+device). No tensor op per expert: the per-expert host work left is each
+provider's own bookkeeping (the engine's one call per layer,
+route_and_acquire, the by-hand LRU's Python dict)."""
 from __future__ import annotations
 
 import os
@@ -115,17 +112,14 @@ class EngineProvider:
     """Experts through the engine; prediction through prefetch.integration."""
 
     def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None, disk=None,
-                 step_plan: bool = True, slot_table: bool = True):
+                 step_plan: bool = True):
         """`disk`: (folder, host tier bytes): the experts are read from the
         decoder's pool file there through the engine's host tier instead of
         registered from host memory (the on-demand-disk policy).
         `step_plan`: the controller knows the cache's slot count, so a
         predictor that knows whole steps (the oracle) gets step plans (Note
         [Host-routed step pins] in prefetch/step_plan.py); False keeps it
-        layer by layer. `slot_table`: a layer the plan pinned whole
-        gathers its slots through the plan's slot table on the device
-        (Note [Planned slots on the device]); False gathers them as any
-        other layer (SlotRows)."""
+        layer by layer."""
         import prefetch
         from prefetch.integration import OffloadController, layer_handle_options
 
@@ -164,7 +158,6 @@ class EngineProvider:
         self._slot_views = {}  # device -> (gate_up [slots, 2I, H], down [slots, H, I])
         self._slot_rows = {}  # device -> SlotRows of its arena
         self._slot_buf = np.empty(dec.spec["experts"], dtype=np.int64)  # a layer's slot numbers
-        self.slot_table = slot_table
 
     def acquire(self, layer, x, experts):
         routed, where = self.ctl.route_and_acquire(layer, x, experts, stream=self.dec.stream(layer))
@@ -197,13 +190,6 @@ class EngineProvider:
         stream = self.dec.stream(layer)
         _, where = self.ctl.route_and_acquire(layer, x, experts, stream=stream)
         try:
-            # A layer the step plan pinned whole: its slots looked up on the
-            # device, as the resident row looks up its pool rows (Note
-            # [Planned slots on the device] in prefetch/step_plan.py).
-            slots = self.ctl.planned_slots(layer, routed, self.dec.slot_bytes) if self.slot_table else None
-            if slots is not None:
-                gate_up, down = self._views(self.dec.layer_dev[layer])
-                return gate_up.index_select(0, slots), down.index_select(0, slots)
             return self.gather(layer, where)
         except ValueError as e:
             self.ctl.release_held(stream)
@@ -383,9 +369,8 @@ def split_policy(policy: str):
     int}); a plain policy gives {}. Options only go with engine policies;
     "distance" (the oracle's and oracle-cyclic's, over --oracle-distance) is
     the predictor's, "step_plan=0" (an engine policy's) turns the
-    controller's step plans off (Note [Host-routed step pins]),
-    "slot_table=0" the plan's slot table (Note [Planned slots on the
-    device]), the others are the handle's."""
+    controller's step plans off (Note [Host-routed step pins]), the others
+    are the handle's."""
     from bench.e2e_decoder import ENGINE_POLICIES, POLICIES
 
     base, _, rest = policy.partition(":")
@@ -396,9 +381,8 @@ def split_policy(policy: str):
         raise ValueError(f"policy {policy!r}: handle options need an engine policy ({', '.join(ENGINE_POLICIES)})")
     if "distance" in options and (base not in ("oracle", "oracle-cyclic") or options["distance"] < 1):
         raise ValueError(f"policy {policy!r}: distance goes with oracle or oracle-cyclic, and is >= 1")
-    for flag in ("step_plan", "slot_table"):
-        if options.get(flag, 1) not in (0, 1):
-            raise ValueError(f"policy {policy!r}: {flag} is 0 or 1")
+    if options.get("step_plan", 1) not in (0, 1):
+        raise ValueError(f"policy {policy!r}: step_plan is 0 or 1")
     return base, options
 
 
@@ -409,7 +393,6 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
     policy, options = split_policy(policy)
     oracle_distance = options.pop("distance", oracle_distance)
     step_plan = bool(options.pop("step_plan", 1))
-    slot_table = bool(options.pop("slot_table", 1))
     handle_options = {**(handle_options or {}), **options} or None
     spec = dec.spec
     if policy == "all-resident":
@@ -433,7 +416,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
         total = spec["layers"] * spec["experts"] * dec.slot_bytes
         disk = (disk_dir or tempfile.gettempdir(), max(int(DISK_HOST_SHARE * total), 3 * dec.slot_bytes + 3 * 4096))
     return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options, disk,
-                          step_plan=step_plan, slot_table=slot_table)
+                          step_plan=step_plan)
 
 
 def policy_eviction(policy: str, eviction: str) -> str:

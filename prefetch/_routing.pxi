@@ -409,31 +409,3 @@ def plan_pins(const int64_t[::1] reads, const int64_t[::1] pinned_into, const in
             i += 1
         bounds[layer + 1] = i
     return held, bounds
-
-
-@cython.boundscheck(False)
-@cython.wraparound(False)
-def plan_slot_table(const int64_t[::1] reads, const int64_t[::1] offsets, int64_t slot_bytes,
-                    int64_t[::1] table):
-    """Note [Planned slots on the device] (prefetch/step_plan.py): `table`
-    (flat [layers * experts]) set to -1 but at each of a plan's `reads`,
-    where it takes the slot number offsets[i] / slot_bytes of a pinned read
-    (offset >= 0). A read out of range, arrays of other sizes or an offset
-    off the grid of `slot_bytes` raise ValueError before anything is
-    written."""
-    cdef Py_ssize_t n = reads.shape[0], i
-    if slot_bytes <= 0:
-        raise ValueError(f"slot_bytes must be > 0, got {slot_bytes}")
-    if offsets.shape[0] != n:
-        raise ValueError("plan_slot_table: arrays of different sizes")
-    for i in range(n):
-        if reads[i] < 0 or reads[i] >= table.shape[0]:
-            raise ValueError(f"plan_slot_table: read {reads[i]} out of a table of {table.shape[0]}")
-        if offsets[i] >= 0 and offsets[i] % slot_bytes:
-            raise ValueError(f"offset {offsets[i]} is not on the grid of {slot_bytes}-byte slots: "
-                             "the handle holds tensors of another size")
-    for i in range(table.shape[0]):
-        table[i] = -1
-    for i in range(n):
-        if offsets[i] >= 0:
-            table[reads[i]] = offsets[i] // slot_bytes

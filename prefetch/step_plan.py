@@ -6,52 +6,11 @@ from __future__ import annotations
 import time
 
 import numpy as np
-import torch
 
-from prefetch._engine import plan_pins, plan_rows, plan_slot_table, take_ids
+from prefetch._engine import plan_pins, plan_rows, take_ids
 
 __all__ = ["HostStepPlan"]
 
-
-class _SlotTable:
-    """Note [Planned slots on the device]: one plan's [layers, experts]
-    slot numbers on a device, with the host staging they are copied from."""
-
-    def __init__(self, layers: int, experts: int, slot_bytes: int, device, handle):
-        if isinstance(slot_bytes, bool) or not isinstance(slot_bytes, int) or slot_bytes <= 0:
-            raise ValueError(f"slot_bytes must be a positive int, got {slot_bytes!r}")
-        arena = handle.arena(0)
-        cache = arena.device if isinstance(arena, torch.Tensor) else torch.device("cpu")
-        if device != cache:
-            raise ValueError(f"routed is on {device}, not on the cache's device ({cache})")
-        self.slot_bytes = slot_bytes
-        self.device = device
-        self.cuda = device.type == "cuda"
-        self.host = torch.empty((layers, experts), dtype=torch.int64, pin_memory=self.cuda)
-        self.host_flat = self.host.numpy().reshape(-1)
-        self.table = torch.empty((layers, experts), dtype=torch.int64, device=device) if self.cuda else self.host
-        self.layer_rows = list(self.table)  # per layer, a view of its row
-        self.plan = None  # the plan it holds
-        self.copied = None  # (event after the last copy, its stream)
-
-    def rows(self, plan: int, reads: np.ndarray, offsets: np.ndarray, layer: int):
-        """`layer`'s row of plan `plan`'s table (`reads`: its flat indices,
-        `offsets`: their slot offsets, -1 not pinned), the table made and
-        copied first if it holds another plan."""
-        if self.plan != plan:
-            if self.cuda and self.copied is not None:
-                self.copied[0].synchronize()  # the staging's last copy is done (long since, a step ago)
-            plan_slot_table(reads, offsets, self.slot_bytes, self.host_flat)
-            if self.cuda:
-                stream = torch.cuda.current_stream(self.device)
-                if self.copied is not None and self.copied[1] != stream:
-                    stream.wait_stream(self.copied[1])  # the last table's readers
-                self.table.copy_(self.host, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-                self.copied = (event, stream)
-            self.plan = plan
-        return self.layer_rows[layer]
 
 # -- Note [Host-routed step pins]
 # On a host-routed layer (the routing read back, then the layer's experts
@@ -104,13 +63,10 @@ class HostStepPlan:
         self._plan_filed = None  # (step, flat reads): what the last plan filed as the next step's guesses
         self._plan_hints = None  # (tensor ids, times): the planned step's hints, for the next call
         self.host_step_pins = 0  # host-routed steps taken by the plan
-        self._plan_whole = None  # (layer, routed count) when that layer's experts were all pinned
         self._plan_bounds = None  # per layer l, its reads in the plan: _plan_now's reads[bounds[l] : bounds[l + 1]]
         self._plan_kept = False  # the planned step's layers so far came in order, each routed as planned
         self._plan_whole_step = False  # ... and each found all its experts pinned
         self._plan_used = None  # the tensor ids the plan pinned (released with the step; reported as used)
-        self._plans = 0  # plans made (which one the device slot table holds)
-        self._slot_table = None  # _SlotTable: the planned step's slots on the device
 
     def _plan_applies(self, layer: int, stream) -> bool:
         """Whether this call may go by a step plan: a step already planned
@@ -153,9 +109,7 @@ class HostStepPlan:
                 n_pinned == n or np.array_equal(routed, self._plan_now[2][a:b] - layer * self.num_experts))
         if n_pinned == n:
             self._planned.append((self.step, layer, routed, ids))
-            self._plan_whole = (layer, n)
             return routed, where
-        self._plan_whole = None
         self._plan_whole_step = False
         pinned = where[:, 0] >= 0
         self._planned.append((self.step, layer, routed, ids[pinned]))
@@ -190,7 +144,6 @@ class HostStepPlan:
         self._plan_extra = None
         self._held = held if held.shape[0] else None
         self._plan_step = self.step
-        self._plans += 1
         self.step_pins += 1
         self.host_step_pins += 1
         # What the last plan filed as this step's guesses: scored at once
@@ -226,48 +179,8 @@ class HostStepPlan:
 
     def _end_plan(self) -> None:
         """The planned step's pins were released (with what else was held)."""
-        self._plan_step = self._plan_pins = self._plan_extra = self._plan_whole = None
+        self._plan_step = self._plan_pins = self._plan_extra = None
 
-    def planned_slots(self, layer: int, routed, slot_bytes: int):
-        """Note [Planned slots on the device]
-        The cache slots of `layer`'s routed experts as an index tensor on
-        their device, when the last route_and_acquire (of `layer`) found
-        them all pinned by the step plan; else None (then use its rows).
-        The host-routed path hands each layer acquire's (offset, device)
-        rows; a caller that computes on the cache as slot tensors (the
-        arena seen as [slots, ...] views, every slot `slot_bytes` apart,
-        as BM5 does) must make slot indices of them on the device: a copy
-        to the device a layer, or a gather of the slots' views (BM5's
-        SlotRows, two torch.cat a layer): 30-40 us a layer more host work
-        than the resident model's gather (tools/bm5_host_proxy.py). With a
-        step plan every slot the step reads is fixed at layer 0, so the
-        plan's slots go to the device once a step, as one table of layers
-        x experts slot numbers (-1: not pinned), copied on torch's current
-        stream at the step's first call; each wholly pinned layer's index
-        is then one index_select of that table by `routed`, the device
-        tensor of route_and_acquire's experts (sorted, distinct, on the
-        cache's device, int64): the resident model's expert -> row lookup,
-        on the cache. The index is valid until the step's pins are released
-        (`release_held`), on the stream the table was copied on (a table
-        copy on another stream waits for the last one's stream first).
-        `routed` is checked on the host (a 1-D int64 tensor of the routed
-        count, on the cache's device), not its values, as for any torch
-        index: they must be the experts route_and_acquire returned, in its
-        order (a wrong one reads the wrong slot, or fails in index_select)."""
-        whole = self._plan_whole
-        if whole is None or whole[0] != layer or self._plan_step is None:
-            return None
-        if not isinstance(routed, torch.Tensor):
-            raise TypeError(f"routed must be a torch.Tensor, got {type(routed).__name__}")
-        if routed.dtype != torch.int64 or routed.dim() != 1 or routed.shape[0] != whole[1]:
-            raise ValueError(f"routed must be a 1-D int64 tensor of layer {layer}'s {whole[1]} routed experts, "
-                             f"got {routed.dtype} of shape {tuple(routed.shape)}")
-        table = self._slot_table
-        if table is None or table.slot_bytes != slot_bytes or table.device != routed.device:
-            table = _SlotTable(self.num_layers, self.num_experts, slot_bytes, routed.device, self.handle)
-            self._slot_table = table
-        return table.rows(self._plans, self._plan_now[2], self._plan_buf[: self._plan_now[2].shape[0]],
-                          layer).index_select(0, routed)
 
     def _cancel_queued(self, cancel: np.ndarray, stream) -> None:
         t0 = time.perf_counter_ns()
