@@ -81,7 +81,9 @@ class Guesses:
         open_ = [b > a for a, b in zip(bounds, bounds[1:])]
         if step in self._steps:
             self._spill(step)
-        self._steps[step] = [flat, bounds, num_experts, open_, sum(open_)]
+        count = sum(open_)
+        if count:
+            self._steps[step] = [flat, bounds, num_experts, open_, count]
 
     def _take(self, key):
         """The lazily filed entry of `key`, taken (its (a, b, lazy) or None)."""

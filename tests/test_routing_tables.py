@@ -9,6 +9,7 @@ from prefetch._engine import (
     hint_arrays,
     hint_times,
     mark_pinned,
+    plan_pins,
     read_routed,
     same_offsets,
     slot_numbers,
@@ -229,3 +230,42 @@ def test_take_ids_matches_numpy_and_refuses_keys_out_of_range():
     for bad in (10, -1):
         with pytest.raises(IndexError, match="out of a table of 10"):
             take_ids(table, np.array([1, bad], dtype=np.int64))
+
+
+def test_take_ids_ascending_refuses_keys_out_of_order():
+    table = np.arange(10, dtype=np.int64)
+    assert take_ids(table, np.array([1, 4, 9], dtype=np.int64), True).tolist() == [1, 4, 9]
+    for keys in ([1, 4, 4], [4, 1]):
+        with pytest.raises(ValueError, match="sorted and distinct"):
+            take_ids(table, np.array(keys, dtype=np.int64), True)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_plan_pins_matches_numpy(seed):
+    rng = np.random.default_rng(seed)
+    reads = np.flatnonzero(rng.random(LAYERS * EXPERTS) < 0.3).astype(np.int64)
+    answers = np.where(rng.random(reads.shape[0]) < 0.7, rng.integers(0, 50, reads.shape[0]) * 256, -1)
+    ids = reads + 1000
+    offsets = np.full(LAYERS * EXPERTS, 77, dtype=np.int64)  # stale: every entry is written
+    held, bounds = plan_pins(reads, answers, ids, offsets, LAYERS, EXPERTS)
+    expected = np.full(LAYERS * EXPERTS, -1, dtype=np.int64)
+    expected[reads] = answers
+    assert offsets.tolist() == expected.tolist()
+    assert held.tolist() == ids[answers >= 0].tolist()
+    assert bounds == np.searchsorted(reads, np.arange(LAYERS + 1) * EXPERTS).tolist()
+
+
+@pytest.mark.parametrize("reads, answers, table, match", [
+    ([3, 1], [0, 0], LAYERS * EXPERTS, "sorted, distinct"),
+    ([1, 1], [0, 0], LAYERS * EXPERTS, "sorted, distinct"),
+    ([LAYERS * EXPERTS], [0], LAYERS * EXPERTS, "sorted, distinct"),
+    ([-1], [0], LAYERS * EXPERTS, "sorted, distinct"),
+    ([1, 2], [0], LAYERS * EXPERTS, "different sizes"),
+    ([1], [0], LAYERS * EXPERTS - 1, "a table of"),
+])
+def test_plan_pins_refuses_bad_input_and_writes_nothing(reads, answers, table, match):
+    offsets = np.full(table, 5, dtype=np.int64)
+    reads = np.array(reads, dtype=np.int64)
+    with pytest.raises(ValueError, match=match):
+        plan_pins(reads, np.array(answers, dtype=np.int64), reads + 1, offsets, LAYERS, EXPERTS)
+    assert (offsets == 5).all()
