@@ -313,3 +313,27 @@ def test_host_memory_stays_within_the_budgets_whatever_the_model_size(tmp_path):
     assert grown <= 1.05 * (host_budget + device_budget) + 4 * MIB, (
         f"resident memory grew by {grown / MIB:.1f} MiB streaming {expert * count / MIB:.0f} MiB "
         f"through budgets of {(host_budget + device_budget) / MIB:.1f} MiB")
+
+
+@pytest.mark.parametrize("poll_us", [0, 20])
+def test_speculative_copies_from_the_host_tier_stay_under_the_cap(tmp_path, poll_us):
+    # Note [Speculation counts what is on the link]: a staged tensor's copy
+    # to the device is a speculative copy like any other; with a cap of one
+    # tensor no two of them are on the (simulated) link at once.
+    data = np.random.default_rng(11).integers(0, 256, 4 * MIB, dtype=np.uint8)
+    path = tmp_path / "spec.bin"
+    data.tofile(path)
+    size = 256 * 1024
+    tids = range(8)
+    with prefetch.PrefetchHandle(device_budget_bytes=4 * MIB, backend="fault", host_budget_bytes=4 * MIB,
+                                 max_speculative_bytes_in_flight=size, copy_poll_us=poll_us,
+                                 faults={"report_async": 1, "async_copy_us": 5000}) as handle:
+        handle.open_file(path)
+        for tid in tids:
+            handle.register_disk(tid, [(0, tid * size, size, 0)], total_bytes=size)
+        handle.prefetch_tensors(list(tids), priority=1)
+        for tid in tids:
+            assert np.array_equal(read_slot(handle, tid, size), data[tid * size:(tid + 1) * size])
+        counts = handle.fault_counts()
+        assert counts["copies"] == len(tids)
+        assert 0 < counts["max_lane_bytes_in_flight"] <= size
