@@ -11,7 +11,6 @@ from prefetch._engine import plan_pins, plan_rows, take_ids
 
 __all__ = ["HostStepPlan"]
 
-
 # -- Note [Host-routed step pins]
 # On a host-routed layer (the routing read back, then the layer's experts
 # acquired, then its compute launched) every microsecond of host work
@@ -180,7 +179,6 @@ class HostStepPlan:
     def _end_plan(self) -> None:
         """The planned step's pins were released (with what else was held)."""
         self._plan_step = self._plan_pins = self._plan_extra = None
-
 
     def _cancel_queued(self, cancel: np.ndarray, stream) -> None:
         t0 = time.perf_counter_ns()
