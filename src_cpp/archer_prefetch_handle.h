@@ -357,6 +357,15 @@ class ArcherPrefetchHandle {
   // speculative chunk is in flight (also with a miss in flight).
   void PaceSpeculativeChunkLocked(DeviceState* dev, Entry* e, size_t next,
                                   MutexLock& lk) REQUIRES(mu_);
+  // A speculative chunk issued with `token` (its copy's bytes: `bytes`)
+  // joins dev->spec_chunks with a reference of its own (Note [Speculation
+  // counts what is on the link]); kTokenDone (a synchronous copy) does not.
+  void TrackSpecChunkLocked(DeviceState* dev, CopyToken token, size_t bytes)
+      REQUIRES(mu_);
+  // Whether an on-demand copy is in flight on `dev`; if so *token is the
+  // oldest one's (as dev->inflight holds it: kTokenDone once seen done).
+  bool FirstUrgentInflightLocked(const DeviceState* dev, CopyToken* token)
+      const REQUIRES(mu_);
   // Takes every chunk of dev->spec_chunks whose copy has completed off it
   // (in any order: lanes finish out of issue order), returning its
   // reference. Never drops mu_; only queries tokens.

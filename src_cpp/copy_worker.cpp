@@ -147,6 +147,26 @@ void ArcherPrefetchHandle::RetireInflightLocked(DeviceState* dev) {
   q.erase(keep, q.end());
 }
 
+void ArcherPrefetchHandle::TrackSpecChunkLocked(DeviceState* dev,
+                                                CopyToken token, size_t bytes) {
+  if (token == kTokenDone) return;  // a synchronous copy: nothing in flight
+  backend_->RetainToken(token);
+  dev->spec_chunks.emplace_back(token, bytes);
+  dev->spec_chunk_bytes += bytes;
+}
+
+bool ArcherPrefetchHandle::FirstUrgentInflightLocked(const DeviceState* dev,
+                                                     CopyToken* token) const {
+  if (dev->inflight_urgent_bytes == 0) return false;
+  for (const Entry* f : dev->inflight) {
+    if (f->band == kOnDemandBand) {
+      *token = f->ready;
+      return true;
+    }
+  }
+  return false;
+}
+
 void ArcherPrefetchHandle::RetireSpecChunksLocked(DeviceState* dev) {
   auto& q = dev->spec_chunks;
   auto keep = q.begin();
@@ -270,16 +290,7 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
   // What to wait for: a miss in flight first, then (held back by the cap)
   // the oldest speculative chunk, else the oldest copy in flight.
   CopyToken wait_for = kTokenDone;
-  bool found = false;
-  if (dev->inflight_urgent_bytes > 0) {
-    for (Entry* f : dev->inflight) {
-      if (f->band == kOnDemandBand) {
-        wait_for = f->ready;
-        found = true;
-        break;
-      }
-    }
-  }
+  bool found = FirstUrgentInflightLocked(dev, &wait_for);
   if (!found && held_back && !dev->spec_chunks.empty()) {
     wait_for = dev->spec_chunks.front().first;
     found = true;
@@ -370,14 +381,7 @@ void ArcherPrefetchHandle::PaceSpeculativeChunkLocked(DeviceState* dev,
       return;
     }
     CopyToken wait_for = dev->spec_chunks.front().first;
-    if (dev->inflight_urgent_bytes > 0) {
-      for (Entry* f : dev->inflight) {
-        if (f->band == kOnDemandBand) {
-          wait_for = f->ready;
-          break;
-        }
-      }
-    }
+    FirstUrgentInflightLocked(dev, &wait_for);  // a miss in flight first
     WorkerWaitLocked(wait_for, lk);
   }
 }
@@ -439,11 +443,7 @@ void ArcherPrefetchHandle::CopyEntryLocked(DeviceState* dev, Entry* e,
     RetakeLock(lk);
     stats_.copy_seconds += seconds;
     if (!error.empty()) break;
-    if (!urgent && token != kTokenDone) {
-      backend_->RetainToken(token);  // Note [Speculation in chunks]
-      dev->spec_chunks.emplace_back(token, chunk);
-      dev->spec_chunk_bytes += chunk;
-    }
+    if (!urgent) TrackSpecChunkLocked(dev, token, chunk);
     done += chunk;
     if (stop_ && done < e->bytes) {
       error = "PrefetchHandle closed during the copy";

@@ -371,13 +371,10 @@ void ArcherPrefetchHandle::CopyFromDiskLocked(DeviceState* dev, Entry* e,
     }
     stage_cv_.notify_all();  // a reader waiting for room may find it soon
   }
-  if (!urgent && token != kTokenDone) {
+  if (!urgent) {
     // Under the speculative cap as one chunk (its extents' copies share a
-    // lane, so the last token covers them): Note [Speculation counts what
-    // is on the link].
-    backend_->RetainToken(token);
-    dev->spec_chunks.emplace_back(token, e->bytes);
-    dev->spec_chunk_bytes += e->bytes;
+    // lane, so the last token covers them).
+    TrackSpecChunkLocked(dev, token, e->bytes);
   }
   dev->copying_bytes -= e->bytes;
   FinishCopyLocked(dev, e, token, error, lk);
