@@ -1,6 +1,7 @@
 #include "eviction_policy.h"
 
 #include <new>
+#include <utility>
 
 #include "errors.h"
 
@@ -103,10 +104,27 @@ void NextUsePolicy::OnRemove(Entry* e) {
   }
 }
 
-void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
-  OnRemove(e);
+void NextUsePolicy::Rekey(Entry* e, int64_t next_use, uint64_t seq) {
+  if (e->policy_second_list) {  // in overflow_: no node to reuse
+    OnRemove(e);
+    e->next_use = next_use;
+    e->policy_stamp = seq;
+    Place(e);
+    return;
+  }
+  auto node = order_.extract(Key{e->next_use, e->policy_stamp, e});
   e->next_use = next_use;
-  Place(e);  // a hint is not a use: the touch sequence stays
+  e->policy_stamp = seq;
+  if (node.empty()) {  // not linked (cannot happen): link it anew
+    Place(e);
+    return;
+  }
+  node.value() = Key{next_use, seq, e};
+  order_.insert(std::move(node));  // a node handle's insert never allocates
+}
+
+void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
+  Rekey(e, next_use, e->policy_stamp);  // a hint is not a use: the touch sequence stays
 }
 
 // Note [Next-use eviction]: no valid hint first, then farthest next use

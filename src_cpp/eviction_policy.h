@@ -186,10 +186,10 @@ class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
   };
   void Link(Entry* e);   // with a new touch sequence
   void Place(Entry* e);  // with its current one
-  void Relink(Entry* e) {
-    OnRemove(e);
-    Link(e);
-  }
+  // A linked `e` moves to (next_use, seq): its own set node is re-keyed,
+  // so a use or a hint allocates nothing (the plan's call makes hundreds).
+  void Rekey(Entry* e, int64_t next_use, uint64_t seq);
+  void Relink(Entry* e) { Rekey(e, e->next_use, ++seq_); }
   // Victim order; the one place it is written down.
   template <typename Visit>
   Entry* Walk(Visit visit) const {
