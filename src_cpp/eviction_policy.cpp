@@ -124,7 +124,8 @@ void NextUsePolicy::Rekey(Entry* e, int64_t next_use, uint64_t seq) {
 }
 
 void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
-  Rekey(e, next_use, e->policy_stamp);  // a hint is not a use: the touch sequence stays
+  // A hint is not a use: the touch sequence stays.
+  Rekey(e, next_use, e->policy_stamp);
 }
 
 // Note [Next-use eviction]: no valid hint first, then farthest next use
