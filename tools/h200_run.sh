@@ -174,13 +174,17 @@ for step in $steps; do
       done ;;
     abtraces)
       # BM5 trace replays (TRACES, TRACES_POLICIES, E2E_STEPS, TRACES_BUDGET_S) of an older tree (OLD_TREE,
-      # built here) and of this one, alternating, this one first (AB_ROUNDS, default 2): same-run figures of a change.
+      # built here) and of this one, alternating (AB_ROUNDS, default 2): same-run figures of a change. This
+      # tree goes first in odd rounds, the older one in even rounds, so neither side always follows the
+      # other (runs 140-142 ran one order per run and could not tell a 10 % difference from the host's drift).
       (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
       old_dir=$(cd "$OLD_TREE" && pwd)
       for i in $(seq 1 "${AB_ROUNDS:-2}"); do
         for t in ${TRACES:-traces/*.json}; do
           name=$(basename "$t" .json)
-          for side in new old; do
+          sides="new old"
+          [ $((i % 2)) -eq 0 ] && sides="old new"
+          for side in $sides; do
             dir=$PWD
             [ "$side" = old ] && dir=$old_dir
             echo "== $side $i $name"
