@@ -87,7 +87,7 @@ def plot_latency(rows, path):
 def format_table(rows) -> str:
     head = (f"{'model':<14}{'b':>3}{'share':>6}  {'policy':<16}{'p50 ms':>9}{'p90 ms':>9}{'stall':>8}"
             f"{'hit':>6}{'GB moved':>9}{'GB/s':>7}{'prec':>6}{'recall':>7}{'floor':>8}{'x floor':>8}"
-            f"{'x adj':>7}{'x best':>7}")
+            f"{'x adj':>7}{'x best':>7}{'x rnd fl':>9}")
     lines = [head]
     for r in rows:
         gb = None if r.get("bytes_moved") is None else r["bytes_moved"] / 1e9
@@ -97,6 +97,7 @@ def format_table(rows) -> str:
             f"{fmt(r.get('achieved_gbps'), 1):>7}{fmt(r.get('precision')):>6}{fmt(r.get('recall')):>7}"
             f"{fmt(r['floor_ms']):>8}{fmt(r.get('over_floor')):>8}"
             f"{fmt(r.get('x_adjacent')):>7}{fmt(r.get('x_adjacent_best')):>7}"
+            f"{fmt(r.get('x_floor_adjacent')):>9}"
         )
     return "\n".join(lines)
 

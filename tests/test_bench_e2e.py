@@ -79,17 +79,32 @@ def test_repeats_take_the_median_round_and_its_adjacent_resident():
     row = {"p50_runs_ms": [], "resident_runs_ms": [], "p50_ms": None, "p90_ms": None}
     # round 1: 30 ms against a 20 ms resident; round 2: 24 against 20; round 3: 50 against 25 (a slow moment)
     e2e.record_round(row, [0.030] * 5, {"hits": 3, "misses": 1, "bytes": 8, "precision": 0.5, "recall": None},
-                     compute_p50=0.020, floor_s=0.020, res_round=[0.020] * 5)
+                     compute_p50=0.020, floor_s=0.020, res_round=[0.020] * 5, io_floor_s=0.010)
     assert row["p50_ms"] == 30.0 and row["hit_rate"] == 0.75 and row["bytes_moved"] == 8
     assert row["x_adjacent"] == 1.5 and abs(row["over_floor"] - 1.5) < 1e-9
-    e2e.record_round(row, [0.024] * 5, {"hits": 0, "misses": 4, "bytes": 99}, 0.020, 0.020, [0.020] * 5)
-    e2e.record_round(row, [0.050] * 5, {"hits": 0, "misses": 4, "bytes": 99}, 0.020, 0.020, [0.025] * 5)
+    e2e.record_round(row, [0.024] * 5, {"hits": 0, "misses": 4, "bytes": 99}, 0.020, 0.020, [0.020] * 5, 0.010)
+    e2e.record_round(row, [0.050] * 5, {"hits": 0, "misses": 4, "bytes": 99}, 0.020, 0.020, [0.025] * 5, 0.010)
     assert row["p50_runs_ms"] == [30.0, 24.0, 50.0] and row["resident_runs_ms"] == [20.0, 20.0, 25.0]
     assert row["p50_ms"] == 30.0  # the median round
     assert row["p90_runs_ms"] == [30.0, 24.0, 50.0] and row["p90_ms"] == 30.0
     assert row["x_adjacent"] == 1.5  # median of 1.5, 1.2, 2.0
     assert row["x_adjacent_best"] == 24.0 / 20.0  # the fastest round over the fastest resident round
     assert row["hit_rate"] == 0.75 and row["bytes_moved"] == 8  # the first round's counters
+
+
+def test_each_round_is_compared_with_the_floor_of_its_own_moment():
+    """x_floor_runs: a round's p50 over max(its own resident run, the IO
+    floor), so a round whose resident step ran under the IO floor is held
+    to the IO floor and one on a slow host to its slow resident step."""
+    row = {"p50_runs_ms": [], "resident_runs_ms": [], "p50_ms": None, "p90_ms": None}
+    counters = {"hits": 0, "misses": 4, "bytes": 99}
+    # IO floor 22 ms; the rounds' resident runs 20 (under it), 20, 25 (over it)
+    for p50, resident in ((0.030, 0.020), (0.024, 0.020), (0.050, 0.025)):
+        e2e.record_round(row, [p50] * 5, counters, compute_p50=0.020, floor_s=0.022, res_round=[resident] * 5,
+                         io_floor_s=0.022)
+    assert [round(x, 4) for x in row["x_floor_runs"]] == [round(30 / 22, 4), round(24 / 22, 4), 2.0]
+    assert row["x_floor_adjacent"] == row["x_floor_runs"][0]  # the median of the three
+    assert row["x_adjacent"] == 1.5  # against the resident runs alone, the IO floor left out
 
 
 def _cpu_main_loop(monkeypatch):
