@@ -369,10 +369,11 @@ def main(argv=None) -> int:
             ForcedRouting(trace, torch.device("cpu"), start=args.trace_from)  # refuses a bad trace or start
         except (OSError, ValueError, KeyError, TypeError) as e:
             parser.error(f"--trace-in {args.trace_in}: {e}")
-        table = {n: m for n, m in (SMOKE_MODELS if smoke else TRACE_MODELS).items() if m[0] in FORCED_FAMILIES}
         # trace_shape cannot refuse these: the counts match and ForcedRouting took the trace.
-        table = {n: (family, trace_shape(shape, trace)) for n, (family, shape) in table.items()
-                 if shape["num_hidden_layers"] == trace.num_layers and shape["num_experts"] == trace.num_experts}
+        table = {n: (family, trace_shape(shape, trace))
+                 for n, (family, shape) in (SMOKE_MODELS if smoke else TRACE_MODELS).items()
+                 if family in FORCED_FAMILIES and shape["num_hidden_layers"] == trace.num_layers
+                 and shape["num_experts"] == trace.num_experts}
         if not table:
             parser.error(f"--trace-in {args.trace_in}: no model of this benchmark has its {trace.num_layers} layers "
                          f"of {trace.num_experts} experts (trace models: {list(TRACE_MODELS)}; smoke: "
