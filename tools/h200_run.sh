@@ -195,6 +195,11 @@ for step in $steps; do
               | tee "$out/ab_${name}_${side}_$i.txt") || status=1
           done
         done
+      done
+      # Round by round, each tree against the floor of its own moment (tools/ab_pairs.py).
+      for p in ${TRACES_POLICIES:-all-resident on-demand oracle torch-by-hand}; do
+        [ "$p" = all-resident ] && continue
+        python3 tools/ab_pairs.py "$out" --policy "$p" 2>&1 | tee -a "$out/ab_pairs.txt" || status=1
       done ;;
     e2edisk)
       # #15's BM5 cell: on-demand with the experts in host memory against the same read from disk

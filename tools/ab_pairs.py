@@ -1,0 +1,150 @@
+"""The pairs of a same-run A/B of two trees (`tools/h200_run.sh OUT
+abtraces`), round by round:
+
+    python3 tools/ab_pairs.py FOLDER [FOLDER ...] [--policy oracle]
+        [--alias new=5f62246 old=0bf545f] [--json OUT]
+
+abtraces writes one BM5 JSON per trace, tree and round, named
+ab_<trace>_<tree>_<round>.json (the tree "new" or "old", or a commit in
+older runs; --alias names the trees of folders that called them new and
+old, so runs of both namings pool). The host's speed drifts between rounds and even between the
+two trees' turns of one round (runs 140-143: resident steps of 21.6-48.7 ms
+in one lease), so two trees' p50s are compared only through each one's
+ratio to the floor of its own moment: its round's p50 over max(the
+resident run beside it, the IO floor) (Note [A round's own floor] in
+bench/e2e.py). Prints, per trace and policy, each round's p50 and ratio for
+both trees, which tree had the lower ratio, and over all rounds of all
+folders the medians and the count of rounds each tree won: the figures
+stop 43's A/B was settled with, computed the same way every time."""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import sys
+
+_NAME = re.compile(r"^ab_(?P<trace>[^_]+)_(?P<tree>[^_]+)_(?P<round>\d+)\.json$")
+
+
+def round_ratio(row: dict, index: int = 0) -> float | None:
+    """Round `index` of a BM5 row: its p50 over max(its resident run, the
+    IO floor); the row's own x_floor_runs where BM5 wrote them, else made
+    from p50_runs_ms, resident_runs_ms and io_floor_ms (older runs)."""
+    given = row.get("x_floor_runs")
+    if given is not None and index < len(given):
+        return given[index]
+    p50s, residents, io = row.get("p50_runs_ms") or [], row.get("resident_runs_ms") or [], row.get("io_floor_ms")
+    if index >= len(p50s) or index >= len(residents) or io is None:
+        return None
+    return p50s[index] / max(residents[index], io)
+
+
+def load(folders: list[str], policy: str, alias: dict | None = None) -> dict:
+    """{trace: {round key: {tree: (p50 ms, resident ms, ratio)}}} from the
+    ab_*.json files of `folders` (a round key is (folder, round)). A file
+    that is not valid JSON, or has no row of `policy`, raises ValueError
+    naming it."""
+    out: dict = {}
+    for folder in folders:
+        names = sorted(n for n in os.listdir(folder) if _NAME.match(n))
+        if not names:
+            raise ValueError(f"{folder}: no ab_<trace>_<tree>_<round>.json files")
+        for name in names:
+            m = _NAME.match(name)
+            path = os.path.join(folder, name)
+            try:
+                with open(path) as f:
+                    rows = json.load(f)["rows"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}: not a BM5 result ({e})") from e
+            row = next((r for r in rows if isinstance(r, dict) and r.get("policy") == policy), None)
+            if row is None or not row.get("p50_runs_ms"):
+                raise ValueError(f"{path}: no measured row of policy {policy!r}")
+            resident = (row.get("resident_runs_ms") or [None])[0]
+            tree = (alias or {}).get(m["tree"], m["tree"])
+            cell = out.setdefault(m["trace"], {}).setdefault((folder, int(m["round"])), {})
+            if tree in cell:
+                raise ValueError(f"{path}: a second file of tree {tree!r} for this round")
+            cell[tree] = (row["p50_runs_ms"][0], resident, round_ratio(row))
+    return out
+
+
+def summarize(pairs: dict) -> dict:
+    """Per trace: the two trees (in first-seen order), every round both ran
+    in with each one's figures and the round's winner (the lower ratio;
+    None on a tie or a missing ratio), each tree's median ratio and rounds
+    won. A trace with other than two trees raises ValueError."""
+    report = {}
+    for trace, rounds in pairs.items():
+        trees: list[str] = []
+        for cell in rounds.values():
+            trees.extend(t for t in cell if t not in trees)
+        if len(trees) != 2:
+            raise ValueError(f"{trace}: an A/B needs two trees, found {trees}")
+        a, b = trees
+        listed, wins = [], {a: 0, b: 0}
+        for key in sorted(rounds):
+            cell = rounds[key]
+            if a not in cell or b not in cell:
+                continue
+            ra, rb = cell[a][2], cell[b][2]
+            winner = None if ra is None or rb is None or ra == rb else (a if ra < rb else b)
+            if winner is not None:
+                wins[winner] += 1
+            listed.append({"folder": key[0], "round": key[1], a: cell[a], b: cell[b], "lower": winner})
+        medians = {}
+        for t in (a, b):
+            ratios = [r[t][2] for r in listed if r[t][2] is not None]
+            medians[t] = statistics.median(ratios) if ratios else None
+        report[trace] = {"trees": [a, b], "rounds": listed, "median_ratio": medians, "rounds_won": wins}
+    return report
+
+
+def format_report(report: dict, policy: str) -> str:
+    def num(x, digits=2):
+        return "null" if x is None else f"{x:.{digits}f}"
+
+    lines = []
+    for trace, r in report.items():
+        a, b = r["trees"]
+        lines.append(f"{trace}, {policy}: p50 ms (resident beside it) and p50 / max(resident, IO floor)")
+        lines.append(f"{'folder':<24}{'round':>6}  {a:>22}  {b:>22}  lower")
+        for row in r["rounds"]:
+            cells = [f"{num(row[t][0], 1)} ({num(row[t][1], 1)}) {num(row[t][2])}" for t in (a, b)]
+            lines.append(f"{os.path.basename(os.path.normpath(row['folder'])):<24}{row['round']:>6}  "
+                         f"{cells[0]:>22}  {cells[1]:>22}  {row['lower'] or '-'}")
+        lines.append(f"median ratio: {a} {num(r['median_ratio'][a])}, {b} {num(r['median_ratio'][b])}; "
+                     f"rounds won: {a} {r['rounds_won'][a]}, {b} {r['rounds_won'][b]} of {len(r['rounds'])}")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("folders", nargs="+")
+    parser.add_argument("--policy", default="oracle")
+    parser.add_argument("--alias", nargs="+", default=[], metavar="NAME=TREE",
+                        help="a file's tree name and the name to pool it under")
+    parser.add_argument("--json")
+    args = parser.parse_args(argv)
+    alias = {}
+    for item in args.alias:
+        name, sep, tree = item.partition("=")
+        if not sep or not name or not tree:
+            parser.error(f"--alias takes NAME=TREE, got {item!r}")
+        alias[name] = tree
+    try:
+        report = summarize(load(args.folders, args.policy, alias))
+    except (OSError, ValueError) as e:
+        print(f"ab_pairs: {e}", file=sys.stderr)
+        return 2
+    print(format_report(report, args.policy))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"policy": args.policy, "traces": report}, f, indent=1, default=list)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
