@@ -10,6 +10,13 @@ def delta(a, b, key):
     return b[key] - a[key]
 
 
+# The engine's counts a row reports over its decode steps: copied on
+# demand, guesses upgraded to band 0 by their layer's acquire, declined by
+# admission control, cancelled before their copy, copies evicted unused
+# (wasted), acquires that found their copy under way (late), evictions.
+DECODE_ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted", "late", "evictions")
+
+
 def decode_counters(at_first: dict, end: dict, accesses) -> dict:
     """Counter figures over the decode steps (first logits call to the end)."""
     hits, misses = delta(at_first, end, "hits"), delta(at_first, end, "misses")
@@ -21,6 +28,13 @@ def decode_counters(at_first: dict, end: dict, accesses) -> dict:
         out["hit_rate"] = 1.0 - copies_at_use / accesses
         out["copies"] = copies_at_use
         out["routed_accesses"] = accesses
+    # Where the engine rows' copies and guesses went over the same steps
+    # (as BM5's ENGINE_COUNTS): a row whose counters lack one (the resident
+    # model, by hand, moe-policylang, accelerate) gets no key for it.
+    for key in DECODE_ENGINE_COUNTS:
+        value = delta(at_first, end, key)
+        if value is not None:
+            out[key] = value
     calls = delta(at_first, end, "calls")
     for key in ("host", "engine", "sync"):  # engine and sync: the engine rows only
         seconds = delta(at_first, end, f"{key}_s")

@@ -129,6 +129,7 @@ class EngineMode(Mode):
             s = handle.stats()
             out["hits"] = s.get("hits") + getattr(self.ctl, "pinned_hits", 0)
             out["misses"] = s.get("misses") + getattr(self.ctl, "zero_copy_reads", 0)
+            out.update({k: s.get(k) for k in ("on_demand", "upgraded", "declined", "cancelled")})
         return out
 
     def new_sequence(self):
@@ -160,7 +161,7 @@ class EngineMode(Mode):
         return {"precision": r.get("prediction_precision"), "recall": r.get("prediction_recall"),
                 "prediction_scope": self.scores_scope, "host_us_per_layer": r.get("host_us_per_layer"),
                 "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
-                "declined": r.get("declined"), "speculation_paused_layers": r.get("speculation_paused_layers"),
+                "speculation_paused_layers": r.get("speculation_paused_layers"),
                 "steady_steps": r.get("steady_steps"), "step_pins": r.get("step_pins"), "preloaded": r.get("preloaded"),
                 "preload_wait_s": self.preload_wait_s}
 

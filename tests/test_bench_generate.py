@@ -69,6 +69,26 @@ def test_smoke_figures(smoke):
         _check_figures(row)
 
 
+def test_engine_rows_say_where_their_copies_went_over_the_decode_steps(smoke):
+    from bench import generate_figures
+
+    counts = generate_figures.DECODE_ENGINE_COUNTS
+    engine = [r for r in smoke["rows"] if r["row"] in generate_modes.ENGINE_ROWS and not r.get("reason")]
+    assert engine
+    for row in engine:
+        for key in counts:
+            assert isinstance(row[key], int) and row[key] >= 0, (row["row"], key, row.get(key))
+    for row in smoke["rows"]:
+        if row["row"] not in generate_modes.ENGINE_ROWS:
+            assert not any(key in row for key in counts), row["row"]
+    # Over the decode steps: the counters' change from the first logits call
+    # to the end, not their totals; a counter a mode lacks gives no key.
+    got = generate_figures.decode_counters({"wasted": 5, "late": 1, "hits": 0, "misses": 0},
+                                           {"wasted": 9, "late": 1, "hits": 3, "misses": 1}, None)
+    assert (got["wasted"], got["late"], got["hit_rate"]) == (4, 0, 0.75)
+    assert "cancelled" not in got
+
+
 def test_engine_and_by_hand_generate_the_resident_tokens(smoke):
     for row in smoke["rows"]:
         if row["row"] in ENGINE_AND_BY_HAND:
