@@ -125,6 +125,19 @@ def host_steal_s():
         return None
 
 
+# The engine's counts of where copies and guesses went, as BM5 and BM6
+# report them: copied on demand, guesses upgraded to band 0 by their layer's
+# acquire, declined by admission control, cancelled before their copy,
+# copies evicted unused (wasted).
+ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted")
+
+
+def round_floor_ratio(p50_ms: float, resident_ms: float, io_floor_ms: float) -> float:
+    """A round's p50 over the floor of its own moment: max(the resident run
+    beside it, the IO floor) (Note [A round's own floor] in bench/e2e.py)."""
+    return p50_ms / max(resident_ms, io_floor_ms)
+
+
 def best_of_ratio(runs, resident_runs) -> float:
     """Note [Best of the repeats]
     The GPU machine's host runs the same generate at a few distinct speeds

@@ -93,7 +93,16 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import best_of_ratio, fmt, machine_info, percentile, raw_h2d_gbps, write_json  # noqa: E402
+from bench.common import (  # noqa: E402
+    ENGINE_COUNTS,
+    best_of_ratio,
+    fmt,
+    machine_info,
+    percentile,
+    raw_h2d_gbps,
+    round_floor_ratio,
+    write_json,
+)
 from bench.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps, profile_steps  # noqa: E402
 from bench.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E402
 from bench.e2e_providers import (  # noqa: E402
@@ -103,11 +112,8 @@ from bench.e2e_providers import (  # noqa: E402
 )
 from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
-# The engine's counts over the measured steps that say where a guess went
-# (null for the rows without the engine): copied on demand, upgraded to
-# band 0 by its layer's acquire, declined by admission control, cancelled
-# before its copy, evicted unused (wasted).
-ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted")
+# ENGINE_COUNTS (bench/common.py): over the measured steps, null for the
+# rows without the engine.
 
 
 def run_policy(torch, dec, policy, inputs, warmup, budget, trace=None, train_inputs=(), forced=None,
@@ -207,7 +213,8 @@ def record_round(row, lat, delta, compute_p50, floor_s, res_round, io_floor_s):
     # Each round is compared with the floor of its own moment instead: its
     # resident run or the IO floor, whichever is higher (docs/results.md,
     # stop 43's second session, where this was first done by hand).
-    row.setdefault("x_floor_runs", []).append(p50 * 1e3 / max(row["resident_runs_ms"][-1], io_floor_s * 1e3))
+    row.setdefault("x_floor_runs", []).append(round_floor_ratio(p50 * 1e3, row["resident_runs_ms"][-1],
+                                                                io_floor_s * 1e3))
     row["x_floor_adjacent"] = statistics.median(row["x_floor_runs"])
     row["x_adjacent_best"] = best_of_ratio(row["p50_runs_ms"], row["resident_runs_ms"])
     row["stall_ms"] = row["p50_ms"] - compute_p50 * 1e3

@@ -3,6 +3,8 @@ figures over its decode steps, and within a block the ratios to the resident
 reference and the TTFT and decode floors."""
 from __future__ import annotations
 
+from bench.common import ENGINE_COUNTS
+
 
 def delta(a, b, key):
     if a.get(key) is None or b.get(key) is None:
@@ -10,11 +12,10 @@ def delta(a, b, key):
     return b[key] - a[key]
 
 
-# The engine's counts a row reports over its decode steps: copied on
-# demand, guesses upgraded to band 0 by their layer's acquire, declined by
-# admission control, cancelled before their copy, copies evicted unused
-# (wasted), acquires that found their copy under way (late), evictions.
-DECODE_ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted", "late", "evictions")
+# The engine's counts a row reports over its decode steps: BM5's
+# ENGINE_COUNTS, acquires that found their copy under way (late) and
+# evictions.
+DECODE_ENGINE_COUNTS = (*ENGINE_COUNTS, "late", "evictions")
 
 
 def decode_counters(at_first: dict, end: dict, accesses) -> dict:

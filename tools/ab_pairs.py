@@ -25,20 +25,25 @@ import re
 import statistics
 import sys
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from bench.common import round_floor_ratio  # noqa: E402
+
 _NAME = re.compile(r"^ab_(?P<trace>[^_]+)_(?P<tree>[^_]+)_(?P<round>\d+)\.json$")
 
 
-def round_ratio(row: dict, index: int = 0) -> float | None:
-    """Round `index` of a BM5 row: its p50 over max(its resident run, the
-    IO floor); the row's own x_floor_runs where BM5 wrote them, else made
-    from p50_runs_ms, resident_runs_ms and io_floor_ms (older runs)."""
+def round_ratio(row: dict) -> float | None:
+    """The (one) round of an abtraces BM5 row: its p50 over max(its
+    resident run, the IO floor); the row's own x_floor_runs where BM5 wrote
+    them, else made from p50_runs_ms, resident_runs_ms and io_floor_ms
+    (older runs)."""
     given = row.get("x_floor_runs")
-    if given is not None and index < len(given):
-        return given[index]
+    if given:
+        return given[0]
     p50s, residents, io = row.get("p50_runs_ms") or [], row.get("resident_runs_ms") or [], row.get("io_floor_ms")
-    if index >= len(p50s) or index >= len(residents) or io is None:
+    if not p50s or not residents or io is None:
         return None
-    return p50s[index] / max(residents[index], io)
+    return round_floor_ratio(p50s[0], residents[0], io)
 
 
 def load(folders: list[str], policy: str, alias: dict | None = None) -> dict:

@@ -179,6 +179,7 @@ for step in $steps; do
       # other (runs 140-142 ran one order per run and could not tell a 10 % difference from the host's drift).
       (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
       old_dir=$(cd "$OLD_TREE" && pwd)
+      ab_policies=${TRACES_POLICIES:-all-resident on-demand oracle torch-by-hand}
       for i in $(seq 1 "${AB_ROUNDS:-2}"); do
         for t in ${TRACES:-traces/*.json}; do
           name=$(basename "$t" .json)
@@ -190,14 +191,14 @@ for step in $steps; do
             echo "== $side $i $name"
             (cd "$dir" && PYTHONPATH="$dir" python3 bench/e2e.py --trace-in "$OLDPWD/$t" --trace-from 1 --models "$name" \
               --shares 0.25 --batches 1 --warmup 2 --steps "${E2E_STEPS:-16}" \
-              --policies ${TRACES_POLICIES:-all-resident on-demand oracle torch-by-hand} --budget-s "${TRACES_BUDGET_S:-150}" \
+              --policies $ab_policies --budget-s "${TRACES_BUDGET_S:-150}" \
               --json "$out/ab_${name}_${side}_$i.json" 2>"$out/ab_${name}_${side}_$i.log" \
               | tee "$out/ab_${name}_${side}_$i.txt") || status=1
           done
         done
       done
       # Round by round, each tree against the floor of its own moment (tools/ab_pairs.py).
-      for p in ${TRACES_POLICIES:-all-resident on-demand oracle torch-by-hand}; do
+      for p in $ab_policies; do
         [ "$p" = all-resident ] && continue
         python3 tools/ab_pairs.py "$out" --policy "$p" 2>&1 | tee -a "$out/ab_pairs.txt" || status=1
       done ;;
