@@ -128,8 +128,10 @@ def host_steal_s():
 # The engine's counts of where copies and guesses went, as BM5 and BM6
 # report them: copied on demand, guesses upgraded to band 0 by their layer's
 # acquire, declined by admission control, cancelled before their copy,
-# copies evicted unused (wasted).
-ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted")
+# copies evicted unused (wasted), and the copy worker's waits for the
+# speculative cap that ended with the link drained (spec_underruns: Note [A
+# cap that follows the worker's wake-ups] in src_cpp/copy_worker.cpp).
+ENGINE_COUNTS = ("on_demand", "upgraded", "declined", "cancelled", "wasted", "spec_underruns")
 
 
 def round_floor_ratio(p50_ms: float, resident_ms: float, io_floor_ms: float) -> float:

@@ -237,6 +237,7 @@ class EngineProvider:
                 "disk_read_bytes": s["disk_read_bytes"], "host_tier_hits": s["host_tier_hits"],
                 "wasted": s["wasted"], "caller_copies": s["caller_copies"], "on_demand": s["on_demand"],
                 "upgraded": s["upgraded"], "declined": s["declined"], "cancelled": s["cancelled"],
+                "spec_underruns": s["spec_underruns"],
                 "evictions": s["evictions"], "engine_ns": self.ctl.engine_ns,
                 "speculation_paused_layers": r["speculation_paused_layers"], "precision": r["prediction_precision"],
                 "recall": r["prediction_recall"]}

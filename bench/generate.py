@@ -99,13 +99,15 @@ Figures per row:
                     slot; moe-policylang: routed (layer, expert) needing no
                     copy at use (its prefetched experts count as copies);
                     accelerate: no cache, hit rate null
-  on_demand, upgraded, declined, cancelled, wasted, late, evictions
+  on_demand, upgraded, declined, cancelled, wasted, spec_underruns, late, evictions
                     engine rows, over the decode steps: copies made on
                     demand, guesses upgraded to band 0 by their layer's
                     acquire, declined by admission control, cancelled
-                    before their copy, copies evicted unused, acquires that
-                    found their copy under way, evictions (where a
-                    speculating row's copies went; BM5's engine counts)
+                    before their copy, copies evicted unused, the copy
+                    worker's cap waits that found the link drained,
+                    acquires that found their copy under way, evictions
+                    (where a speculating row's copies went; BM5's engine
+                    counts)
   precision, recall engine rows: the controller's prediction scores
   speculation_paused_layers
                     engine rows: layers whose guesses were held back or not

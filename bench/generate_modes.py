@@ -129,7 +129,7 @@ class EngineMode(Mode):
             s = handle.stats()
             out["hits"] = s.get("hits") + getattr(self.ctl, "pinned_hits", 0)
             out["misses"] = s.get("misses") + getattr(self.ctl, "zero_copy_reads", 0)
-            out.update({k: s.get(k) for k in ("on_demand", "upgraded", "declined", "cancelled")})
+            out.update({k: s.get(k) for k in ("on_demand", "upgraded", "declined", "cancelled", "spec_underruns")})
         return out
 
     def new_sequence(self):

@@ -64,6 +64,7 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t copies
         uint64_t caller_copies
         uint64_t copy_errors
+        uint64_t spec_underruns
         uint64_t bytes_copied
         double copy_seconds
         uint64_t queue_depth
@@ -71,6 +72,7 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t resident_count
         uint64_t resident_bytes
         uint64_t pinned_count
+        uint64_t speculative_cap_bytes
         uint64_t disk_reads
         uint64_t disk_read_bytes
         uint64_t disk_errors

@@ -126,11 +126,15 @@ cdef class PrefetchHandle(_HandleBase):
         The worker waits for the oldest copy before issuing past it.
     max_speculative_bytes_in_flight=None
         Asynchronous backends: bytes of prefetch (band > 0) copies in flight
-        at most (None: 2 x copy_chunk_bytes), so an on-demand copy queues
-        behind little speculation; no prefetch copy starts while an on-demand
-        one is in flight (Note [Speculation never hurts]). Counted by
-        chunk: a prefetch larger than this is issued a chunk at a time
-        (Note [Speculation in chunks]).
+        at most, so an on-demand copy queues behind little speculation; no
+        prefetch copy starts while an on-demand one is in flight (Note
+        [Speculation never hurts]). Counted by chunk: a prefetch larger than
+        this is issued a chunk at a time (Note [Speculation in chunks]).
+        None: 2 x copy_chunk_bytes, raised a chunk at a time up to 4 x
+        copy_chunk_bytes while the copy worker wakes too late to keep the
+        link busy, and lowered again once it keeps up (Note [A cap that
+        follows the worker's wake-ups]; stats' spec_underruns and
+        speculative_cap_bytes). A number: that cap, fixed.
     copy_lanes=2
         Copy streams per device for prefetches (1..8): entries alternate
         between them, which lifts small copies closer to full bandwidth on

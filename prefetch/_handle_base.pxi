@@ -134,6 +134,10 @@ cdef class _HandleBase:
                         (asynchronous backends: Note [Caller-runs on-demand
                         copies] in docs/design.md)
         copy_errors     failed copies (the acquirer of that id gets the error)
+        spec_underruns  waits for the cap on speculative bytes in flight
+                        after which none were left on the link (the copy
+                        worker woke too late to keep it busy: Note [A cap
+                        that follows the worker's wake-ups])
         bytes_copied    bytes of the completed copies
         copy_seconds    time spent issuing (CUDA) or doing (host) copies,
                         by the workers and by acquirers issuing their own
@@ -152,6 +156,8 @@ cdef class _HandleBase:
         resident_count    entries in the caches
         resident_bytes    bytes of cache slots in use
         pinned_count      entries acquired and not yet released
+        speculative_cap_bytes  the cap on speculative bytes in flight now
+                          (the largest device's; max_speculative_bytes_in_flight)
         registered        registered ids
         registered_bytes  their bytes
         host_tier_used_bytes    bytes of host-tier slots in use

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
 #include <cstring>
 
 namespace prefetch {
@@ -13,14 +14,27 @@ using detail::IdText;
 using detail::StateName;
 using detail::SteadyNs;
 
+namespace {
+
+// `n` chunks of `chunk` bytes, saturated (copy_chunk_bytes may be up to
+// INT64_MAX).
+size_t Chunks(size_t n, size_t chunk) {
+  return chunk > SIZE_MAX / n ? SIZE_MAX : n * chunk;
+}
+
+}  // namespace
+
 ArcherPrefetchHandle::ArcherPrefetchHandle(HandleOptions options,
                                            std::unique_ptr<CopyBackend> backend)
     : backend_(std::move(backend)),
       copy_chunk_bytes_(options.copy_chunk_bytes),
       max_bytes_in_flight_(options.max_bytes_in_flight),
-      max_speculative_bytes_(options.max_speculative_bytes_in_flight != 0
-                                 ? options.max_speculative_bytes_in_flight
-                                 : 2 * options.copy_chunk_bytes),
+      spec_cap_min_(options.max_speculative_bytes_in_flight != 0
+                        ? options.max_speculative_bytes_in_flight
+                        : Chunks(kMinSpecCapChunks, options.copy_chunk_bytes)),
+      spec_cap_max_(options.max_speculative_bytes_in_flight != 0
+                        ? options.max_speculative_bytes_in_flight
+                        : Chunks(kMaxSpecCapChunks, options.copy_chunk_bytes)),
       copy_lanes_(options.copy_lanes),
       copy_poll_us_(options.copy_poll_us),
       debug_issue_delay_ns_(options.debug_issue_delay_ns),
@@ -100,6 +114,7 @@ void ArcherPrefetchHandle::BuildDevices(const HandleOptions& options) {
     for (size_t d = 0; d < n; ++d) {
       auto dev = std::make_unique<DeviceState>();
       dev->index = static_cast<int>(d);
+      dev->spec_cap = spec_cap_min_;
       const size_t budget = options.device_budget_bytes[d];
       void* arena = options.device_arenas.empty() ? nullptr
                                                   : options.device_arenas[d];
@@ -517,6 +532,8 @@ Stats ArcherPrefetchHandle::GetStats() const {
     s.resident_bytes += dev->cache->used_bytes();
     s.bytes_in_flight += dev->copying_bytes;
     s.bytes_in_flight += dev->inflight_bytes;
+    s.speculative_cap_bytes =
+        std::max<uint64_t>(s.speculative_cap_bytes, dev->spec_cap);
   }
   if (host_tier_) {
     s.host_tier_used_bytes = host_tier_->used_bytes();

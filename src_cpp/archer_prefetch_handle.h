@@ -57,6 +57,12 @@ constexpr int kMaxDevices = 64;                            // notify bitmask
 constexpr size_t kDefaultChunkBytes = size_t{4} << 20;     // 4 MiB per copy
 constexpr size_t kDefaultMaxBytesInFlight = size_t{256} << 20;
 constexpr int64_t kDefaultCopyPollUs = 20;
+// Note [A cap that follows the worker's wake-ups]: the default cap on
+// speculative bytes in flight, in chunks, at first and at most, and the
+// speculative chunks without an underrun after which it steps down one.
+constexpr size_t kMinSpecCapChunks = 2;
+constexpr size_t kMaxSpecCapChunks = 4;
+constexpr uint64_t kSpecCapStepDownChunks = 64;
 constexpr int64_t kMaxCopyPollUs = 100000;  // 0.1 s
 constexpr uint8_t kPoisonByte = 0xDB;  // freed slots, with poison_freed_slots
 
@@ -72,8 +78,10 @@ struct HandleOptions {
   size_t copy_chunk_bytes = kDefaultChunkBytes;  // copies split at this size
   size_t max_bytes_in_flight = kDefaultMaxBytesInFlight;  // async backends
   // Speculative (band > 0) bytes in flight before the worker waits, counted
-  // by chunk (Note [Speculation in chunks]); 0 means 2 * copy_chunk_bytes.
-  // Bounds what an on-demand copy queues behind.
+  // by chunk (Note [Speculation in chunks]). Bounds what an on-demand copy
+  // queues behind. 0: a cap of 2 * copy_chunk_bytes that grows a chunk at a
+  // time, up to kMaxSpecCapChunks chunks, while the worker finds the link
+  // drained when it wakes (Note [A cap that follows the worker's wake-ups]).
   size_t max_speculative_bytes_in_flight = 0;
   // How a copy worker waits for its copies in flight (Note [Polite waits]):
   // > 0: it asks the backend whether the copy is done every this many
@@ -300,6 +308,11 @@ class ArcherPrefetchHandle {
     // issued and not yet seen done (token with its own reference, bytes).
     std::deque<std::pair<CopyToken, size_t>> spec_chunks;
     size_t spec_chunk_bytes = 0;  // bytes of spec_chunks
+    // Note [A cap that follows the worker's wake-ups]: the cap on
+    // spec_chunk_bytes now, and the speculative chunks issued since the
+    // last underrun or the last step down.
+    size_t spec_cap = 0;
+    uint64_t spec_chunks_clean = 0;
     std::thread worker;
   };
   using Clock = std::chrono::steady_clock;
@@ -351,7 +364,7 @@ class ArcherPrefetchHandle {
   // Note [Speculation in chunks]: before each chunk of a speculative copy
   // after its first, waits (mu_ dropped) while the speculative chunks in
   // flight (dev->spec_chunks, this copy's and earlier ones') would exceed
-  // max_speculative_bytes_in_flight with the next chunk, or while an
+  // dev->spec_cap with the next chunk, or while an
   // on-demand copy is in flight or being issued. Returns at once when the
   // entry is pinned (an acquirer waits for it), the handle stops, or no
   // speculative chunk is in flight (also with a miss in flight).
@@ -361,6 +374,13 @@ class ArcherPrefetchHandle {
   // joins dev->spec_chunks with a reference of its own (Note [Speculation
   // counts what is on the link]); kTokenDone (a synchronous copy) does not.
   void TrackSpecChunkLocked(DeviceState* dev, CopyToken token, size_t bytes)
+      REQUIRES(mu_);
+  // A wait of the worker's for the oldest speculative chunk because the
+  // chunks in flight had reached dev->spec_cap: waits for `token` (mu_
+  // dropped), retires what landed, and counts an underrun if nothing
+  // speculative is left on the link (Note [A cap that follows the worker's
+  // wake-ups]).
+  void WaitForSpecCapLocked(DeviceState* dev, CopyToken token, MutexLock& lk)
       REQUIRES(mu_);
   // Whether an on-demand copy is in flight on `dev`; if so *token is the
   // oldest one's (as dev->inflight holds it: kTokenDone once seen done).
@@ -528,7 +548,10 @@ class ArcherPrefetchHandle {
   const std::unique_ptr<CopyBackend> backend_;
   const size_t copy_chunk_bytes_;
   const size_t max_bytes_in_flight_;
-  const size_t max_speculative_bytes_;
+  // The cap on speculative bytes in flight starts at spec_cap_min_ and
+  // moves between it and spec_cap_max_ (equal: a fixed cap, the option's).
+  const size_t spec_cap_min_;
+  const size_t spec_cap_max_;
   const int copy_lanes_;
   const int64_t copy_poll_us_;
   const int64_t debug_issue_delay_ns_;

@@ -65,10 +65,12 @@ void ArcherPrefetchHandle::EvictLocked(DeviceState* dev, Entry* e) {
 //   back to the host state, Stats::declined), not queued behind them.
 // - While an on-demand copy is being issued or in flight on a device, its
 //   worker starts no speculative copy: the link belongs to the misses.
-// - Speculative bytes in flight are capped (max_speculative_bytes_in_flight,
-//   default two chunks), counted by chunk (Note [Speculation in chunks]), so
-//   a miss issued now queues behind at most that much speculation on the
-//   copy engines, however large the speculative entry.
+// - Speculative bytes in flight are capped (max_speculative_bytes_in_flight;
+//   by default two chunks, up to four while the worker wakes too late to
+//   keep the link busy: Note [A cap that follows the worker's wake-ups]),
+//   counted by chunk (Note [Speculation in chunks]), so a miss issued now
+//   queues behind at most that much speculation on the copy engines,
+//   however large the speculative entry.
 // On-demand copies (band 0) are never refused or held back by these rules.
 bool ArcherPrefetchHandle::ReserveSlotLocked(DeviceState* dev, Entry* e,
                                              bool* wait_for_events,
@@ -153,6 +155,46 @@ void ArcherPrefetchHandle::TrackSpecChunkLocked(DeviceState* dev,
   backend_->RetainToken(token);
   dev->spec_chunks.emplace_back(token, bytes);
   dev->spec_chunk_bytes += bytes;
+  // Note [A cap that follows the worker's wake-ups]: a grown cap steps down
+  // a chunk after kSpecCapStepDownChunks chunks without an underrun.
+  if (dev->spec_cap > spec_cap_min_ &&
+      ++dev->spec_chunks_clean >= kSpecCapStepDownChunks) {
+    dev->spec_cap = std::max(spec_cap_min_, dev->spec_cap - copy_chunk_bytes_);
+    dev->spec_chunks_clean = 0;
+  }
+}
+
+// Note [A cap that follows the worker's wake-ups]
+// With the cap at two chunks, one chunk is on the link and the next queued
+// behind it; the worker, waiting for the first, has the second's copy time
+// (77 us for 4 MiB on the H200's link) to wake up and queue a third. When
+// it wakes later than that, the link has drained and idles until the next
+// chunk is issued. How late a sleeping thread wakes is the host's: BM5's
+// gpt-oss-120b replay (47.5 MiB experts, the oracle's copies known a step
+// ahead) moved 44.7 GB/s of the link's 54.7 on a slow host with the oracle
+// hitting 92 % of its reads, and with a cap of four chunks 46.4 GB/s and 98 %
+// (run 145; run 144: 90 % and 94 %), while on a fast host the two caps
+// were alike (85 % and 86 %, run 146). So the worker counts an underrun
+// each time a wait it made because speculation had reached the cap ends
+// with no speculative chunk left on the link (stats' spec_underruns). With
+// the default cap (max_speculative_bytes_in_flight=None) each underrun
+// raises the cap by a chunk, up to kMaxSpecCapChunks, and every
+// kSpecCapStepDownChunks speculative chunks issued without one lower it by
+// a chunk again, down to two: the cap is as deep as this host's wake-ups
+// need, and a miss queues behind at most that (two chunks where the worker
+// keeps up). A cap given as an option is never changed; its underruns are
+// still counted. The gauge speculative_cap_bytes shows the cap now.
+void ArcherPrefetchHandle::WaitForSpecCapLocked(DeviceState* dev,
+                                                CopyToken token,
+                                                MutexLock& lk) {
+  WorkerWaitLocked(token, lk);
+  RetireSpecChunksLocked(dev);
+  if (stop_ || !dev->spec_chunks.empty()) return;
+  ++stats_.spec_underruns;
+  dev->spec_chunks_clean = 0;
+  if (spec_cap_max_ - dev->spec_cap >= copy_chunk_bytes_) {
+    dev->spec_cap += copy_chunk_bytes_;
+  }
 }
 
 bool ArcherPrefetchHandle::FirstUrgentInflightLocked(const DeviceState* dev,
@@ -203,7 +245,7 @@ bool ArcherPrefetchHandle::SpeculationAllowedLocked(
   // copying_bytes > 0 here (outside the worker's own copy) is an acquirer
   // issuing its misses.
   return dev->copying_bytes == 0 && dev->inflight_urgent_bytes == 0 &&
-         dev->spec_chunk_bytes < max_speculative_bytes_;
+         dev->spec_chunk_bytes < dev->spec_cap;
 }
 
 void ArcherPrefetchHandle::WorkerLoop(DeviceState* dev) {
@@ -292,6 +334,12 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
   CopyToken wait_for = kTokenDone;
   bool found = FirstUrgentInflightLocked(dev, &wait_for);
   if (!found && held_back && !dev->spec_chunks.empty()) {
+    if (dev->copying_bytes == 0) {
+      // Held back by the cap alone (no miss in flight or being issued).
+      WaitForSpecCapLocked(dev, dev->spec_chunks.front().first, lk);
+      RetireInflightLocked(dev);
+      return true;
+    }
     wait_for = dev->spec_chunks.front().first;
     found = true;
   }
@@ -377,8 +425,10 @@ void ArcherPrefetchHandle::PaceSpeculativeChunkLocked(DeviceState* dev,
                         dev->copying_bytes > e->bytes;
     // Note [Speculation counts what is on the link]: the speculative chunks
     // in flight, this copy's and the copies' before it.
-    if (!misses && dev->spec_chunk_bytes + next <= max_speculative_bytes_) {
-      return;
+    if (!misses) {
+      if (dev->spec_chunk_bytes + next <= dev->spec_cap) return;
+      WaitForSpecCapLocked(dev, dev->spec_chunks.front().first, lk);
+      continue;
     }
     CopyToken wait_for = dev->spec_chunks.front().first;
     FirstUrgentInflightLocked(dev, &wait_for);  // a miss in flight first

@@ -29,6 +29,8 @@ struct Stats {
   uint64_t copies = 0;            // completed copies
   uint64_t caller_copies = 0;     // of those, issued by an acquirer itself
   uint64_t copy_errors = 0;       // failed copies
+  uint64_t spec_underruns = 0;    // cap waits after which no speculative
+                                  // chunk was left on the link
   uint64_t bytes_copied = 0;      // bytes of completed copies
   double copy_seconds = 0;        // time issuing/doing copies (workers and acquirers)
   uint64_t queue_depth = 0;       // gauge: queued ids, all devices
@@ -36,6 +38,8 @@ struct Stats {
   uint64_t resident_count = 0;    // gauge: resident entries
   uint64_t resident_bytes = 0;    // gauge: bytes of slots in use
   uint64_t pinned_count = 0;      // gauge: entries with pins > 0
+  uint64_t speculative_cap_bytes = 0;  // gauge: the cap on speculative bytes
+                                       // in flight now (largest device's)
   uint64_t disk_reads = 0;        // host tier: reads of disk-backed tensors
   uint64_t disk_read_bytes = 0;   // their spans' bytes (aligned)
   uint64_t disk_errors = 0;       // reads that failed (also copy_errors)

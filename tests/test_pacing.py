@@ -32,9 +32,10 @@ def wait_issued(h, entries):
 
 @pytest.mark.parametrize("poll_us", [0, 20])
 def test_a_speculative_copy_larger_than_the_cap_goes_a_chunk_at_a_time(poll_us):
-    # The default cap is two chunks. Counted per entry it let all twelve
-    # chunks of one prefetch onto the link at once.
-    with linked_handle(2000, copy_poll_us=poll_us) as h:
+    # A cap of two chunks (the default's start; fixed here, so that a slow
+    # wake-up on a loaded machine cannot deepen it). Counted per entry it let
+    # all twelve chunks of one prefetch onto the link at once.
+    with linked_handle(2000, copy_poll_us=poll_us, max_speculative_bytes_in_flight=2 * CHUNK) as h:
         h.register(0, content(0, 0, BIG))
         h.prefetch_tensors([0], priority=1)
         wait_issued(h, 1)
@@ -72,6 +73,11 @@ def test_the_link_does_not_idle_between_speculative_entries(poll_us):
         assert counts["copies"] == 3 * entries
         assert counts["link_idle_before_lane_us"] == 0
         assert 0 < counts["max_lane_bytes_in_flight"] <= 2 * CHUNK
+        # Note [A cap that follows the worker's wake-ups]: a worker that
+        # keeps the link busy finds a chunk still on it after every wait,
+        # and the default cap stays at two chunks.
+        s = h.stats()
+        assert s["spec_underruns"] == 0 and s["speculative_cap_bytes"] == 2 * CHUNK
         views = h.acquire(list(range(entries)), timeout=10)
         for t, view in enumerate(views):
             check(view, t, 0)
@@ -83,7 +89,7 @@ def test_a_miss_queues_behind_at_most_the_cap():
     # two chunks of it in flight, then its own copy: 3 copy times on the
     # simulated link (it was 13 when the prefetch went whole).
     delay = 5000
-    with linked_handle(delay) as h:
+    with linked_handle(delay, max_speculative_bytes_in_flight=2 * CHUNK) as h:
         h.register(0, content(0, 0, BIG))
         h.register(1, content(1, 0, CHUNK))
         h.prefetch_tensors([0], priority=1)
@@ -98,6 +104,62 @@ def test_a_miss_queues_behind_at_most_the_cap():
         assert counts["max_lane_bytes_in_flight"] <= 2 * CHUNK
         (view,) = h.acquire([0], timeout=10)
         check(view, 0, 0)
+
+
+def _late_worker_run(**kwargs):
+    """Four prefetches of twelve chunks on a link that moves a chunk in
+    0.2 ms, their copy worker polling every 3 ms: after each wait for the
+    cap it finds the link drained. One lane, so that the link's bytes in
+    flight are the cap's. Returns (stats, fault counts)."""
+    entries = 4
+    with linked_handle(200, copy_poll_us=3000, copy_lanes=1, device_budget_bytes=512 * 1024, **kwargs) as h:
+        for t in range(entries):
+            h.register(t, content(t, 0, BIG))
+        h.prefetch_tensors(list(range(entries)), priority=1)
+        wait_issued(h, entries)
+        views = h.acquire(list(range(entries)), timeout=10)
+        for t, view in enumerate(views):
+            check(view, t, 0)
+        h.release(list(range(entries)))
+        return h.stats(), h.fault_counts()
+
+
+def test_a_worker_that_wakes_late_deepens_the_default_cap():
+    # Note [A cap that follows the worker's wake-ups]: each underrun adds a
+    # chunk to the default cap, up to four; a cap given as an option stays
+    # as given and its underruns are still counted. The deeper cap keeps the
+    # link busy for more of each of the worker's sleeps.
+    grown, grown_link = _late_worker_run()
+    fixed, fixed_link = _late_worker_run(max_speculative_bytes_in_flight=2 * CHUNK)
+    assert grown["spec_underruns"] >= 2 and grown["speculative_cap_bytes"] == 4 * CHUNK
+    assert 2 * CHUNK < grown_link["max_lane_bytes_in_flight"] <= 4 * CHUNK
+    assert fixed["spec_underruns"] >= 2 and fixed["speculative_cap_bytes"] == 2 * CHUNK
+    assert fixed_link["max_lane_bytes_in_flight"] <= 2 * CHUNK
+    # 48 chunks each: about 1.3 ms of idle link a chunk under the fixed cap
+    # (two chunks of 0.2 ms a 3 ms sleep), about 0.55 ms under the grown one.
+    assert grown_link["link_idle_before_lane_us"] < 0.75 * fixed_link["link_idle_before_lane_us"]
+
+
+def test_the_deepened_cap_steps_back_down_once_the_worker_keeps_up():
+    # Deepened to four chunks by late wake-ups, then a link slow enough
+    # (10 ms a chunk) that the worker, polling every 2 ms, always finds a
+    # chunk still on it: every 64 chunks without an underrun take one chunk
+    # off the cap, back to two. A miss then queues behind two chunks again.
+    entries = 16
+    with linked_handle(200, copy_poll_us=2000, copy_lanes=1, device_budget_bytes=1024 * 1024) as h:
+        for t in range(entries):
+            h.register(t, content(t, 0, BIG))
+        h.prefetch_tensors([0, 1], priority=1)
+        assert wait_until(lambda: h.stats()["speculative_cap_bytes"] == 4 * CHUNK)
+        h.set_faults(async_copy_us=10_000)
+        h.prefetch_tensors(list(range(2, entries)), priority=1)
+        assert wait_until(lambda: h.stats()["speculative_cap_bytes"] == 2 * CHUNK, timeout=30)
+        h.cancel_all()
+        h.set_faults(async_copy_us=200)
+        views = h.acquire(list(range(entries)), timeout=60)
+        for t, view in enumerate(views):
+            check(view, t, 0)
+        h.release(list(range(entries)))
 
 
 def test_an_acquire_of_a_copy_under_way_takes_the_rest_at_once():
