@@ -171,7 +171,7 @@ void ArcherPrefetchHandle::TrackSpecChunkLocked(DeviceState* dev,
 // it wakes later than that, the link has drained and idles until the next
 // chunk is issued. How late a sleeping thread wakes is the host's: BM5's
 // gpt-oss-120b replay (47.5 MiB experts, the oracle's copies known a step
-// ahead) moved 44.7 GB/s of the link's 54.7 on a slow host with the oracle
+// ahead) moved 44.7 GB/s of the link's 55.1 on a slow host with the oracle
 // hitting 92 % of its reads, and with a cap of four chunks 46.4 GB/s and 98 %
 // (run 145; run 144: 90 % and 94 %), while on a fast host the two caps
 // were alike (85 % and 86 %, run 146). So the worker counts an underrun
