@@ -140,6 +140,30 @@ def test_a_worker_that_wakes_late_deepens_the_default_cap():
     assert grown_link["link_idle_before_lane_us"] < 0.75 * fixed_link["link_idle_before_lane_us"]
 
 
+def test_a_miss_queues_behind_at_most_the_deepened_cap():
+    # Deepened to four chunks by late wake-ups, the cap still bounds what a
+    # miss waits behind: at most four chunks of speculation, then its own
+    # copy (5 copy times on the simulated link; a prefetch issued whole would
+    # put up to 12 ahead of it).
+    delay = 500
+    with linked_handle(delay, copy_poll_us=3000, copy_lanes=1, device_budget_bytes=512 * 1024) as h:
+        for t in range(4):
+            h.register(t, content(t, 0, BIG))
+        h.register(9, content(9, 0, CHUNK))
+        h.prefetch_tensors([0, 1, 2, 3], priority=1)
+        assert wait_until(lambda: h.stats()["speculative_cap_bytes"] == 4 * CHUNK)
+        (view,) = h.acquire([9], timeout=10)
+        check(view, 9, 0)
+        h.release([9])
+        counts = h.fault_counts()
+        assert counts["max_lane_bytes_in_flight"] <= 4 * CHUNK
+        assert delay <= counts["max_urgent_latency_us"] <= 5 * delay
+        views = h.acquire([0, 1, 2, 3], timeout=10)
+        for t, view in enumerate(views):
+            check(view, t, 0)
+        h.release([0, 1, 2, 3])
+
+
 def test_the_deepened_cap_steps_back_down_once_the_worker_keeps_up():
     # Deepened to four chunks by late wake-ups, then a link slow enough
     # (10 ms a chunk) that the worker, polling every 2 ms, always finds a
