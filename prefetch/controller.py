@@ -820,6 +820,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             "wasted": s["wasted"],
             "late": s["late"],
             "declined": s["declined"],
+            # Note [A cap that follows the worker's wake-ups] (src_cpp/copy_worker.cpp)
+            "spec_underruns": s["spec_underruns"],
+            "speculative_cap_bytes": s["speculative_cap_bytes"],
             "layers_run": layers,
             "engine_us_per_layer": self.engine_ns / layers / 1e3 if layers else None,
             "sync_us_per_layer": self.sync_ns / layers / 1e3 if layers else None,

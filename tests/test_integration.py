@@ -96,6 +96,10 @@ def test_offloaded_model_matches_original(family, predictor, impl):
         s = ctl.handle.stats()
         assert s["evictions"] > 0  # the budget really was too small for all experts
         assert s["pinned_count"] == 0
+        # The copy worker's underruns and the cap they set, as the engine has them.
+        assert (report["spec_underruns"], report["speculative_cap_bytes"]) == (
+            s["spec_underruns"], s["speculative_cap_bytes"])
+        assert report["speculative_cap_bytes"] > 0
         if predictor:
             assert 0 < report["prediction_precision"] <= 1 and 0 < report["prediction_recall"] <= 1
     finally:
