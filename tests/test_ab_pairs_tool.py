@@ -72,3 +72,40 @@ def test_bad_files_are_refused_by_name(tmp_path, capsys):
     assert "no ab_<trace>_<tree>_<round>.json files" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         ab.main([str(run), "--alias", "new"])
+
+
+def _write_e2e(folder, trace, rows):
+    folder.mkdir(exist_ok=True)
+    (folder / f"e2e_{trace}.json").write_text(json.dumps({"rows": rows}))
+
+
+def test_two_rows_of_one_run_are_paired_round_by_round(tmp_path, capsys):
+    # --rows: two policies of the same BM5 run (--repeats 3), each round's
+    # pair beside that round's resident run. Round 2's resident run was
+    # slow (40 ms, over the 28 ms IO floor): both rows are judged against it.
+    ab = load_tool("ab_pairs")
+    run = tmp_path / "run149"
+    resident = [25.0, 40.0, 26.0]
+    a = {"policy": "oracle", "p50_runs_ms": [30.0, 44.0, 36.0], "resident_runs_ms": resident, "io_floor_ms": 28.0}
+    b = {"policy": "oracle:cap=8", "p50_runs_ms": [33.0, 42.0, 37.0], "resident_runs_ms": resident,
+         "io_floor_ms": 28.0, "x_floor_runs": [33 / 28, 42 / 40, 37 / 28]}
+    _write_e2e(run, "gpt-oss-120b", [{"policy": "all-resident", "p50_runs_ms": resident}, a, b])
+    report = ab.summarize(ab.load_rows([str(run)], ("oracle", "oracle:cap=8")))["gpt-oss-120b"]
+    assert report["trees"] == ["oracle", "oracle:cap=8"]
+    assert [r["lower"] for r in report["rounds"]] == ["oracle", "oracle:cap=8", "oracle"]
+    assert report["rounds"][1]["oracle"] == (44.0, 40.0, pytest.approx(44 / 40))
+    assert report["rounds_won"] == {"oracle": 2, "oracle:cap=8": 1}
+    assert report["median_ratio"]["oracle"] == pytest.approx(44 / 40)  # of 30/28, 44/40, 36/28
+    assert ab.main([str(run), "--rows", "oracle", "oracle:cap=8"]) == 0
+    assert "rounds won: oracle 2, oracle:cap=8 1 of 3" in capsys.readouterr().out
+
+
+def test_rows_that_are_not_both_measured_are_refused(tmp_path, capsys):
+    ab = load_tool("ab_pairs")
+    run = tmp_path / "run"
+    _write_e2e(run, "gemma4-26b-a4b", [{"policy": "oracle", "p50_runs_ms": [30.0], "resident_runs_ms": [25.0],
+                                       "io_floor_ms": 9.0}])
+    assert ab.main([str(run), "--rows", "oracle", "on-demand"]) == 2
+    assert "no measured row of policy 'on-demand'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        ab.main([str(run), "--rows", "oracle", "oracle"])

@@ -1,8 +1,14 @@
 """The pairs of a same-run A/B of two trees (`tools/h200_run.sh OUT
-abtraces`), round by round:
+abtraces`), or of two rows of one BM5 run, round by round:
 
     python3 tools/ab_pairs.py FOLDER [FOLDER ...] [--policy oracle]
         [--alias new=5f62246 old=0bf545f] [--json OUT]
+    python3 tools/ab_pairs.py FOLDER [FOLDER ...] --rows ROW_A ROW_B [--json OUT]
+
+With --rows the two sides are two policies of the same BM5 runs (e.g.
+oracle and oracle:max_speculative_bytes_in_flight=8388608, stop 44): each
+e2e_<trace>.json of the folders, made with --repeats N, gives N rounds in
+which both rows ran beside the same resident run.
 
 abtraces writes one BM5 JSON per trace, tree and round, named
 ab_<trace>_<tree>_<round>.json (the tree "new" or "old", or a commit in
@@ -76,6 +82,45 @@ def load(folders: list[str], policy: str, alias: dict | None = None) -> dict:
     return out
 
 
+_E2E = re.compile(r"^e2e_(?P<trace>.+)\.json$")
+
+
+def load_rows(folders: list[str], names: tuple[str, str]) -> dict:
+    """As load, with two rows of the same BM5 runs as the two sides: from
+    each e2e_<trace>.json of `folders`, per round i of its --repeats, each
+    row's i-th p50, the resident run of that round and its ratio to that
+    round's floor. A file without both rows, or whose rows do not have one
+    figure a round, raises ValueError naming it."""
+    out: dict = {}
+    for folder in folders:
+        names_here = sorted(n for n in os.listdir(folder) if _E2E.match(n))
+        if not names_here:
+            raise ValueError(f"{folder}: no e2e_<trace>.json files")
+        for name in names_here:
+            path = os.path.join(folder, name)
+            try:
+                with open(path) as f:
+                    rows = json.load(f)["rows"]
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                raise ValueError(f"{path}: not a BM5 result ({e})") from e
+            sides = {}
+            for side in names:
+                row = next((r for r in rows if isinstance(r, dict) and r.get("policy") == side), None)
+                if row is None or not row.get("p50_runs_ms"):
+                    raise ValueError(f"{path}: no measured row of policy {side!r}")
+                p50s, residents = row["p50_runs_ms"], row.get("resident_runs_ms") or []
+                ratios = row.get("x_floor_runs")
+                if ratios is None and row.get("io_floor_ms") is not None and len(residents) == len(p50s):
+                    ratios = [round_floor_ratio(p, r, row["io_floor_ms"]) for p, r in zip(p50s, residents)]
+                if len(residents) != len(p50s) or ratios is None or len(ratios) != len(p50s):
+                    raise ValueError(f"{path}: row {side!r} has not one p50, resident run and ratio a round")
+                sides[side] = list(zip(p50s, residents, ratios))
+            trace = _E2E.match(name)["trace"]
+            for i in range(min(len(v) for v in sides.values())):
+                out.setdefault(trace, {})[(folder, i + 1)] = {side: sides[side][i] for side in names}
+    return out
+
+
 def summarize(pairs: dict) -> dict:
     """Per trace: the two trees (in first-seen order), every round both ran
     in with each one's figures and the round's winner (the lower ratio;
@@ -131,23 +176,29 @@ def main(argv=None) -> int:
     parser.add_argument("--policy", default="oracle")
     parser.add_argument("--alias", nargs="+", default=[], metavar="NAME=TREE",
                         help="a file's tree name and the name to pool it under")
+    parser.add_argument("--rows", nargs=2, metavar=("ROW_A", "ROW_B"),
+                        help="compare two policies of the same BM5 runs (e2e_<trace>.json) instead of two trees")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.rows and (args.alias or args.rows[0] == args.rows[1]):
+        parser.error("--rows takes two different policies and no --alias")
     alias = {}
     for item in args.alias:
         name, sep, tree = item.partition("=")
         if not sep or not name or not tree:
             parser.error(f"--alias takes NAME=TREE, got {item!r}")
         alias[name] = tree
+    what = " against ".join(args.rows) if args.rows else args.policy
     try:
-        report = summarize(load(args.folders, args.policy, alias))
+        pairs = load_rows(args.folders, tuple(args.rows)) if args.rows else load(args.folders, args.policy, alias)
+        report = summarize(pairs)
     except (OSError, ValueError) as e:
         print(f"ab_pairs: {e}", file=sys.stderr)
         return 2
-    print(format_report(report, args.policy))
+    print(format_report(report, what))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"policy": args.policy, "traces": report}, f, indent=1, default=list)
+            json.dump({"policy": args.policy, "rows": args.rows, "traces": report}, f, indent=1, default=list)
     return 0
 
 
