@@ -464,6 +464,9 @@ class EngineMachine(RuleBasedStateMachine):
         assert self.h.resident() == self.m.residents.order()
         assert self.h.queued() == self.m.queue
         assert set(self.m.pinned()) <= set(self.m.residents.order())  # acquired ids are resident
+        # The default speculative cap stays within two to four chunks (Note [A
+        # cap that follows the worker's wake-ups]; default chunk 4 MiB).
+        assert 2 * (4 << 20) <= s["speculative_cap_bytes"] <= 4 * (4 << 20)
         if "faults" in self.handle_options and s["on_demand"] > 0:
             assert 0 < s["caller_copies"] <= s["on_demand"]  # the async path really ran
 
