@@ -157,7 +157,8 @@ for step in $steps; do
     e2etraces)
       # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run);
       # TRACES_PROFILE=1 adds --profile (GPU and host split of a few more steps per policy);
-      # TRACES_POLICIES replaces the policies, TRACES_ARGS adds arguments (--oracle-distance 4).
+      # TRACES_POLICIES replaces the policies, TRACES_ARGS adds arguments (--oracle-distance 4),
+      # TRACES_AB_ROWS="ROW_A ROW_B" pairs two of the policies round by round at the end (tools/ab_pairs.py --rows).
       for t in ${TRACES:-traces/*.json}; do
         python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares ${TRACES_SHARES:-0.25} --batches 1 --warmup 2 --steps "${E2E_STEPS:-24}" \
           --policies ${TRACES_POLICIES:-all-resident on-demand next-layer-gate oracle torch-by-hand} --budget-s "${TRACES_BUDGET_S:-150}" ${TRACES_ARGS:-} \
@@ -171,7 +172,11 @@ for step in $steps; do
             2>&1 | tee "$out/link_gaps_$(basename "$t" .json).txt"
         fi
         rm -f "$out/prof_$(basename "$t" .json)"/*.json
-      done ;;
+      done
+      # TRACES_AB_ROWS="ROW_A ROW_B": the two rows round by round, each against its round's floor.
+      if [ -n "${TRACES_AB_ROWS:-}" ]; then
+        python3 tools/ab_pairs.py "$out" --rows $TRACES_AB_ROWS --json "$out/ab_rows.json" 2>&1 | tee "$out/ab_rows.txt"
+      fi ;;
     abtraces)
       # BM5 trace replays (TRACES, TRACES_POLICIES, E2E_STEPS, TRACES_BUDGET_S) of an older tree (OLD_TREE,
       # built here) and of this one, alternating (AB_ROUNDS, default 2): same-run figures of a change. This
