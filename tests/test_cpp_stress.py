@@ -24,7 +24,7 @@ def stress_binary(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize("mode", ["host", "async"])
+@pytest.mark.parametrize("mode", ["host", "async", "link"])
 @pytest.mark.parametrize("threads", [1, 4, 16, 64])
 def test_cpp_stress(stress_binary, threads, mode):
     run_stress(stress_binary, threads, mode, "lru")

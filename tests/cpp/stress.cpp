@@ -1,9 +1,13 @@
 // C++-level stress of the queue and cache: T threads hammer one handle with
 // batched prefetches, acquire/verify/release, cancels and evictions, then the
-// counters must reconcile. Usage: stress THREADS OPS_PER_THREAD [host|async]
+// counters must reconcile. Usage: stress THREADS OPS_PER_THREAD [host|async|link]
 // [lru|cyclic|next-use] (next-use: the threads send hints too)
 // ("async": the fault backend claiming to be asynchronous, so acquirers
-// issue their own on-demand copies, as on CUDA).
+// issue their own on-demand copies, as on CUDA; "link": the same on a
+// simulated link of 2 us a copy, 256-byte chunks and a 50 us poll, so that
+// speculation goes a chunk at a time and the copy worker wakes late: the
+// speculative cap deepens and steps down while the threads race it, Note [A
+// cap that follows the worker's wake-ups]).
 // Exit 0 on success; prints the first violation and exits 1 otherwise.
 #include <atomic>
 #include <chrono>
@@ -42,13 +46,19 @@ int main(int argc, char** argv) {
   prefetch::HandleOptions options;
   options.device_budget_bytes = {kSlots * prefetch::AlignSlot(kBytes)};
   options.poison_freed_slots = true;
-  const bool async = argc > 3 && std::strcmp(argv[3], "async") == 0;
+  const bool link = argc > 3 && std::strcmp(argv[3], "link") == 0;
+  const bool async = link || (argc > 3 && std::strcmp(argv[3], "async") == 0);
+  if (link) {
+    options.copy_chunk_bytes = 256;
+    options.copy_poll_us = 50;
+  }
   if (argc > 4) options.eviction_policy = argv[4];
   const bool hints = options.eviction_policy == "next-use";
   std::unique_ptr<prefetch::CopyBackend> backend;
   if (async) {
     auto config = std::make_shared<prefetch::FaultConfig>();
     config->report_async = 1;
+    if (link) config->async_copy_us = 2;
     backend = prefetch::MakeFaultBackend(1, config);
   } else {
     backend = std::make_unique<prefetch::HostBackend>();
@@ -119,7 +129,20 @@ int main(int argc, char** argv) {
   // Let the worker finish what is queued: an entry mid-copy is neither
   // queued nor copied yet, so the books balance only at rest.
   prefetch::Stats s = handle.GetStats();
-  for (int spin = 0; spin < 60000 && (s.queue_depth != 0 || s.bytes_in_flight != 0); ++spin) {
+  if (link) {
+    // On the simulated link a copy stays in bytes_in_flight until the worker
+    // next looks, and an idle worker sleeps until new work comes: at rest is
+    // an empty queue with the copies and bytes in flight unchanged for 50 ms.
+    uint64_t last_copies = ~uint64_t{0}, last_bytes = ~uint64_t{0};
+    for (int spin = 0, stable = 0; spin < 60000 && stable < 50; ++spin) {
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      s = handle.GetStats();
+      stable = s.queue_depth == 0 && s.copies == last_copies && s.bytes_in_flight == last_bytes ? stable + 1 : 0;
+      last_copies = s.copies;
+      last_bytes = s.bytes_in_flight;
+    }
+  }
+  for (int spin = 0; !link && spin < 60000 && (s.queue_depth != 0 || s.bytes_in_flight != 0); ++spin) {
     std::this_thread::sleep_for(std::chrono::milliseconds(1));
     s = handle.GetStats();
   }
@@ -131,14 +154,20 @@ int main(int argc, char** argv) {
   }
   if (s.copies != s.resident_count + s.evictions) Fail("copy accounting", static_cast<long>(s.copies), static_cast<long>(s.resident_count + s.evictions));
   if (s.pinned_count != 0) Fail("pins left", static_cast<long>(s.pinned_count), 0);
+  if (s.speculative_cap_bytes < 2 * options.copy_chunk_bytes ||
+      s.speculative_cap_bytes > 4 * options.copy_chunk_bytes) {
+    Fail("speculative cap out of its bounds", static_cast<long>(s.speculative_cap_bytes),
+         static_cast<long>(options.copy_chunk_bytes));
+  }
   handle.Close();
   if (g_failed) return 1;
   if (async && s.caller_copies == 0) {
     std::fprintf(stderr, "FAIL: no caller-run copies in async mode\n");
     return 1;
   }
-  std::printf("ok threads=%d ops=%d requests=%llu acquires=%llu copies=%llu evictions=%llu\n", threads, ops,
-              static_cast<unsigned long long>(s.requests), static_cast<unsigned long long>(s.acquires),
-              static_cast<unsigned long long>(s.copies), static_cast<unsigned long long>(s.evictions));
+  std::printf("ok threads=%d ops=%d requests=%llu acquires=%llu copies=%llu evictions=%llu underruns=%llu\n",
+              threads, ops, static_cast<unsigned long long>(s.requests),
+              static_cast<unsigned long long>(s.acquires), static_cast<unsigned long long>(s.copies),
+              static_cast<unsigned long long>(s.evictions), static_cast<unsigned long long>(s.spec_underruns));
   return 0;
 }
