@@ -30,7 +30,10 @@ def test_link_sim_reports_every_policy(tmp_path):
         assert r["experts_copied_per_step"] > 0
         # the measured steps: from --trace-from 1, after one warm-up step
         assert r["hits"] + r["misses"] == sum(len(set(e)) for step in STEPS[2:6] for e in step)
-        assert 0 < r["link_busy"] <= 1.0
+        # A copy counts whole once issued: what is still on the link when the
+        # measured steps end (speculation up to its cap, Note [A cap that
+        # follows the worker's wake-ups]) counts too.
+        assert 0 < r["link_busy"] <= 1.0 + r["in_flight_ms_at_end"] / r["measured_ms"]
         assert r["idle_ms_before_lane"] >= 0 and r["idle_ms_before_urgent"] >= 0
     assert rows["on-demand"]["cancelled"] == 0 and rows["on-demand"]["idle_ms_before_lane"] == 0
     assert rows["oracle"]["on_demand"] <= rows["on-demand"]["on_demand"]

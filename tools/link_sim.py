@@ -35,7 +35,11 @@ the next layer (Note [Speculation after launch]).
 Per policy: ms per step (median of the measured steps), the IO floor
 (Belady's fewest loads for this cache over the same link, per step) and
 max(IO floor, host time) as the floor, the link's busy share of the
-measured steps (copies in them x --expert-us over their wall time), hits,
+measured steps (copies in them x --expert-us over their wall time; a copy
+counts whole once issued, so what is still on the link as the last step
+ends counts too and the share can pass 1 by that much: measured_ms is the
+wall time, in_flight_ms_at_end the link time of the bytes the engine had in
+flight then, an upper bound of it), hits,
 late and the engine's on-demand and cancelled counts, and the link's idle
 time a step split by the copy that ended it: a prefetch-lane copy (the
 worker had nothing, or was late, to send) or an urgent one (a miss). A figure of this
@@ -126,6 +130,8 @@ def run_policy(policy: str, trace, args) -> dict:
         delta["hits"] += ctl.pinned_hits - pinned_before  # read from a step plan's pins: not acquired
         return {"policy": policy, "ms_per_step": statistics.median(measured) * 1e3,
                 "link_busy": copied * args.expert_us / 1e6 / sum(measured),
+                "measured_ms": sum(measured) * 1e3,
+                "in_flight_ms_at_end": after["bytes_in_flight"] / EXPERT_BYTES * args.expert_us / 1e3,
                 "experts_copied_per_step": copied / len(measured),
                 "hit_rate": delta["hits"] / max(1, delta["hits"] + delta["misses"]),
                 # the link's idle time a step, by the kind of copy that ended it
