@@ -168,7 +168,7 @@ def test_the_deepened_cap_steps_back_down_once_the_worker_keeps_up():
     # Deepened to four chunks by late wake-ups, then a link slow enough
     # (10 ms a chunk) that the worker, polling every 2 ms, always finds a
     # chunk still on it: every 64 chunks without an underrun take one chunk
-    # off the cap, back to two. A miss then queues behind two chunks again.
+    # off the cap, back to two.
     entries = 16
     with linked_handle(200, copy_poll_us=2000, copy_lanes=1, device_budget_bytes=1024 * 1024) as h:
         for t in range(entries):
