@@ -52,6 +52,33 @@ def round_ratio(row: dict) -> float | None:
     return round_floor_ratio(p50s[0], residents[0], io)
 
 
+_E2E = re.compile(r"^e2e_(?P<trace>.+)\.json$")
+
+
+def _results(folder: str, pattern, what: str):
+    """(name match, path, rows) of each BM5 result in `folder` whose name
+    matches `pattern`, in name order; none, or a file that is not a BM5
+    result, raises ValueError naming it."""
+    names = sorted(n for n in os.listdir(folder) if pattern.match(n))
+    if not names:
+        raise ValueError(f"{folder}: no {what} files")
+    for name in names:
+        path = os.path.join(folder, name)
+        try:
+            with open(path) as f:
+                rows = json.load(f)["rows"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise ValueError(f"{path}: not a BM5 result ({e})") from e
+        yield pattern.match(name), path, rows
+
+
+def _measured_row(rows: list, policy: str, path: str) -> dict:
+    row = next((r for r in rows if isinstance(r, dict) and r.get("policy") == policy), None)
+    if row is None or not row.get("p50_runs_ms"):
+        raise ValueError(f"{path}: no measured row of policy {policy!r}")
+    return row
+
+
 def load(folders: list[str], policy: str, alias: dict | None = None) -> dict:
     """{trace: {round key: {tree: (p50 ms, resident ms, ratio)}}} from the
     ab_*.json files of `folders` (a round key is (folder, round)). A file
@@ -59,20 +86,8 @@ def load(folders: list[str], policy: str, alias: dict | None = None) -> dict:
     naming it."""
     out: dict = {}
     for folder in folders:
-        names = sorted(n for n in os.listdir(folder) if _NAME.match(n))
-        if not names:
-            raise ValueError(f"{folder}: no ab_<trace>_<tree>_<round>.json files")
-        for name in names:
-            m = _NAME.match(name)
-            path = os.path.join(folder, name)
-            try:
-                with open(path) as f:
-                    rows = json.load(f)["rows"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}: not a BM5 result ({e})") from e
-            row = next((r for r in rows if isinstance(r, dict) and r.get("policy") == policy), None)
-            if row is None or not row.get("p50_runs_ms"):
-                raise ValueError(f"{path}: no measured row of policy {policy!r}")
+        for m, path, rows in _results(folder, _NAME, "ab_<trace>_<tree>_<round>.json"):
+            row = _measured_row(rows, policy, path)
             resident = (row.get("resident_runs_ms") or [None])[0]
             tree = (alias or {}).get(m["tree"], m["tree"])
             cell = out.setdefault(m["trace"], {}).setdefault((folder, int(m["round"])), {})
@@ -80,9 +95,6 @@ def load(folders: list[str], policy: str, alias: dict | None = None) -> dict:
                 raise ValueError(f"{path}: a second file of tree {tree!r} for this round")
             cell[tree] = (row["p50_runs_ms"][0], resident, round_ratio(row))
     return out
-
-
-_E2E = re.compile(r"^e2e_(?P<trace>.+)\.json$")
 
 
 def load_rows(folders: list[str], names: tuple[str, str]) -> dict:
@@ -93,21 +105,10 @@ def load_rows(folders: list[str], names: tuple[str, str]) -> dict:
     figure a round, raises ValueError naming it."""
     out: dict = {}
     for folder in folders:
-        names_here = sorted(n for n in os.listdir(folder) if _E2E.match(n))
-        if not names_here:
-            raise ValueError(f"{folder}: no e2e_<trace>.json files")
-        for name in names_here:
-            path = os.path.join(folder, name)
-            try:
-                with open(path) as f:
-                    rows = json.load(f)["rows"]
-            except (OSError, ValueError, KeyError, TypeError) as e:
-                raise ValueError(f"{path}: not a BM5 result ({e})") from e
+        for m, path, rows in _results(folder, _E2E, "e2e_<trace>.json"):
             sides = {}
             for side in names:
-                row = next((r for r in rows if isinstance(r, dict) and r.get("policy") == side), None)
-                if row is None or not row.get("p50_runs_ms"):
-                    raise ValueError(f"{path}: no measured row of policy {side!r}")
+                row = _measured_row(rows, side, path)
                 p50s, residents = row["p50_runs_ms"], row.get("resident_runs_ms") or []
                 ratios = row.get("x_floor_runs")
                 if ratios is None and row.get("io_floor_ms") is not None and len(residents) == len(p50s):
@@ -115,9 +116,8 @@ def load_rows(folders: list[str], names: tuple[str, str]) -> dict:
                 if len(residents) != len(p50s) or ratios is None or len(ratios) != len(p50s):
                     raise ValueError(f"{path}: row {side!r} has not one p50, resident run and ratio a round")
                 sides[side] = list(zip(p50s, residents, ratios))
-            trace = _E2E.match(name)["trace"]
             for i in range(min(len(v) for v in sides.values())):
-                out.setdefault(trace, {})[(folder, i + 1)] = {side: sides[side][i] for side in names}
+                out.setdefault(m["trace"], {})[(folder, i + 1)] = {side: sides[side][i] for side in names}
     return out
 
 
