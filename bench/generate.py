@@ -119,6 +119,12 @@ Figures per row:
                     fetched by the predictor's plan of the whole step in one
                     engine call (Note [Step pins]; report(); over the whole
                     row, warm-up included)
+  sync_free_steps, path_switches
+                    engine rows: steps that took the sync-free path and
+                    switches between it and the synced path (Note [Which
+                    path a step takes]; report(); over the whole row,
+                    warm-up included; null where the row has no sync-free
+                    path)
   preloaded         engine rows: experts queued at offload (Note [Preload]:
                     all of them where every expert fits the budget, else 0)
   preload_wait_s    engine rows: seconds the row waited after offloading

@@ -163,6 +163,7 @@ class EngineMode(Mode):
                 "engine_us_per_layer": r.get("engine_us_per_layer"), "sync_us_per_layer": r.get("sync_us_per_layer"),
                 "speculation_paused_layers": r.get("speculation_paused_layers"),
                 "steady_steps": r.get("steady_steps"), "step_pins": r.get("step_pins"), "preloaded": r.get("preloaded"),
+                "sync_free_steps": r.get("sync_free_steps"), "path_switches": r.get("path_switches"),
                 "preload_wait_s": self.preload_wait_s}
 
     def trace_steps(self, n):

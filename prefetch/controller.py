@@ -230,6 +230,8 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         the current one; the sync-free path reads routings late)."""
         step = self.step if step is None else step
         self._score(step, layer, experts)
+        if self.sync_free:  # a synced step's reads (Note [Which path a step takes])
+            self._seen[layer, experts] = True
         hints = None
         if self.predictor is not None:
             hints = self.predictor.observe(self, step, layer, experts)
@@ -806,6 +808,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             "hit_rate": hits / acquired if acquired else None,
             "zero_copy_reads": self.zero_copy_reads,
             "path_switches": self.path_switches if self.sync_free else None,
+            "sync_free_steps": self.sync_free_steps if self.sync_free else None,
             "zero_copy_bytes": self.zero_copy_reads * self.expert_bytes,
             "read_aheads": self.read_aheads,
             "preloaded": self.preloaded,

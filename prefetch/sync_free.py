@@ -15,6 +15,87 @@ from prefetch.read_back import to_host
 __all__ = ["SyncFreeDecode"]
 
 
+# Note [Which path a step takes]: the miss fractions that switch a step's
+# path, the length of a sync-free run that counts as a failed try, and the
+# longest hold after failed tries (steps).
+_SYNC_FREE_MAX_MISSED = 0.10
+_SYNCED_MAX_MISSED = 0.03
+_TRY_STEPS = 4
+_FIRST_HOLD = 4
+_MAX_HOLD = 64
+
+
+class PathChoice:
+    """Note [Which path a step takes]
+    A sync-free step pays for a miss with a read over PCIe by the kernel (as
+    slow as a copy, and then a prefetch of the same bytes for the next step:
+    twice the traffic) but has no sync; a synced step pays a sync per layer
+    but copies each miss once and lets a predictor's guesses land first. So
+    the step goes sync-free while misses are rare: after a step that missed
+    more than _SYNC_FREE_MAX_MISSED (10 %) of its routed experts the next
+    steps are synced, and they go back to sync-free once a step misses less
+    than _SYNCED_MAX_MISSED (3 %) (measured on the H200, OLMoE: at batch 1
+    and a quarter of the experts cached, 2 % misses and sync-free wins; at
+    batch 8, 30-65 % misses and the synced path wins, 126 ms against 183
+    per token).
+
+    A synced step's misses do not always say what a sync-free one would
+    miss: the synced path lets a predictor's copies land before their layer
+    reads them, the sync-free path pins what is resident when the layer
+    starts. With a cache smaller than what one step reads, the oracle missed
+    under 3 % on synced steps and over 10 % on sync-free ones, so the path
+    flipped every step: OLMoE-1B-7B at batch 1 and a tenth of the experts
+    cached (BM6, run 156) took 33 sync-free steps of 70 with 37 switches,
+    copied 3,715 experts against 1,884 for the same row kept synced (Belady:
+    1,669) and ran 1.43x the resident model against 1.33. So a sync-free run
+    that a switch began and that ends within _TRY_STEPS steps is a failed
+    try: the synced steps after it wait out a hold (steps that would have
+    switched stay synced) that starts at _FIRST_HOLD steps and doubles with
+    each failed try in a row, up to _MAX_HOLD; a sync-free run that lasts
+    longer clears it. Misses of experts no earlier step read (a cache
+    still warming) fail no try: no path avoids them, and the first
+    sync-free run (a model's first steps, before any synced step) is no
+    try either."""
+
+    def __init__(self):
+        self.sync_free = True  # the path of the step about to run
+        self.switches = 0
+        self.held = 0  # synced steps that missed little but stayed synced (the hold)
+        self._run = None  # steps of a sync-free run that a switch began; None otherwise
+        self._hold = 0  # steps that would switch to sync-free still to stay synced
+        self._next_hold = _FIRST_HOLD
+
+    def after(self, missed: float | None, missed_again: float | None = None) -> bool:
+        """The step that just ran missed `missed` of its routed experts (a
+        fraction; None: not known, nothing changes), `missed_again` of them
+        experts some earlier step had read (a sync-free step's; None: all of
+        its misses count); returns whether the next step goes sync-free."""
+        if missed is None:
+            return self.sync_free
+        if self.sync_free:
+            if self._run is not None:
+                self._run += 1
+            if missed > _SYNC_FREE_MAX_MISSED:
+                self.sync_free = False
+                self.switches += 1
+                again = missed if missed_again is None else missed_again
+                if self._run is not None and self._run < _TRY_STEPS and again > _SYNC_FREE_MAX_MISSED:
+                    self._hold = self._next_hold
+                    self._next_hold = min(2 * self._next_hold, _MAX_HOLD)
+                self._run = None
+            elif self._run is not None and self._run >= _TRY_STEPS:
+                self._next_hold = _FIRST_HOLD  # a run that held: the tries start over
+        elif missed < _SYNCED_MAX_MISSED:
+            if self._hold:
+                self._hold -= 1
+                self.held += 1
+            else:
+                self.sync_free = True
+                self.switches += 1
+                self._run = 0
+        return self.sync_free
+
+
 class SyncFreeDecode:
     """Mixed into OffloadController: the methods of the sync-free path. The
     state they share is set by OffloadController.__init__ and
@@ -24,9 +105,12 @@ class SyncFreeDecode:
         self.sync_free = True
         self.sync_free_active = True  # this step's path (Note [Which path a step takes])
         self._adaptive = adaptive
+        self._path = PathChoice()
         self._engine_counts = None  # (hits, misses) at the start of a synced step
         self._step_missed = None  # fraction of routed experts the last step missed
         self.path_switches = 0
+        self.sync_free_steps = 0  # steps that took the sync-free path (choose_path's answers)
+        self.sync_free_held = 0  # synced steps that missed little but waited out a failed try's hold
         self.expert_bytes = expert_bytes
         # Tensor id of every (layer, expert), -1 where not registered here (the
         # prefetcher's table per layer ends at the last expert it registered).
@@ -61,6 +145,11 @@ class SyncFreeDecode:
         self._all_ids_flat = self._all_ids.reshape(-1)
         self._routed = np.zeros((self.num_layers, num_experts), dtype=bool)
         self._routed_u8 = self._routed.reshape(-1).view(np.uint8)
+        # (layer, expert) pairs any step read so far, on either path: a
+        # sync-free step's miss of a pair never read before is one no path
+        # avoids, and does not fail a try (Note [Which path a step takes]).
+        self._seen = np.zeros((self.num_layers, num_experts), dtype=bool)
+        self._step_missed_again = None  # of the last sync-free step: misses of pairs read before
         # Note [Steady pins]: every layer's ids this rank owns, row by row, and
         # where one call pins them all; _steady: this step's pins are all held.
         self._all_owned_ids = self._all_ids[self._owned]
@@ -81,22 +170,14 @@ class SyncFreeDecode:
         self.early_read_backs = 0  # reads served by a queued copy (Note [Routing read-back queued early])
 
     def choose_path(self) -> bool:
-        """Note [Which path a step takes]
-        Called at layer 0 of a step whose calls could run sync-free. A
-        sync-free step pays for a miss with a read over PCIe by the kernel
-        (as slow as a copy, and then a prefetch of the same bytes for the
-        next step: twice the traffic) but has no sync; a synced step pays a
-        sync per layer but copies each miss once and lets a predictor's
-        guesses land first. So the step goes sync-free while misses are
-        rare: after a step that missed more than 10 % of its routed experts
-        the next steps are synced, and they go back to sync-free once a
-        step misses less than 3 % (measured on the H200, OLMoE: at batch 1
-        and a quarter of the experts cached, 2 % misses and sync-free
-        wins; at batch 8, 30-65 % misses and the synced path wins, 126 ms
-        against 183 per token). sync_free=True skips the choice."""
+        """Called at layer 0 of a step whose calls could run sync-free: reads
+        the last step's routings, and from what that step missed picks this
+        step's path (PathChoice, Note [Which path a step takes]).
+        sync_free=True skips the choice."""
         if self._routings:
             self.read_routings()
         if not self._adaptive:
+            self.sync_free_steps += 1
             return True
         if not self.sync_free_active:
             counts = self._engine_hits_misses()
@@ -105,17 +186,17 @@ class SyncFreeDecode:
                 if hits + misses:
                     self._step_missed = misses / (hits + misses)
             self._engine_counts = counts
-        missed = self._step_missed
-        if missed is not None:
-            active = missed < 0.03 if not self.sync_free_active else missed <= 0.10
-            if active != self.sync_free_active:
-                self.path_switches += 1
-                self.sync_free_active = active
-                # Synced steps count their misses from here on.
-                self._engine_counts = None if active else self._engine_hits_misses()
-        self._step_missed = None
+        active = self._path.after(self._step_missed, self._step_missed_again)
+        self._step_missed = self._step_missed_again = None
+        self.path_switches = self._path.switches
+        self.sync_free_held = self._path.held
+        if active != self.sync_free_active:
+            self.sync_free_active = active
+            # Synced steps count their misses from here on.
+            self._engine_counts = None if active else self._engine_hits_misses()
         if not self.sync_free_active and (self._use is not None or self._fetch is not None):
             self.flush()  # the last sync-free step's uses and misses reach the engine now
+        self.sync_free_steps += self.sync_free_active
         return self.sync_free_active
 
     def _engine_hits_misses(self) -> tuple[int, int]:
@@ -443,6 +524,11 @@ class SyncFreeDecode:
         self.zero_copy_reads += misses
         if hits + misses:
             self._step_missed = misses / (hits + misses)
+            missed = self._routed & ~self._pinned
+            if not self._owns_all:
+                missed &= self._owned
+            self._step_missed_again = int(np.count_nonzero(missed & self._seen)) / (hits + misses)
+        self._seen |= self._routed
         extra = []
         if self._trace is not None or self.predictor is not None or self._pending:
             routed = self._routed
