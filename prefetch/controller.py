@@ -39,6 +39,10 @@ _PAUSED_PROBE_EVERY = 8
 # Note [Speculation with nothing to fetch]: steps in a row that copied
 # nothing before the predictor only probes.
 _IDLE_STEPS_TO_PROBE = 2
+# Note [Speculation by what its copies waste]: the recent counts' memory
+# (per step) and how many recent prefetched copies it needs before it judges.
+_WASTE_DECAY = 0.9
+_WASTE_MIN_COPIES = 64
 
 
 class _TensorHints:
@@ -126,6 +130,11 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self._recent_guessed = 0.0
         self.speculation_paused_layers = 0
         self._paused_predicts = 0  # predictor calls asked for while paused (one in _PAUSED_PROBE_EVERY runs)
+        # Note [Speculation by what its copies waste]
+        self.speculation_max_wasted = 0.5
+        self._recent_prefetched = 0.0  # copies made for prefetches, decayed per step
+        self._recent_wasted = 0.0  # of those, evicted unused
+        self._prefetch_counts = None  # (prefetched copies, wasted) when this step began
         # Note [Speculation with nothing to fetch]
         self.probe_when_nothing_fetched = True  # False: the predictor runs whatever the engine copies
         self._copies_at_step = None  # copies asked of the engine when this step began
@@ -170,14 +179,28 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             if self._seen_layer0:
                 self.step += 1
             self._seen_layer0 = True
-            if self.predictor is not None and self.probe_when_nothing_fetched:
+            if self.predictor is not None:
                 s = self.handle.stats()
-                asked = s["enqueued"] + s["on_demand"]  # copies asked for (done or not)
-                idle = asked == self._copies_at_step and s["queue_depth"] == 0
-                self._idle_steps = self._idle_steps + 1 if idle else 0
-                self.nothing_fetched = self._idle_steps >= _IDLE_STEPS_TO_PROBE
-                self._copies_at_step = asked
+                self._count_waste(s)
+                if self.probe_when_nothing_fetched:
+                    asked = s["enqueued"] + s["on_demand"]  # copies asked for (done or not)
+                    idle = asked == self._copies_at_step and s["queue_depth"] == 0
+                    self._idle_steps = self._idle_steps + 1 if idle else 0
+                    self.nothing_fetched = self._idle_steps >= _IDLE_STEPS_TO_PROBE
+                    self._copies_at_step = asked
         return self.step
+
+    def _count_waste(self, s: dict) -> None:
+        """At a step's start: the engine's copies made for prefetches (every
+        completed copy an acquire did not queue itself) and those evicted
+        unused since the last step's start, into decayed sums (Note
+        [Speculation by what its copies waste])."""
+        counts = (s["copies"] - s["on_demand"], s["wasted"])
+        if self._prefetch_counts is not None:
+            made, wasted = (c - b for c, b in zip(counts, self._prefetch_counts))
+            self._recent_prefetched = max(0.0, self._recent_prefetched * _WASTE_DECAY + made)
+            self._recent_wasted = max(0.0, self._recent_wasted * _WASTE_DECAY + wasted)
+        self._prefetch_counts = counts
 
     def predict(self, layer: int, hidden) -> dict:
         """The predictor's guesses made before the routing reaches the host
@@ -360,8 +383,42 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         every layer still predicting). Hints and the prefill read-ahead are
         not guesses and go on. `report()` counts the layers whose guesses
         were held back or not made."""
+        if self._wastes_copies():
+            return True
         return (self.speculation_min_precision > 0 and self._recent_guessed >= _PRECISION_MIN_GUESSES
                 and self._recent_hits < self.speculation_min_precision * self._recent_guessed)
+
+    def _wastes_copies(self) -> bool:
+        """Note [Speculation by what its copies waste]
+        A guess that names a cached expert costs nothing but host time; one
+        that names an expert not cached costs a copy and an eviction, and
+        only those decide what speculation is worth. A predictor can be
+        right most of the time and still waste most of its copies: where
+        the cache is small, its right guesses mostly name cached experts
+        and its wrong ones mostly do not. BM6, OLMoE-1B-7B at batch 1 and a
+        tenth of the experts cached (runs 155-157): the next-layer gate,
+        precision 0.68-0.72, copied 2.4x what on-demand copied, 57-61 % of its
+        prefetched copies evicted unused, for the same hit rate (0.72-0.75
+        against 0.74); its decode p50 was 29.1-34.4 ms against on-demand's
+        24.5-25.1. Where it did not lose (a quarter cached, batch 8: 45 %
+        wasted, 2 % faster than on-demand, run 153; batch 1: 11 %) or won,
+        fewer were wasted. So the controller keeps the engine's copies made
+        for prefetches and those of them evicted unused (counted at each
+        step's start, decayed by _WASTE_DECAY a step) and, once the recent
+        copies number _WASTE_MIN_COPIES, sends no guesses while more than
+        `speculation_max_wasted` of them were wasted (default 0.5: more
+        copies wasted than read, where each wasted one cost a copy and an
+        eviction and each read one saved at most a miss; 1 never pauses),
+        as for a low precision: the predictor probes on one layer
+        in _PAUSED_PROBE_EVERY, its guesses scored and not sent. While
+        paused, few copies are made and the sums decay below
+        _WASTE_MIN_COPIES (about 20 steps at the gate's rate there): the
+        guesses go out again and what they waste is measured anew. Copies
+        that are not guesses (a sync-free step's misses, read-ahead,
+        preload) count as prefetched too; they are rarely wasted, so they
+        only make the pause later."""
+        return (self.speculation_max_wasted < 1 and self._recent_prefetched >= _WASTE_MIN_COPIES
+                and self._recent_wasted > self.speculation_max_wasted * self._recent_prefetched)
 
     def _predicts_now(self) -> bool:
         """Whether this layer runs the predictor: always, but while paused

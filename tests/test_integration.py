@@ -444,6 +444,75 @@ def test_sync_free_scores_host_guesses_and_pauses_wrong_ones():
             ctl.close()
 
 
+class PaddedPredictor:
+    """Guesses the next layer's experts from the trace and `pad` experts it
+    does not route to: right about each routed expert, and wrong about as
+    many more as `pad`."""
+
+    host_guesses = True
+
+    def __init__(self, trace, pad: int):
+        self.trace = trace
+        self.pad = pad
+
+    def predict(self, controller, step, layer, hidden):
+        nxt, nstep = layer + 1, step
+        if nxt == controller.num_layers:
+            nxt, nstep = 0, step + 1
+        if nstep >= len(self.trace.steps):
+            return {}
+        want = set(self.trace.steps[nstep][nxt])
+        wrong = [e for e in range(controller.num_experts) if e not in want][: self.pad]
+        return {nxt: np.array(sorted(want | set(wrong)), dtype=np.int64)}
+
+    def observe(self, controller, step, layer, experts):
+        return None
+
+
+def test_speculation_pauses_while_most_of_its_copies_are_wasted():
+    # Note [Speculation by what its copies waste]: a predictor right about
+    # every routed expert that also names 6 others (precision about 0.4,
+    # above the precision pause's 0.25) in a cache of 8 slots, which one
+    # step's 16 reads overflow: most of its copies are evicted unused, and
+    # speculation pauses. speculation_max_wasted = 1 never pauses (and the
+    # guesses then copy more); the same predictor without the wrong guesses
+    # wastes nothing and never pauses. Tokens are the untouched model's.
+    cfg = transformers.OlmoeConfig(**{**COMMON, "num_hidden_layers": 4}, intermediate_size=40, num_experts=16,
+                                   num_experts_per_tok=4)
+    ref = build(cfg, experts_implementation="batched_mm")
+    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(1))
+    seq_ref, _ = greedy(ref, ids, steps=24)
+    recorder = copy.deepcopy(ref)
+    ctl = offload_moe_experts(recorder, device_budget_bytes=1 << 22, backend="host", record_trace=True)
+    try:
+        assert torch.equal(greedy(recorder, ids, steps=24)[0], seq_ref)
+        trace = ctl.trace
+    finally:
+        ctl.close()
+    per, _ = expert_bytes(ref)
+    got = {}
+    for name, pad, max_wasted in (("wasteful", 6, 0.5), ("never paused", 6, 1.0), ("right", 0, 0.5)):
+        model = copy.deepcopy(ref)
+        ctl = offload_moe_experts(model, device_budget_bytes=8 * (per + 512), backend="host",
+                                  predictor=PaddedPredictor(trace, pad), sync_free=False)
+        ctl.speculation_max_wasted = max_wasted
+        try:
+            seq, _ = greedy(model, ids, steps=24)
+            assert torch.equal(seq, seq_ref)
+            report = ctl.report()
+            assert report["prediction_precision"] > 0.35  # never a precision pause
+            got[name] = (report["speculation_paused_layers"], ctl.handle.stats())
+        finally:
+            ctl.close()
+    paused, stats = got["wasteful"]
+    assert paused > 0 and stats["wasted"] > 0
+    never, never_stats = got["never paused"]
+    assert never == 0 and never_stats["copies"] > stats["copies"]
+    assert never_stats["wasted"] > 0.5 * (never_stats["copies"] - never_stats["on_demand"])
+    right, right_stats = got["right"]
+    assert right == 0 and right_stats["wasted"] == 0
+
+
 def test_wait_preloaded_returns_once_every_preloaded_expert_is_cached(capsys):
     # Note [Waiting for the preload]: copies of 30 ms each on the fault
     # backend, so the preload is still going right after offloading: a zero
@@ -1751,14 +1820,19 @@ def test_speculation_pauses_at_a_low_precision_and_resumes(host_guesses):
         ctl.close()
 
 
-def test_speculation_never_pauses_with_min_precision_zero_or_right_guesses():
+def test_speculation_never_pauses_with_its_pauses_off_or_right_guesses():
     trace = random_trace(6, 4, 16, 20)
+    # Wrong guesses with both pauses turned off (a bar of 0 for the
+    # precision, 1 for the copies wasted: Note [Speculation by what its
+    # copies waste] would pause these); right ones with the defaults.
     ctl = oracle_controller(trace, capacity=40, predictor=SwitchingPredictor(trace))
     ctl.speculation_min_precision = 0
+    ctl.speculation_max_wasted = 1
     oracle = oracle_controller(trace, capacity=40)
     try:
         decode_host_routed(ctl, trace, speculate=True)
         decode_host_routed(oracle, trace, speculate=True)
+        assert ctl.handle.stats()["wasted"] > 0  # what would have paused them
         for c in (ctl, oracle):
             assert not c.speculation_paused and c.report()["speculation_paused_layers"] == 0
     finally:
