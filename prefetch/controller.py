@@ -382,7 +382,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         on-demand on the real traces while it moved the same bytes (run 44,
         every layer still predicting). Hints and the prefill read-ahead are
         not guesses and go on. `report()` counts the layers whose guesses
-        were held back or not made."""
+        were held back or not made. Speculation pauses the same way while
+        most of its copies are wasted (Note [Speculation by what its copies
+        waste])."""
         if self._wastes_copies():
             return True
         return (self.speculation_min_precision > 0 and self._recent_guessed >= _PRECISION_MIN_GUESSES
