@@ -444,6 +444,17 @@ def test_sync_free_scores_host_guesses_and_pauses_wrong_ones():
             ctl.close()
 
 
+def next_layer_routing(trace, controller, step, layer):
+    """(the layer after `layer`, the set of experts `trace` routes there),
+    the next step's first layer after the last; None past the trace."""
+    nxt, nstep = layer + 1, step
+    if nxt == controller.num_layers:
+        nxt, nstep = 0, step + 1
+    if nstep >= len(trace.steps):
+        return None
+    return nxt, set(trace.steps[nstep][nxt])
+
+
 class PaddedPredictor:
     """Guesses the next layer's experts from the trace and `pad` experts it
     does not route to: right about each routed expert, and wrong about as
@@ -456,12 +467,10 @@ class PaddedPredictor:
         self.pad = pad
 
     def predict(self, controller, step, layer, hidden):
-        nxt, nstep = layer + 1, step
-        if nxt == controller.num_layers:
-            nxt, nstep = 0, step + 1
-        if nstep >= len(self.trace.steps):
+        got = next_layer_routing(self.trace, controller, step, layer)
+        if got is None:
             return {}
-        want = set(self.trace.steps[nstep][nxt])
+        nxt, want = got
         wrong = [e for e in range(controller.num_experts) if e not in want][: self.pad]
         return {nxt: np.array(sorted(want | set(wrong)), dtype=np.int64)}
 
@@ -1772,12 +1781,10 @@ class SwitchingPredictor:
 
     def predict(self, controller, step, layer, hidden):
         self.calls += 1
-        nxt, nstep = layer + 1, step
-        if nxt == controller.num_layers:
-            nxt, nstep = 0, step + 1
-        if nstep >= len(self.trace.steps):
+        got = next_layer_routing(self.trace, controller, step, layer)
+        if got is None:
             return {}
-        want = set(self.trace.steps[nstep][nxt])
+        nxt, want = got
         if not self.right:
             want = set(range(controller.num_experts)) - want
         return {nxt: np.array(sorted(want), dtype=np.int64)}
