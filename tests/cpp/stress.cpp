@@ -9,6 +9,7 @@
 // speculative cap deepens and steps down while the threads race it, Note [A
 // cap that follows the worker's wake-ups]).
 // Exit 0 on success; prints the first violation and exits 1 otherwise.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdio>
@@ -26,7 +27,8 @@ namespace {
 
 constexpr int kIds = 512;
 constexpr size_t kBytes = 700;  // not a multiple of the slot alignment
-constexpr size_t kSlots = 96;
+constexpr size_t kMinSlots = 96;
+constexpr size_t kMaxAcquire = 3;  // ids a thread acquires at once
 
 uint8_t Expected(int64_t id, size_t i) {
   return static_cast<uint8_t>((i * (2 * id + 1) + id * 31 + 7) % 251 + 1);
@@ -44,7 +46,14 @@ int main(int argc, char** argv) {
   const int threads = argc > 1 ? std::atoi(argv[1]) : 4;
   const int ops = argc > 2 ? std::atoi(argv[2]) : 2000;
   prefetch::HandleOptions options;
-  options.device_budget_bytes = {kSlots * prefetch::AlignSlot(kBytes)};
+  // An acquire pins its ids while it waits for the missing ones, so with
+  // fewer slots than the threads can pin at once every slot can end up
+  // held by threads that wait for each other (the engine's timeout, "the
+  // cache may be full of acquired tensors"): 64 threads of 3 ids did so in
+  // CI's link mode, where copies take long enough. Room for every thread's
+  // pins and more keeps the eviction pressure (512 ids) without that.
+  const size_t slots = std::max(kMinSlots, kMaxAcquire * static_cast<size_t>(threads) + 32);
+  options.device_budget_bytes = {slots * prefetch::AlignSlot(kBytes)};
   options.poison_freed_slots = true;
   const bool link = argc > 3 && std::strcmp(argv[3], "link") == 0;
   const bool async = link || (argc > 3 && std::strcmp(argv[3], "async") == 0);
@@ -77,7 +86,7 @@ int main(int argc, char** argv) {
     pool.emplace_back([&, t] {
       std::mt19937_64 rng(1234 + t);
       std::vector<int64_t> ids;
-      std::vector<prefetch::SlotInfo> slots(3);
+      std::vector<prefetch::SlotInfo> slots(kMaxAcquire);
       for (int k = 0; k < ops && !g_failed; ++k) {
         const int op = static_cast<int>(rng() % 10);
         try {
@@ -87,7 +96,7 @@ int main(int argc, char** argv) {
             handle.EnqueuePrefetchTensors(ids.data(), ids.size(), 1 + rng() % 19);
             requested += ids.size();
           } else if (op < 8) {
-            ids.resize(1 + rng() % 3);
+            ids.resize(1 + rng() % kMaxAcquire);
             for (auto& id : ids) id = static_cast<int64_t>(rng() % kIds);
             handle.Acquire(ids.data(), ids.size(), nullptr, 60.0, slots.data());
             acquired += ids.size();
