@@ -417,8 +417,10 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         _WASTE_MIN_COPIES (about 20 steps at the gate's rate there): the
         guesses go out again and what they waste is measured anew. Copies
         that are not guesses (a sync-free step's misses, read-ahead,
-        preload) count as prefetched too; they are rarely wasted, so they
-        only make the pause later."""
+        preload) count as prefetched too. The first two are read at once
+        and only make the pause later; a preload=True of a cache smaller
+        than the experts can be evicted unused by the first steps and pause
+        the guesses until that decays."""
         return (self.speculation_max_wasted < 1 and self._recent_prefetched >= _WASTE_MIN_COPIES
                 and self._recent_wasted > self.speculation_max_wasted * self._recent_prefetched)
 
