@@ -108,9 +108,7 @@ class SyncFreeDecode:
         self._path = PathChoice()
         self._engine_counts = None  # (hits, misses) at the start of a synced step
         self._step_missed = None  # fraction of routed experts the last step missed
-        self.path_switches = 0
         self.sync_free_steps = 0  # steps that took the sync-free path (choose_path's answers)
-        self.sync_free_held = 0  # synced steps that missed little but waited out a failed try's hold
         self.expert_bytes = expert_bytes
         # Tensor id of every (layer, expert), -1 where not registered here (the
         # prefetcher's table per layer ends at the last expert it registered).
@@ -169,6 +167,17 @@ class SyncFreeDecode:
         self._early_event = None
         self.early_read_backs = 0  # reads served by a queued copy (Note [Routing read-back queued early])
 
+    @property
+    def path_switches(self) -> int:
+        """Switches between the sync-free and the synced path so far."""
+        return self._path.switches
+
+    @property
+    def sync_free_held(self) -> int:
+        """Synced steps that missed little but waited out a failed try's
+        hold (Note [Which path a step takes])."""
+        return self._path.held
+
     def choose_path(self) -> bool:
         """Called at layer 0 of a step whose calls could run sync-free: reads
         the last step's routings, and from what that step missed picks this
@@ -188,8 +197,6 @@ class SyncFreeDecode:
             self._engine_counts = counts
         active = self._path.after(self._step_missed, self._step_missed_again)
         self._step_missed = self._step_missed_again = None
-        self.path_switches = self._path.switches
-        self.sync_free_held = self._path.held
         if active != self.sync_free_active:
             self.sync_free_active = active
             # Synced steps count their misses from here on.
