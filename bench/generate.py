@@ -133,6 +133,11 @@ Figures per row:
   parked_resident_experts  engine rows: whether the resident model's experts
                     were freed on the device while the row ran
                     (--park-resident-experts)
+  alloc_retries     CUDA rows: {"measured": n, "paired": m}, the CUDA caching
+                    allocator's retries (a full device: cached blocks freed
+                    and the allocation tried again) during the measured and
+                    repeated generates and during the paired ones (Note
+                    [Allocator retries] in bench/generate_rows.py)
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also

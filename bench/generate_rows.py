@@ -137,6 +137,23 @@ def repeat_p50s(block: Block, mode, new_tokens: int, steal: list) -> list:
     return runs
 
 
+def alloc_retries(block: Block):
+    """Note [Allocator retries]
+    How many times so far torch's CUDA caching allocator found no room on
+    the device for an allocation, freed its cached blocks and retried (None
+    on the CPU). Each retry frees with cudaFree, which waits for the device.
+    Qwen3-30B-A3B with its twin (Note [Paired generates]) holds two 54 GiB
+    copies of the experts and a row's cache on a 140 GiB H200: run 159's
+    on-demand row ran out of memory there, and in run 158 the rows beside
+    the twin ran at two speeds (the oracle's pairs 1.75, 1.71, 1.11, 1.11)
+    without a cause found. A row's alloc_retries (its measured and repeated
+    generates, and its paired ones) says whether its times include a full
+    device's retries."""
+    if not block.cuda:
+        return None
+    return int(block.torch.cuda.memory_stats(block.device).get("num_alloc_retries", 0))
+
+
 def steal_ms(start):
     """ms of host steal since `start` (a host_steal_s reading), or None."""
     end = host_steal_s()
@@ -246,6 +263,7 @@ def measure_row(block: Block, row: str, share, mode, recorder, new_tokens: int, 
     timer = StepTimer(block.timer_sync, on_first=first, on_step=mode.on_step)
     mode.start_measuring()
     before = mode.counters()
+    retries0 = alloc_retries(block)
     s0 = host_steal_s()
     block.phase = "measured generate"
     ids, t0, _ = generate(torch, model, block.prompt, new_tokens, sync, timer)
@@ -263,8 +281,12 @@ def measure_row(block: Block, row: str, share, mode, recorder, new_tokens: int, 
     mode.new_sequence()
     block.phase = "repeats"
     runs = repeat_p50s(block, mode, new_tokens, steal)
+    retries1 = alloc_retries(block)
     block.phase = "paired generates"
     pairs = paired_p50s(block, mode, new_tokens)
+    retries2 = alloc_retries(block)
+    if retries0 is not None:
+        out["alloc_retries"] = {"measured": retries1 - retries0, "paired": retries2 - retries1}
     profiled = None
     if block.args.profile:
         block.phase = "profiled generate"
@@ -487,6 +509,10 @@ def run_planned_row(block: Block, name: str, row: str, share, started: float) ->
     print(f"  {name} b{batch} {fmt(share) if share is not None else '-':>5} {row:<26} p50 "
           f"{fmt(r['p50_ms']):>9} ms  ttft {fmt(r['ttft_ms']):>9} ms  hit {fmt(r.get('hit_rate'))}  "
           f"equal {r['tokens_equal']}", file=sys.stderr, flush=True)
+    retries = r.get("alloc_retries")
+    if retries and any(retries.values()):
+        print(f"    allocator retries (the device was full; they are in these times): {retries}",
+              file=sys.stderr, flush=True)
     return r
 
 
