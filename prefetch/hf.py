@@ -159,43 +159,62 @@ def _no_stream():
     return None
 
 
-class _StepRows:
-    """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
-    row map (a pinned expert's slot row, another's host row) made at a
-    step's first layer from the pins of the whole step, and sent in one
-    copy, not one a layer; each layer gathers through its slice. Shared by
-    the offloaded layers of one model (no expert parallel)."""
+class _RowMap:
+    """An expert -> row map of the sync-free path (Note [Sync-free decode]):
+    a pinned expert's slot row in the arena, any other's host row. Made in
+    page-locked host memory and sent to the device with one copy when the
+    pins it was made from change (a CPU model reads the host one). Made
+    outside inference mode: written with copy_ at each step, so an offload
+    done inside it does not fail a later generate outside it."""
 
-    def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
+    def __init__(self, n: int, device: torch.device):
         self.cuda = device.type == "cuda"
-        self.host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
-        if self.host_rows.shape[0] != num_layers * num_experts or (self.host_rows < 0).any():
-            raise ValueError("the host experts do not hold every expert of every layer")
-        self.arena_row0 = universe.arena_row0
-        n = num_layers * num_experts
-        # Written with copy_ at each step: made outside inference mode (as
-        # ExpertsOffload.enable_sync_free's map).
         with torch.inference_mode(False):
             self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.cuda)
             self.dev = torch.empty(n, dtype=torch.int64, device=device) if self.cuda else self.host
         self.np = self.host.numpy()
-        self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]
         self.last = np.full(n, -2, dtype=np.int64)  # the offsets the map was made from (-2: none yet)
         self.event = None
 
-    def update(self, offsets: np.ndarray) -> None:
-        """The map for `offsets` (every layer's pinned slot offset, -1: not
-        pinned), sent on the current stream unless it is the last one's."""
+    def update(self, offsets: np.ndarray, host_rows: np.ndarray, arena_row0: int, adjust=None) -> None:
+        """The map for `offsets` (each expert's pinned slot offset, -1: not
+        pinned; `host_rows`: each expert's host row), sent on the current
+        stream unless it is the last one's (compared and made in C,
+        prefetch/_routing.pxi: np.array_equal alone cost more than the rest
+        of the branch test's layer). `adjust(rows)` edits the host map
+        before it is sent."""
         if same_offsets(offsets, self.last):
             return
         if self.event is not None:
             self.event.synchronize()  # the buffer's last copy (a step ago: done)
-        fill_rows(offsets, self.host_rows, self.arena_row0, _ROW_BYTES, self.np, self.last)
+        fill_rows(offsets, host_rows, arena_row0, _ROW_BYTES, self.np, self.last)
+        if adjust is not None:
+            adjust(self.np)
         if self.cuda:
             self.dev.copy_(self.host, non_blocking=True)
             if self.event is None:
                 self.event = torch.cuda.Event()
             self.event.record()
+
+
+class _StepRows(_RowMap):
+    """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
+    row map made at a step's first layer from the pins of the whole step,
+    and sent in one copy, not one a layer; each layer gathers through its
+    slice. Shared by the offloaded layers of one model (no expert
+    parallel)."""
+
+    def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
+        self.host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
+        if self.host_rows.shape[0] != num_layers * num_experts or (self.host_rows < 0).any():
+            raise ValueError("the host experts do not hold every expert of every layer")
+        self.arena_row0 = universe.arena_row0
+        super().__init__(num_layers * num_experts, device)
+        self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]
+
+    def update_step(self, offsets: np.ndarray) -> None:
+        """The map for `offsets`, every layer's pinned slot offsets."""
+        self.update(offsets, self.host_rows, self.arena_row0)
 
 
 class ExpertsOffload:
@@ -250,9 +269,7 @@ class ExpertsOffload:
         self.universe = None
         self.step_rows = None  # _StepRows (Note [Step pins]); None with expert parallel
         self._uva_stand = None
-        self._rowmap_host = None
-        self._rowmap_dev = None
-        self._rowmap_event = None
+        self._rowmap = None  # this layer's _RowMap, for steps not pinned whole
         # Expert parallel (Note [Expert parallel] in prefetch/expert_parallel.py):
         # the experts this rank owns; None without a process group.
         self.ep = ep
@@ -279,14 +296,15 @@ class ExpertsOffload:
             if not own.size or (own < 0).any():
                 raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
             self._host_rows[~self._local] = own[0]
-        # Written with copy_ at each step: made outside inference mode, so an
-        # offload done inside it does not fail a later generate outside it.
-        with torch.inference_mode(False):
-            self._rowmap_host = torch.empty(self.num_experts, dtype=torch.int64, pin_memory=self._cuda)
-            self._rowmap_np = self._rowmap_host.numpy()
-            self._rowmap_dev = torch.empty(self.num_experts, dtype=torch.int64, device=self.device)
-        # The offsets the map on the device was made from (-2: none yet).
-        self._last_offsets = np.full(self.num_experts, -2, dtype=np.int64)
+        self._rowmap = _RowMap(self.num_experts, self.device)
+
+    def _foreign_rows(self, pinned: np.ndarray, rows: np.ndarray) -> None:
+        """Expert parallel: other ranks' experts (weight 0) are still read:
+        from the slot of an expert this call pinned where there is one
+        (HBM, held until this layer's kernel has run), not over PCIe."""
+        held = np.flatnonzero(pinned)
+        if held.shape[0]:
+            rows[~self._local] = rows[held[0]]
 
     def _forward_sync_free(self, fn, hidden_states, top_k_index, top_k_weights):
         """Note [Sync-free decode]: pin the layer's resident experts, map
@@ -299,37 +317,20 @@ class ExpertsOffload:
         ctl.begin_layer(layer)
         stream = self._stream()
         offsets, pinned = ctl.pin_layer(layer, hidden_states, stream)
-        step_rows = self.step_rows if ctl._steady is not None else None
-        if step_rows is not None:
+        whole = ctl.whole_step_offsets() if self.step_rows is not None else None
+        if whole is not None:
             # Every layer was pinned at layer 0 (Note [Step pins], Note
             # [Steady pins]): so is every layer's map.
             if layer == 0:
-                step_rows.update(ctl._all_out_flat)
-            rowmap = step_rows.layers[layer]
+                self.step_rows.update_step(whole)
+            rowmap = self.step_rows.layers[layer]
         else:
-            rowmap = self._rowmap_dev if self._cuda else self._rowmap_host
-        # Row of each expert: its slot when pinned, else its host row. In a
-        # steady decode the pins are the same every step: the map on the
-        # device is still right and nothing is sent. (Compared and made in C,
-        # prefetch/_routing.pxi: np.array_equal alone cost more than the rest
-        # of the branch test's layer.)
-        if step_rows is None and not same_offsets(offsets, self._last_offsets):
-            rows = self._rowmap_np
-            if self._rowmap_event is not None:
-                self._rowmap_event.synchronize()  # this buffer's last copy (a step ago: done)
-            fill_rows(offsets, self._host_rows, self.universe.arena_row0, _ROW_BYTES, rows, self._last_offsets)
-            if self._local is not None:
-                # Other ranks' experts (weight 0) are still read: from the
-                # slot of an expert this call pinned where there is one (HBM,
-                # held until this layer's kernel has run), not over PCIe.
-                held = np.flatnonzero(pinned)
-                if held.shape[0]:
-                    rows[~self._local] = rows[held[0]]
-            if self._cuda:
-                self._rowmap_dev.copy_(self._rowmap_host, non_blocking=True)
-                if self._rowmap_event is None:
-                    self._rowmap_event = torch.cuda.Event()
-                self._rowmap_event.record()
+            # Row of each expert: its slot when pinned, else its host row. In
+            # a steady decode the pins are the same every step: the map on
+            # the device is still right and nothing is sent.
+            self._rowmap.update(offsets, self._host_rows, self.universe.arena_row0,
+                                None if self._local is None else functools.partial(self._foreign_rows, pinned))
+            rowmap = self._rowmap.dev
         # torch.take: the same gather as indexing, through less dispatch.
         index = torch.take(rowmap, top_k_index)
         routing = top_k_index

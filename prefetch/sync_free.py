@@ -255,6 +255,13 @@ class SyncFreeDecode:
         self._held = mark_pinned(out, self._pinned_rows_u8[layer], buf, self._layer_ids[layer])
         return out, self._pinned_rows[layer]
 
+    def whole_step_offsets(self) -> np.ndarray | None:
+        """Every layer's pinned slot offsets as one flat [layers x experts]
+        array (-1: not pinned) while this step's first layer pinned the
+        whole step (Note [Steady pins], Note [Step pins]); None otherwise.
+        The controller's own array: read it, do not keep it past the step."""
+        return self._all_out_flat if self._steady is not None else None
+
     # -- Note [Steady pins]
     # A decode whose cache holds its working set runs sync-free steps that
     # miss nothing and fetch nothing, and each of its layers still made an
