@@ -5,7 +5,7 @@
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
         [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--profile DIR [--profile-tokens 16]]
-        [--json PATH] [--plot PATH.png]
+        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-share S]] [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--trace-in TRACE.json] [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -199,6 +199,13 @@ During offloaded rows the model's own GPU expert weights stay allocated (kept
 to restore the model for the next row; nothing reads them) unless
 --park-resident-experts frees them: device memory is not what is measured.
 After each block the resident row runs again to check the model was restored.
+--ab ROW_A ROW_B (engine rows; needs --paired): after a block's rows, the
+model offloaded as ROW_A and the twin as ROW_B at --ab-share, both at once,
+--ab-pairs pairs of --paired-tokens generates alternating; the block's "ab"
+has pairs_ms ([A, B] p50s), x_ab (the median A/B ratio), tokens_equal,
+copies (each side's engine copies over its generates) and a reason where it
+did not run (Note [Two rows side by side] in
+bench/generate_ab.py).
 
 --smoke-cpu: tiny Qwen3-MoE, OLMoE and Mixtral configs (4 layers, 8 experts,
 top-2, hidden 64) in float32 on the CPU, a few tokens, every row that can run
@@ -219,6 +226,7 @@ if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.common import machine_info, raw_h2d_gbps, write_json  # noqa: E402
+from bench.generate_ab import ab_rows, run_ab  # noqa: E402
 from bench.generate_figures import settle  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
@@ -299,7 +307,9 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
             block_rows.append(run_planned_row(block, name, row, share, started))
             if checkpoint is not None:
                 checkpoint(model_rows + block_rows)
-        blocks.append(restore_check(block, name))
+        # Note [Two rows side by side] in bench/generate_ab.py: uses up the twin, restores the model.
+        ab = run_ab(block, name, args.ab_share, started) if args.ab else None
+        blocks.append({**restore_check(block, name), **({"ab": ab} if ab is not None else {})})
         model_rows.extend(block_rows)
     if cuda:
         raw.append(raw_h2d_gbps(torch, state.expert_bytes, torch.cuda.current_device(), count=32))
@@ -348,6 +358,14 @@ def main(argv=None) -> int:
     parser.add_argument("--paired-tokens", type=int, default=None, help="tokens of each paired generate "
                         "(default 32; smoke 4; accelerate's rows: --accelerate-tokens); a row takes about "
                         "2 x --paired x this x its ms per token more")
+    parser.add_argument("--ab", nargs=2, metavar=("ROW_A", "ROW_B"), default=None,
+                        help="after each block's rows, two engine rows side by side: the model offloaded as ROW_A, "
+                             "the twin (needs --paired) as ROW_B, --ab-pairs pairs of generates alternating; the "
+                             "block's 'ab' has the pairs and x_ab, the median A/B ratio (Note [Two rows side by "
+                             "side] in bench/generate_ab.py)")
+    parser.add_argument("--ab-pairs", type=int, default=8, help="pairs of generates of --ab (default 8)")
+    parser.add_argument("--ab-share", type=float, default=None,
+                        help="the cache share of --ab's rows (default: the first of --shares)")
     parser.add_argument("--park-resident-experts", action="store_true",
                         help="engine rows free the resident model's expert weights on the device while they run "
                              "and copy them back from the packed host copy after (Note [Parked resident experts] "
@@ -418,6 +436,17 @@ def main(argv=None) -> int:
         parser.error("--new-tokens and --accelerate-tokens must be >= 2 (the decode figure excludes the prefill)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if args.ab is not None:
+        try:
+            ab_rows(args.ab)
+        except ValueError as exc:
+            parser.error(str(exc))
+        if args.paired < 1 or args.ab_pairs < 1:
+            parser.error("--ab needs --paired >= 1 (its second side is the twin) and --ab-pairs >= 1")
+        if args.ab_share is None:
+            args.ab_share = args.shares[0]
+        if not 0 < args.ab_share <= 1:
+            parser.error(f"--ab-share must be in (0, 1], got {args.ab_share}")
     if args.paired < 0 or args.paired_tokens < 2:
         parser.error("--paired must be >= 0 and --paired-tokens >= 2")
     if args.profile_tokens < 2:
@@ -433,6 +462,7 @@ def main(argv=None) -> int:
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
                                                         "timer_sync", "repeats", "paired", "paired_tokens",
+                                                        "ab", "ab_pairs", "ab_share",
                                                         "trace_in", "trace_from", "profile",
                                                         "profile_tokens")},
               "transformers": transformers.__version__,

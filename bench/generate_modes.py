@@ -88,7 +88,10 @@ def shared_host_experts(model, cuda: bool):
 
 
 class EngineMode(Mode):
-    def __init__(self, model, budget, row, trace, cuda):
+    def __init__(self, model, budget, row, trace, cuda, host=None):
+        """`host`: the packed host experts to offload from (default: the
+        model's own, shared_host_experts); the twin of --ab offloads from
+        the model's, which holds the same weights."""
         import prefetch
         from prefetch.integration import NextLayerGatePredictor, OraclePredictor
 
@@ -101,9 +104,10 @@ class EngineMode(Mode):
             predictor = OraclePredictor(trace)
             options = {"eviction_policy": "next-use"}
         kwargs = {} if cuda else {"backend": "host"}
+        host = host if host is not None else shared_host_experts(model, cuda)
         self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
                                                 handle_options=options, record_trace=True, sync_free=sync_free,
-                                                host_experts=shared_host_experts(model, cuda), **kwargs)
+                                                host_experts=host, **kwargs)
         # Note [Waiting for the preload] in prefetch/controller.py: a cache
         # of every expert is filled before the row's first generate, so the
         # measured ones find it full (run 102: Qwen3-30B-A3B's 54 GiB were

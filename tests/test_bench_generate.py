@@ -237,6 +237,42 @@ def test_paired_generates_against_a_second_resident_copy(tmp_path):
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--paired", "-1"])
 
+def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
+    # Note [Two rows side by side]: after the rows, the model offloaded as
+    # ROW_A and the twin as ROW_B run --ab-pairs pairs of generates; x_ab
+    # is the median of the pairs' A/B ratios, both sides generate the
+    # resident tokens, and the model is restored after (the block's check).
+    import statistics
+
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "on-demand", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "oracle", "on-demand", "--ab-pairs", "3")
+    (block,) = report["blocks"]
+    ab = block["ab"]
+    assert ab["rows"] == ["oracle", "on-demand"] and ab["share"] == report["config"]["shares"][0]
+    assert ab["reason"] is None and ab["tokens_equal"] is True
+    pairs = ab["pairs_ms"]
+    assert len(pairs) == 3 and all(len(p) == 2 and min(p) > 0 for p in pairs)
+    assert ab["x_ab"] == pytest.approx(statistics.median(a / b for a, b in pairs))
+    assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
+    assert block["restore_check"] is True
+    assert report["config"]["ab"] == ["oracle", "on-demand"] and report["config"]["ab_pairs"] == 3
+
+
+def test_ab_says_why_it_did_not_run_and_refuses_bad_rows(tmp_path):
+    # The oracle replays on-demand's recorded routing: without that row the
+    # A/B does not run and says why; the model is still restored.
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--new-tokens", "3", "--ab", "oracle", "gate", "--ab-pairs", "1")
+    (block,) = report["blocks"]
+    assert "no recorded routing trace" in block["ab"]["reason"] and block["ab"]["pairs_ms"] == []
+    assert block["ab"]["x_ab"] is None and block["restore_check"] is True
+    for bad in (["--ab", "gate", "gate", "--paired", "1"], ["--ab", "torch-by-hand", "gate", "--paired", "1"],
+                ["--ab", "gate", "on-demand"], ["--ab", "gate", "on-demand", "--paired", "1", "--ab-pairs", "0"],
+                ["--ab", "gate", "on-demand", "--paired", "1", "--ab-share", "1.5"]):
+        with pytest.raises(SystemExit):
+            generate.main(["--smoke-cpu", *bad])
+
+
 def test_profile_writes_each_rows_decode_steps(tmp_path):
     # --profile: one more generate per row under torch.profiler, from its
     # first logits call on (decode steps only); a Chrome trace and an op

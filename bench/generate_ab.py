@@ -1,0 +1,113 @@
+"""BM6's --ab ROW_A ROW_B: two engine rows of one block against each other
+in alternating generates (Note [Two rows side by side])."""
+from __future__ import annotations
+
+import contextlib
+import gc
+import statistics
+import sys
+import time
+
+from bench.common import fmt
+from bench.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
+from bench.generate_rows import Block, decode_p50, oracle_trace
+
+# -- Note [Two rows side by side]
+# "The gate never slower than on-demand" asks for a ratio of two offloaded
+# rows a few per cent apart, and BM6 measured each against the resident
+# twin at another moment: the host's slow spells (Note [Paired generates])
+# moved single pairs by 1.2-1.8x, so the two rows' medians of four pairs
+# disagreed with their p50s and adjacent ratios at Qwen3-30B-A3B and OLMoE
+# at 25 % (runs 161, 165). With --ab A B, after a block's rows, the twin is
+# offloaded as row B while the model is offloaded as row A (the twin shares
+# the model's packed host experts: the same weights, no second host copy),
+# both caches on the device at once, and --ab-pairs pairs of
+# --paired-tokens generates run A then B (odd pairs B first), each pair
+# within a second or so: its ratio compares the two rows in the same spell
+# of the host, and x_ab, the median of the pairs' A/B ratios, drops the
+# pairs a spell split. Each generate starts a new sequence (new_sequence,
+# as the paired generates do). The twin is used up (the block's last
+# work; restore_check drops it anyway), the model restored after. Each
+# side's generated ids are checked against the resident model's.
+
+
+def ab_rows(rows) -> tuple[str, str]:
+    """--ab's two rows, checked: engine rows (they offload a whole model
+    through the library), two different ones."""
+    if len(rows) != 2 or rows[0] == rows[1]:
+        raise ValueError(f"--ab needs two different rows, got {rows}")
+    bad = [r for r in rows if r not in ENGINE_ROWS]
+    if bad:
+        raise ValueError(f"--ab takes engine rows ({', '.join(ENGINE_ROWS)}), not {bad}")
+    return rows[0], rows[1]
+
+
+def run_ab(block: Block, name: str, share: float, started: float) -> dict:
+    """Note [Two rows side by side]: the A/B of --ab's rows at `share` on this
+    block; null figures with the reason where it cannot run."""
+    args, torch = block.args, block.torch
+    a, b = ab_rows(args.ab)
+    out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], "pairs_ms": [],
+           "x_ab": None, "tokens_equal": None, "copies": None, "reason": None}
+    if time.monotonic() - started > args.budget_s:
+        out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
+        return out
+    if block.reference is None:
+        out["reason"] = "not run: the resident row did not run"
+        return out
+    if block.twin is None:
+        out["reason"] = f"not run: no second copy of the model ({block.twin_reason})"
+        return out
+    trace = None
+    if any(r.removesuffix("-synced") == "oracle" for r in (a, b)):
+        trace = oracle_trace(block, share)
+        if trace is None:
+            out["reason"] = "not run: no recorded routing trace for the oracle (on-demand did not run)"
+            return out
+    budget = int(share * block.state.total_bytes)
+    twin, block.twin = block.twin, None
+    block.twin_reason = "used by --ab"
+    modes = []
+    try:
+        block.phase = "--ab setup"
+        host = shared_host_experts(block.model, block.cuda)
+        modes.append(EngineMode(block.model, budget, a, trace, block.cuda, host=host))
+        modes.append(EngineMode(twin, budget, b, trace, block.cuda, host=host))
+        sides = list(zip((block.model, twin), modes))
+        tokens = min(args.paired_tokens, args.new_tokens)
+        want = block.reference[:, :tokens]
+        equal = True
+        block.phase = "--ab warm-up"
+        for model, mode in sides:
+            decode_p50(block, model, tokens)
+            mode.new_sequence()
+        block.phase = "--ab pairs"
+        for i in range(args.ab_pairs):
+            got = {}
+            for side in (sides if i % 2 == 0 else sides[::-1]):
+                ids, p50 = decode_p50(block, side[0], tokens)
+                side[1].new_sequence()
+                equal = equal and bool(torch.equal(ids, want))
+                got[side[0] is block.model] = p50
+            out["pairs_ms"].append([got[True], got[False]])
+        ratios = [x / y for x, y in out["pairs_ms"] if x is not None and y]
+        out["x_ab"] = statistics.median(ratios) if ratios else None
+        out["tokens_equal"] = equal
+        out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and pairs
+    except Exception as exc:  # noqa: BLE001 - the A/B reports why it failed; the block goes on
+        out["reason"] = f"failed in {block.phase}: {type(exc).__name__}: {str(exc)[:300]}"
+    finally:
+        block.phase = "restore"
+        for mode in modes:
+            with contextlib.suppress(Exception):
+                mode.close()
+        modes = sides = None
+        del twin
+        block.state.restore()
+        gc.collect()
+        if block.cuda:
+            torch.cuda.empty_cache()
+    print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b}: x_ab {fmt(out['x_ab'])} over "
+          f"{len(out['pairs_ms'])} pairs, tokens equal {out['tokens_equal']}"
+          + (f" ({out['reason']})" if out["reason"] else ""), file=sys.stderr, flush=True)
+    return out
