@@ -48,7 +48,8 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     args, torch = block.args, block.torch
     a, b = ab_rows(args.ab)
     out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], "pairs_ms": [],
-           "x_ab": None, "tokens_equal": None, "copies": None, "reason": None}
+           "x_ab": None, "tokens_equal": None, "copies": None,
+           "parked_resident_experts": None, "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
         return out
@@ -71,6 +72,9 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     try:
         block.phase = "--ab setup"
         host = shared_host_experts(block.model, block.cuda)
+        if args.park_resident_experts:  # as the engine rows do (Note [Parked resident experts])
+            block.state.park(host)
+        out["parked_resident_experts"] = block.state.parked is not None
         modes.append(EngineMode(block.model, budget, a, trace, block.cuda, host=host))
         modes.append(EngineMode(twin, budget, b, trace, block.cuda, host=host))
         sides = list(zip((block.model, twin), modes))

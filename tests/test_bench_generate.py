@@ -254,8 +254,17 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert len(pairs) == 3 and all(len(p) == 2 and min(p) > 0 for p in pairs)
     assert ab["x_ab"] == pytest.approx(statistics.median(a / b for a, b in pairs))
     assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
+    assert ab["parked_resident_experts"] is False
     assert block["restore_check"] is True
     assert report["config"]["ab"] == ["oracle", "on-demand"] and report["config"]["ab_pairs"] == 3
+    # With --park-resident-experts the model's side runs parked, as the
+    # engine rows do, and comes back bit-equal.
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1",
+                  "--park-resident-experts")
+    (block,) = report["blocks"]
+    assert block["ab"]["reason"] is None and block["ab"]["tokens_equal"] is True
+    assert block["ab"]["parked_resident_experts"] is True and block["restore_check"] is True
 
 
 def test_ab_says_why_it_did_not_run_and_refuses_bad_rows(tmp_path):
