@@ -148,7 +148,9 @@ def alloc_retries(block: Block):
     the twin ran at two speeds (the oracle's pairs 1.75, 1.71, 1.11, 1.11)
     without a cause found. A row's alloc_retries (its measured and repeated
     generates, and its paired ones) says whether its times include a full
-    device's retries."""
+    device's retries. Run 161 (the resident experts parked) counted none
+    in any row and still had single pairs at 1.5-1.8x: the host's slow
+    spells, not the allocator."""
     if not block.cuda:
         return None
     return int(block.torch.cuda.memory_stats(block.device).get("num_alloc_retries", 0))
