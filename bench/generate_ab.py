@@ -76,7 +76,9 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
             block.state.park(host)
         out["parked_resident_experts"] = block.state.parked is not None
         modes.append(EngineMode(block.model, budget, a, trace, block.cuda, host=host))
-        modes.append(EngineMode(twin, budget, b, trace, block.cuda, host=host))
+        # Each side its own trace object (oracle_trace makes a new one).
+        trace_b = None if trace is None else oracle_trace(block, share)
+        modes.append(EngineMode(twin, budget, b, trace_b, block.cuda, host=host))
         sides = list(zip((block.model, twin), modes))
         tokens = min(args.paired_tokens, args.new_tokens)
         want = block.reference[:, :tokens]
