@@ -10,7 +10,7 @@ import time
 
 from bench.common import fmt
 from bench.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
-from bench.generate_rows import Block, decode_p50, oracle_trace
+from bench.generate_rows import Block, clear_exception_frames, decode_p50, oracle_trace
 
 # -- Note [Two rows side by side]
 # "The gate never slower than on-demand" asks for a ratio of two offloaded
@@ -102,6 +102,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and pairs
     except Exception as exc:  # noqa: BLE001 - the A/B reports why it failed; the block goes on
         out["reason"] = f"failed in {block.phase}: {type(exc).__name__}: {str(exc)[:300]}"
+        clear_exception_frames(exc)  # its frames hold the caches: gone before the restore
     finally:
         block.phase = "restore"
         for mode in modes:
