@@ -282,6 +282,31 @@ def test_ab_says_why_it_did_not_run_and_refuses_bad_rows(tmp_path):
             generate.main(["--smoke-cpu", *bad])
 
 
+def test_a_failed_ab_says_where_and_restores_the_model(tmp_path, monkeypatch):
+    # The twin's side fails to set up (the model's side did): the A/B says
+    # in which phase, closes what it made, and the block's check finds the
+    # model restored.
+    from bench import generate_ab
+
+    made = []
+
+    class FailingOnTheTwin(generate_ab.EngineMode):
+        def __init__(self, model, *a, **kw):
+            if made:
+                raise RuntimeError("no room for the second cache")
+            super().__init__(model, *a, **kw)
+            made.append(self)
+
+    monkeypatch.setattr(generate_ab, "EngineMode", FailingOnTheTwin)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1")
+    (block,) = report["blocks"]
+    assert block["ab"]["reason"] == "failed in --ab setup: RuntimeError: no room for the second cache"
+    assert block["ab"]["pairs_ms"] == [] and block["ab"]["x_ab"] is None
+    assert len(made) == 1 and made[0].ctl.handle.closed
+    assert block["restore_check"] is True
+
+
 def test_profile_writes_each_rows_decode_steps(tmp_path):
     # --profile: one more generate per row under torch.profiler, from its
     # first logits call on (decode steps only); a Chrome trace and an op
