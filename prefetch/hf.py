@@ -161,14 +161,18 @@ def _no_stream():
 
 class _RowMap:
     """An expert -> row map of the sync-free path (Note [Sync-free decode]):
-    a pinned expert's slot row in the arena, any other's host row. Made in
-    page-locked host memory and sent to the device with one copy when the
-    pins it was made from change (a CPU model reads the host one). Made
-    outside inference mode: written with copy_ at each step, so an offload
-    done inside it does not fail a later generate outside it."""
+    a pinned expert's slot row in the arena, any other's host row
+    (`host_rows`, one per expert). Made in page-locked host memory and sent
+    to the device with one copy when the pins it was made from change (a
+    CPU model reads the host one). Made outside inference mode: written
+    with copy_ at each step, so an offload done inside it does not fail a
+    later generate outside it."""
 
-    def __init__(self, n: int, device: torch.device):
+    def __init__(self, host_rows: np.ndarray, arena_row0: int, device: torch.device):
+        self.host_rows = host_rows
+        self.arena_row0 = arena_row0
         self.cuda = device.type == "cuda"
+        n = host_rows.shape[0]
         with torch.inference_mode(False):
             self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.cuda)
             self.dev = torch.empty(n, dtype=torch.int64, device=device) if self.cuda else self.host
@@ -176,18 +180,17 @@ class _RowMap:
         self.last = np.full(n, -2, dtype=np.int64)  # the offsets the map was made from (-2: none yet)
         self.event = None
 
-    def update(self, offsets: np.ndarray, host_rows: np.ndarray, arena_row0: int, adjust=None) -> None:
+    def update(self, offsets: np.ndarray, adjust=None) -> None:
         """The map for `offsets` (each expert's pinned slot offset, -1: not
-        pinned; `host_rows`: each expert's host row), sent on the current
-        stream unless it is the last one's (compared and made in C,
-        prefetch/_routing.pxi: np.array_equal alone cost more than the rest
-        of the branch test's layer). `adjust(rows)` edits the host map
-        before it is sent."""
+        pinned), sent on the current stream unless it is the last one's
+        (compared and made in C, prefetch/_routing.pxi: np.array_equal
+        alone cost more than the rest of the branch test's layer).
+        `adjust(rows)` edits the host map before it is sent."""
         if same_offsets(offsets, self.last):
             return
         if self.event is not None:
             self.event.synchronize()  # the buffer's last copy (a step ago: done)
-        fill_rows(offsets, host_rows, arena_row0, _ROW_BYTES, self.np, self.last)
+        fill_rows(offsets, self.host_rows, self.arena_row0, _ROW_BYTES, self.np, self.last)
         if adjust is not None:
             adjust(self.np)
         if self.cuda:
@@ -199,22 +202,17 @@ class _RowMap:
 
 class _StepRows(_RowMap):
     """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
-    row map made at a step's first layer from the pins of the whole step,
-    and sent in one copy, not one a layer; each layer gathers through its
-    slice. Shared by the offloaded layers of one model (no expert
-    parallel)."""
+    row map made at a step's first layer from the pins of the whole step
+    (`update` with every layer's offsets), and sent in one copy, not one a
+    layer; each layer gathers through its slice. Shared by the offloaded
+    layers of one model (no expert parallel)."""
 
     def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
-        self.host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
-        if self.host_rows.shape[0] != num_layers * num_experts or (self.host_rows < 0).any():
+        host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
+        if host_rows.shape[0] != num_layers * num_experts or (host_rows < 0).any():
             raise ValueError("the host experts do not hold every expert of every layer")
-        self.arena_row0 = universe.arena_row0
-        super().__init__(num_layers * num_experts, device)
+        super().__init__(host_rows, universe.arena_row0, device)
         self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]
-
-    def update_step(self, offsets: np.ndarray) -> None:
-        """The map for `offsets`, every layer's pinned slot offsets."""
-        self.update(offsets, self.host_rows, self.arena_row0)
 
 
 class ExpertsOffload:
@@ -286,17 +284,17 @@ class ExpertsOffload:
         self.universe = universe
         self._uva_stand = self._stand_with(universe.gate_up_proj, universe.down_proj, universe.rows)
         self.max_rows = max_rows
-        self._host_rows = universe.host_rows[self.layer].copy()
+        host_rows = universe.host_rows[self.layer].copy()
         if self._local is not None:
             # Other ranks' experts get weight 0 but are still read: point them
             # at one of this rank's host rows (real weights: 0 x a finite
             # value is 0; a slot not pinned could be mid-copy or never
             # written), or at a pinned slot (_forward_sync_free).
-            own = self._host_rows[self._local]
+            own = host_rows[self._local]
             if not own.size or (own < 0).any():
                 raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
-            self._host_rows[~self._local] = own[0]
-        self._rowmap = _RowMap(self.num_experts, self.device)
+            host_rows[~self._local] = own[0]
+        self._rowmap = _RowMap(host_rows, universe.arena_row0, self.device)
 
     def _foreign_rows(self, pinned: np.ndarray, rows: np.ndarray) -> None:
         """Expert parallel: other ranks' experts (weight 0) are still read:
@@ -322,14 +320,13 @@ class ExpertsOffload:
             # Every layer was pinned at layer 0 (Note [Step pins], Note
             # [Steady pins]): so is every layer's map.
             if layer == 0:
-                self.step_rows.update_step(whole)
+                self.step_rows.update(whole)
             rowmap = self.step_rows.layers[layer]
         else:
             # Row of each expert: its slot when pinned, else its host row. In
             # a steady decode the pins are the same every step: the map on
             # the device is still right and nothing is sent.
-            self._rowmap.update(offsets, self._host_rows, self.universe.arena_row0,
-                                None if self._local is None else functools.partial(self._foreign_rows, pinned))
+            self._rowmap.update(offsets, None if self._local is None else functools.partial(self._foreign_rows, pinned))
             rowmap = self._rowmap.dev
         # torch.take: the same gather as indexing, through less dispatch.
         index = torch.take(rowmap, top_k_index)
