@@ -10,7 +10,7 @@ import time
 
 from bench.common import fmt
 from bench.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
-from bench.generate_rows import Block, clear_exception_frames, decode_p50, oracle_trace
+from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, decode_p50, oracle_trace
 
 # -- Note [Two rows side by side]
 # "The gate never slower than on-demand" asks for a ratio of two offloaded
@@ -81,21 +81,12 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         modes.append(EngineMode(twin, budget, b, trace_b, block.cuda, host=host))
         sides = list(zip((block.model, twin), modes))
         tokens = min(args.paired_tokens, args.new_tokens)
-        want = block.reference[:, :tokens]
-        equal = True
         block.phase = "--ab warm-up"
         for model, mode in sides:
             decode_p50(block, model, tokens)
             mode.new_sequence()
         block.phase = "--ab pairs"
-        for i in range(args.ab_pairs):
-            got = {}
-            for side in (sides if i % 2 == 0 else sides[::-1]):
-                ids, p50 = decode_p50(block, side[0], tokens)
-                side[1].new_sequence()
-                equal = equal and bool(torch.equal(ids, want))
-                got[side[0] is block.model] = p50
-            out["pairs_ms"].append([got[True], got[False]])
+        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, block.reference[:, :tokens])
         ratios = [x / y for x, y in out["pairs_ms"] if x is not None and y]
         out["x_ab"] = statistics.median(ratios) if ratios else None
         out["tokens_equal"] = equal

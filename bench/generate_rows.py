@@ -229,6 +229,26 @@ def drop_twin(block: Block, reason: str) -> None:
         block.torch.cuda.empty_cache()
 
 
+def alternate_p50s(block: Block, sides, pairs: int, tokens: int, want=None) -> tuple[list, bool]:
+    """Pairs of generates of `tokens` on the two `sides` ((model, its mode
+    or None) each), the first side first in even pairs and second in odd
+    ones; a side's mode starts a new sequence after each of its generates.
+    Returns ([first p50, second p50] (ms) per pair, whether every generate's
+    ids equal `want` (True when `want` is None))."""
+    out, equal = [], True
+    for i in range(pairs):
+        got = [None, None]
+        for j in ((0, 1) if i % 2 == 0 else (1, 0)):
+            model, mode = sides[j]
+            ids, got[j] = decode_p50(block, model, tokens)
+            if mode is not None:
+                mode.new_sequence()
+            if want is not None:
+                equal = equal and bool(block.torch.equal(ids, want))
+        out.append(got)
+    return out, equal
+
+
 def paired_p50s(block: Block, mode, new_tokens: int) -> list:
     """Note [Paired generates]: [row p50, twin p50] (ms) per pair, each
     generate of --paired-tokens, or of the row's own `new_tokens` where
@@ -236,15 +256,7 @@ def paired_p50s(block: Block, mode, new_tokens: int) -> list:
     if block.twin is None:
         return []
     tokens = min(block.args.paired_tokens, new_tokens)
-    pairs = []
-    for i in range(block.args.paired):
-        got = {}
-        for m in ((block.model, block.twin) if i % 2 == 0 else (block.twin, block.model)):
-            got[m is block.model] = decode_p50(block, m, tokens)[1]
-            if m is block.model:
-                mode.new_sequence()
-        pairs.append([got[True], got[False]])
-    return pairs
+    return alternate_p50s(block, [(block.model, mode), (block.twin, None)], block.args.paired, tokens)[0]
 
 
 def measure_row(block: Block, row: str, share, mode, recorder, new_tokens: int, warm_tokens: int,
