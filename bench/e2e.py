@@ -65,7 +65,9 @@ p50, the IO floor), x_floor_runs those ratios (Note [A round's own
 floor]). Each row also has
 host_us_per_layer (the first round's host time per decode layer by phase of
 the step: speculate, sync, acquire, compute launch, release, and the engine
-calls' share of them), late (acquires that found their copy under way),
+calls' share of them; an engine row's acquire also in its parts,
+acquire.route_l0, acquire.route and acquire.gather: Note [The acquire's
+parts] in bench/e2e_providers.py), late (acquires that found their copy under way),
 speculation_paused_layers (Note [Speculation by its precision]) and the
 engine's counts of where the copies and guesses went (ENGINE_COUNTS).
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]

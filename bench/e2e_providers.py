@@ -21,6 +21,7 @@ from __future__ import annotations
 import os
 import sys
 import tempfile
+import time
 
 import numpy as np
 
@@ -178,6 +179,18 @@ class EngineProvider:
             self._slot_rows[device] = SlotRows(self.torch, {"gate_up": views[0], "down": views[1]})
         return views
 
+    # Note [The acquire's parts]
+    # With the decoder's timers on, the acquire phase of an engine row is
+    # also split (host seconds, summed like the phases, so per layer they
+    # are means over every layer): acquire.route_l0, the controller's call
+    # at each step's layer 0 (a step plan's one engine call is made there);
+    # acquire.route, its calls at the other layers (a planned layer's
+    # lookup, or the layer's engine call); acquire.gather, the slot
+    # numbers and SlotRows' two torch.cat. BM5's engine rows spent 40-50
+    # us a layer more than the resident row's three index_select in this
+    # phase on the H200 host (runs 135, 162) and 35-40 on the development
+    # VM (tools/bm5_host_proxy.py); the split says which part it is.
+
     def acquire_stacked(self, layer, x, experts, routed):
         """Pins the experts (as acquire does: same waits, same counters) and
         gathers their slots of the arena. The gather copies the weights, so
@@ -188,12 +201,23 @@ class EngineProvider:
         holds tensors of another size) is refused. The device needs no
         check: a layer's experts are registered on the layer's device."""
         stream = self.dec.stream(layer)
+        timers = self.dec.timers
+        if timers is not None:
+            t0 = time.perf_counter()
         _, where = self.ctl.route_and_acquire(layer, x, experts, stream=stream)
+        if timers is not None:
+            t1 = time.perf_counter()
         try:
-            return self.gather(layer, where)
+            got = self.gather(layer, where)
         except ValueError as e:
             self.ctl.release_held(stream)
             raise RuntimeError(f"layer {layer}: {e}") from e
+        if timers is not None:
+            # Note [The acquire's parts]
+            key = "acquire.route_l0" if layer == 0 else "acquire.route"
+            timers[key] = timers.get(key, 0.0) + t1 - t0
+            timers["acquire.gather"] = timers.get("acquire.gather", 0.0) + time.perf_counter() - t1
+        return got
 
     def gather(self, layer, where):
         """The weights in the cache slots of acquire's rows `where` (in

@@ -45,6 +45,10 @@ def test_bm5_host_proxy_reports_every_row(tmp_path):
         phases = rows[policy]["host_us_per_layer"]
         assert phases["engine"] > 0 and phases["speculate"] >= 0
         assert rows[policy]["experts_copied"] == 0  # preloaded: host work alone
+        # The acquire's parts (Note [The acquire's parts]) are timed inside it.
+        parts = [phases[k] for k in ("acquire.route_l0", "acquire.route", "acquire.gather")]
+        assert min(parts) > 0 and sum(parts) <= phases["acquire"]
+    assert not any(k.startswith("acquire.") for k in rows["all-resident"]["host_us_per_layer"])
     # The controller left out: the same engine, no controller phases.
     assert rows["on-demand-bare"]["experts_copied"] == 0
     assert "engine" not in rows["on-demand-bare"]["host_us_per_layer"]
