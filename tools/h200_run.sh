@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy
+# steps: tox gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy gathercost
 # abproxy (OLD_TREE)
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
@@ -226,6 +226,10 @@ for step in $steps; do
       # tools/copy_interference_probe.py: BM5's resident decoder with copy traffic beside it (INTERFERENCE_ARGS).
       python3 tools/copy_interference_probe.py ${INTERFERENCE_ARGS:-} --json "$out/interference.json" 2>&1 \
         | tee "$out/interference.txt" || status=1 ;;
+    gathercost)
+      # tools/gather_cost_probe.py: host us of each way to gather a layer's expert slots (GATHER_ARGS).
+      python3 tools/gather_cost_probe.py ${GATHER_ARGS:-} --json "$out/gather_cost.json" 2>&1 \
+        | tee "$out/gather_cost.txt" || status=1 ;;
     hostproxy)
       # tools/bm5_host_proxy.py on this machine's CPU (PROXY_ARGS: trace, --share, --rounds, --policies):
       # BM5's host work per layer with nothing copied, on the host the GPU runs depend on.
