@@ -640,6 +640,31 @@ def test_next_use_victim_order(make_handle, rng):
     assert h.resident()[:2] == [4, 6]
 
 
+def test_next_use_keeps_touch_order_within_one_time(make_handle, rng):
+    # Entries hinted to one time keep their touch order whatever order the
+    # hints come in (Note [Next-use buckets]: a hint places an entry by its
+    # own touch, which may be older than the ones already there), a use
+    # makes an entry the newest of its time, and a time whose entries all
+    # moved away can be taken again.
+    h = make_handle(device_budget_bytes=5 * SLOT, eviction_policy="next-use")
+    register_random(h, rng, range(5))
+    use_each(h, range(5))  # touches 0 < 1 < 2 < 3 < 4
+    h.hint_next_use([3, 1], [20, 20], now=0)
+    h.hint_next_use([0, 4, 2], [20, 20, 20])  # older and newer touches than 1 and 3
+    # One valid time: newest touch first (farthest first, then the later touch).
+    assert h.resident() == [4, 3, 2, 1, 0]
+    use_each(h, [1])
+    assert h.resident() == [1, 4, 3, 2, 0]
+    h.hint_next_use([0, 1, 2, 3, 4], [10, 30, 10, 30, 10])  # time 20 emptied
+    assert h.resident() == [1, 3, 4, 2, 0]
+    h.hint_next_use([4, 0], [20, 20])  # time 20 again
+    assert h.resident() == [1, 3, 4, 0, 2]
+    h.hint_next_use([], None, now=25)  # 10 and 20 passed: expired, earliest first, oldest touch first
+    assert h.resident() == [2, 0, 4, 1, 3]
+    h.hint_next_use([1], prefetch.NO_NEXT_USE)  # cleared: first, with the unhinted
+    assert h.resident() == [1, 2, 0, 4, 3]
+
+
 def test_next_use_hint_before_the_copy_is_kept(make_handle, rng):
     h = make_handle(device_budget_bytes=3 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(3))
