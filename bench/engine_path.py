@@ -21,6 +21,13 @@ next one, on the current CUDA stream. Rows, each the median over
                     resident expert of this layer (`experts` ids, each
                     asked whether its copy completed), report this
                     layer's routed experts as used
+  step-plan         a host-routed step plan's call (Note [Host-routed step
+                    pins] in prefetch/step_plan.py), once a step on a
+                    second handle with "next-use" eviction: release the
+                    last step's pins, report its reads as used, pin this
+                    step's reads (`layers` x `top`), prefetch the next
+                    step's and hint their next-use times; its p50 is per
+                    call (Note [Next-use buckets] in src_cpp/eviction_policy.h)
 Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
 --thrash-mb N touches N MB of host memory between calls (outside the timed
 region), as a model's forward does between two MoE layers: the call then
@@ -135,6 +142,7 @@ def main(argv=None) -> int:
     if pinned[0] is not None:
         handle.release(pinned[0], stream=stream)
     s = handle.stats()
+    rows["step-plan"] = step_plan_row(args, prefetch, np, torch, budget, per, routes, thrash)
     hit_rate = s["hits"] / max(1, s["hits"] + s["misses"])
     cold = f", {args.thrash_mb} MB touched between calls" if args.thrash_mb else ""
     print(f"engine path per layer, {args.top} experts, all hits ({handle.backend}{cold}; "
@@ -148,6 +156,60 @@ def main(argv=None) -> int:
                                "thrash_mb": args.thrash_mb,
                                "hit_rate": hit_rate, "rows": rows})
     return 0
+
+
+def step_plan_row(args, prefetch, np, torch, budget: int, per: int, routes, thrash) -> dict:
+    """The step-plan row: its own handle ("next-use" eviction, every expert
+    resident), one call a step over eight steps' reads in turn."""
+    from prefetch.controller import OffloadController
+
+    handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend=args.backend, eviction_policy="next-use")
+    try:
+        stream = torch.cuda.current_stream().cuda_stream if handle.backend == "cuda" else None
+        ctl = OffloadController(handle, num_layers=args.layers, num_experts=args.experts, top_k=args.top)
+        payload = torch.zeros(per // 4, dtype=torch.float32)
+        for layer in range(args.layers):
+            for e in range(args.experts):
+                ctl.prefetcher.register_expert(layer, e, {"w": payload})
+        for layer in range(args.layers):
+            ids = ctl.prefetcher.tensor_ids(layer, np.arange(args.experts))
+            handle.acquire_slots(ids, stream=stream, timeout=60)
+            handle.release(ids, stream=stream)
+        if stream is not None:
+            torch.cuda.synchronize()
+        steps = []  # per step: its reads' tensor ids (sorted) and each one's layer
+        for s in range(8):
+            ids = np.concatenate([ctl.ids(layer, routes[(s * args.layers + layer) % len(routes)])
+                                  for layer in range(args.layers)])
+            layers = np.repeat(np.arange(args.layers), args.top)
+            order = np.argsort(ids, kind="stable")
+            steps.append((ids[order], layers[order]))
+        pin_out = np.empty(args.layers * args.top, dtype=np.int64)
+        pinned, used = None, None
+        samples = []
+        for i in range(max(200, args.iterations // args.layers) + 20):
+            now, _ = steps[i % len(steps)]
+            nxt, nxt_layers = steps[(i + 1) % len(steps)]
+            clock = i * args.layers
+            when = clock + args.layers + nxt_layers  # the next step's layer of each read
+            if thrash is not None:
+                np.add(thrash, 1.0, out=thrash)
+            t0 = time.perf_counter_ns()
+            handle.step(release=pinned, pin=now, pin_into=pin_out[: now.shape[0]], use=used, prefetch=nxt, band=1,
+                        hint_ids=nxt, hint_when=when, now=clock, stream=stream)
+            t1 = time.perf_counter_ns()
+            pinned, used = now[pin_out[: now.shape[0]] >= 0], now
+            if i >= 20:
+                samples.append((t1 - t0) / 1e3)
+        if pinned is not None:
+            handle.release(pinned, stream=stream)
+        if stream is not None:
+            torch.cuda.synchronize()
+        samples.sort()
+        return {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
+                "iterations": len(samples), "per": "step"}
+    finally:
+        handle.close()
 
 
 if __name__ == "__main__":
