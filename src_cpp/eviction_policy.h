@@ -173,18 +173,21 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // sequence), and every use, request or hint re-keyed the entry's node: a
 // walk down a tree of every resident entry, whose nodes are cold between
 // decode layers. A step plan's engine call (Note [Host-routed step pins] in
-// prefetch/step_plan.py) reports a step's uses, requests the next step's
-// reads and hints them: BM5's gemma-4 replay makes 180 of each once a step.
-// That call took 160-180 us on this project's development VM inside the
-// decode loop (93 without the requests, 3 for its pins alone), and 35-47 us
-// in a tight loop against 7 with "cyclic" (3,840 resident entries; 225
-// against 47 with 32 MB of host memory touched between calls); on the H200
-// host the oracle's layer-0 call cost 24 us a layer of the step (run 167).
-// With buckets a use or a request moves the entry to the end of its own
-// bucket (the newest touch is the largest sequence): no search. A hint to
-// another time finds that time's bucket in a map of distinct times (tens,
-// not thousands) and places the entry by its own sequence, walking from the
-// bucket's newest end (a hint keeps the touch order).
+// prefetch/step_plan.py) reports a step's reads as used, requests the next
+// step's and hints them: BM5's gemma-4 replay makes 180 of each once a
+// step, and on the development VM that call took 160-180 us inside the
+// decode loop, 3 of them for its pins. bench/engine_path.py's step-plan row
+// (48 layers x 8 reads, 6,144 resident entries, host backend, this VM):
+// 128 us a call with the set, 25 with buckets; 261 and 85 with 32 MB of
+// host memory touched between calls. With buckets a use or a request moves
+// the entry to the end of its own bucket (the newest touch is the largest
+// sequence): no search. A hint to another time finds that time's bucket in
+// a map of the distinct times (tens, not thousands; the last one found is
+// kept, since a call hints runs of ids with one time) and places the entry
+// by its own sequence, walking from the bucket's newest end (a hint keeps
+// the touch order). Emptied buckets' nodes are kept for new times, so hints
+// that move entries from time to time allocate nothing once warm.
+
 class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
  public:
   const char* Name() const override { return "next-use"; }
