@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import gc
+import math
 import statistics
 import sys
 import time
@@ -28,7 +29,26 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # pairs a spell split. Each generate starts a new sequence (new_sequence,
 # as the paired generates do). The twin is used up (the block's last
 # work; restore_check drops it anyway), the model restored after. Each
-# side's generated ids are checked against the resident model's.
+# side's generated ids are checked against the resident model's. Whether
+# the pairs say one row is faster at all: `a_faster`, the pairs whose A
+# was faster, and `sign_p`, the two-sided sign test's p over the pairs
+# that differ (the chance of a split at least that uneven if neither row
+# were faster). Runs 168-169 gave x_ab 0.985 and 1.043 over 12 pairs with
+# A faster in 7 and 4 of them: p 0.77 and 0.39, neither row shown faster.
+
+
+def sign_test(pairs) -> tuple[int, int, float | None]:
+    """(pairs whose A was faster, pairs that differ, the two-sided exact
+    sign test's p over those; None without any) for `pairs` of [A, B] ms,
+    pairs with a missing side left out."""
+    done = [(a, b) for a, b in pairs if a is not None and b is not None]
+    a_faster = sum(a < b for a, b in done)
+    n = sum(a != b for a, b in done)
+    if n == 0:
+        return a_faster, 0, None
+    k = min(a_faster, n - a_faster)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return a_faster, n, min(1.0, 2 * tail)
 
 
 def ab_rows(rows) -> tuple[str, str]:
@@ -48,7 +68,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     args, torch = block.args, block.torch
     a, b = ab_rows(args.ab)
     out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], "pairs_ms": [],
-           "x_ab": None, "tokens_equal": None, "copies": None,
+           "x_ab": None, "a_faster": None, "sign_p": None, "tokens_equal": None, "copies": None,
            "parked_resident_experts": None, "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
@@ -89,6 +109,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, block.reference[:, :tokens])
         ratios = [x / y for x, y in out["pairs_ms"] if x is not None and y]
         out["x_ab"] = statistics.median(ratios) if ratios else None
+        out["a_faster"], _, out["sign_p"] = sign_test(out["pairs_ms"])
         out["tokens_equal"] = equal
         out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and pairs
     except Exception as exc:  # noqa: BLE001 - the A/B reports why it failed; the block goes on
@@ -106,6 +127,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         if block.cuda:
             torch.cuda.empty_cache()
     print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b}: x_ab {fmt(out['x_ab'])} over "
-          f"{len(out['pairs_ms'])} pairs, tokens equal {out['tokens_equal']}"
+          f"{len(out['pairs_ms'])} pairs ({a} faster in {out['a_faster']}, sign test p {fmt(out['sign_p'])}), "
+          f"tokens equal {out['tokens_equal']}"
           + (f" ({out['reason']})" if out["reason"] else ""), file=sys.stderr, flush=True)
     return out

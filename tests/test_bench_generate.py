@@ -253,6 +253,7 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     pairs = ab["pairs_ms"]
     assert len(pairs) == 3 and all(len(p) == 2 and min(p) > 0 for p in pairs)
     assert ab["x_ab"] == pytest.approx(statistics.median(a / b for a, b in pairs))
+    assert ab["a_faster"] == sum(a < b for a, b in pairs) and 0 < ab["sign_p"] <= 1
     assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
     assert ab["parked_resident_experts"] is False
     assert block["restore_check"] is True
@@ -759,3 +760,15 @@ def test_a_failed_row_names_the_phase_it_failed_in(tmp_path, monkeypatch):
     assert generate_rows.failed_where(block) == " in its restore, after an error in its time to first token"
     block.phase = block.failed_in = None
     assert generate_rows.failed_where(block) == ""
+
+
+def test_ab_sign_test_counts_the_pairs_and_gives_the_exact_p():
+    from bench.generate_ab import sign_test
+
+    # Runs 168-169's splits: 7 and 4 of 12 (p from the binomial by hand).
+    assert sign_test([[1, 2]] * 7 + [[2, 1]] * 5) == (7, 12, pytest.approx(2 * 1586 / 4096))
+    assert sign_test([[1, 2]] * 4 + [[2, 1]] * 8) == (4, 12, pytest.approx(2 * 794 / 4096))
+    assert sign_test([[1, 2]] * 10) == (10, 10, pytest.approx(2 / 1024))
+    # Ties and missing sides count for nobody; with none left, no p.
+    assert sign_test([[1, 1], [None, 2], [3, None]]) == (0, 0, None)
+    assert sign_test([[1, 2], [2, 2]]) == (1, 1, 1.0)
