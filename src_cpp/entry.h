@@ -54,9 +54,8 @@ struct alignas(64) Entry {
   CopyToken last_use = kTokenDone;   // completion of consumers' stream work
   uint64_t policy_stamp = 0;         // eviction policy's own (a clock/sequence)
   // Which of its policy's two lists the entry is on: cyclic, `used_` (true)
-  // or `fresh_`; next-use, the `overflow_` list (true) or a bucket.
+  // or `fresh_`; next-use, the `overflow_` list (true) or the ordered set.
   bool policy_second_list = false;
-  void* policy_list = nullptr;       // next-use: its bucket (an EntryList) while in one
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
   bool use_on_arrival = false;       // read while not resident: a use once copied

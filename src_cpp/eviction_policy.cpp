@@ -80,88 +80,52 @@ void WalkedPolicy<Policy>::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
 // then fresh oldest first (CyclicPolicy::Walk).
 template class WalkedPolicy<CyclicPolicy>;
 
-EntryList* NextUsePolicy::BucketFor(int64_t next_use) {
-  if (last_list_ != nullptr && last_time_ == next_use) return last_list_;
-  auto at = buckets_.lower_bound(next_use);
-  if (at == buckets_.end() || at->first != next_use) {
-    if (!spare_.empty()) {
-      Buckets::node_type node = std::move(spare_.back());
-      spare_.pop_back();
-      node.key() = next_use;
-      node.mapped() = EntryList{};
-      at = buckets_.insert(at, std::move(node));  // a node handle's insert never allocates
-    } else {
-      try {
-        at = buckets_.emplace_hint(at, next_use, EntryList{});
-      } catch (const std::bad_alloc&) {
-        return nullptr;
-      }
-    }
-  }
-  last_time_ = next_use;
-  last_list_ = &at->second;
-  return last_list_;
+void NextUsePolicy::Link(Entry* e) {
+  e->policy_stamp = ++seq_;
+  Place(e);
 }
 
 void NextUsePolicy::Place(Entry* e) {
-  EntryList* list = BucketFor(e->next_use);
-  if (list == nullptr) {
+  e->policy_second_list = false;  // in order_
+  try {
+    order_.insert(Key{e->next_use, e->policy_stamp, e});
+  } catch (const std::bad_alloc&) {
     e->policy_second_list = true;
-    e->policy_list = nullptr;
     overflow_.PushNewest(e);
-    return;
   }
-  e->policy_second_list = false;
-  e->policy_list = list;
-  // After the newest entry touched before it (a use is the newest of all:
-  // no step back; a hint keeps an older touch).
-  Entry* before = list->newest;
-  while (before != nullptr && before->policy_stamp > e->policy_stamp) before = before->policy_prev;
-  Entry* after = before != nullptr ? before->policy_next : list->oldest;
-  e->policy_prev = before;
-  e->policy_next = after;
-  (before != nullptr ? before->policy_next : list->oldest) = e;
-  (after != nullptr ? after->policy_prev : list->newest) = e;
 }
 
-void NextUsePolicy::Unplace(Entry* e) {
+void NextUsePolicy::OnRemove(Entry* e) {
   if (e->policy_second_list) {
     overflow_.Unlink(e);
     e->policy_second_list = false;
-    return;
-  }
-  EntryList* list = BucketOf(e);
-  list->Unlink(e);
-  e->policy_list = nullptr;
-  if (list->oldest != nullptr) return;
-  if (list == last_list_) last_list_ = nullptr;
-  Buckets::node_type node = buckets_.extract(e->next_use);
-  try {
-    spare_.push_back(std::move(node));
-  } catch (const std::bad_alloc&) {
-    // The node is freed with `node`.
+  } else {
+    order_.erase(Key{e->next_use, e->policy_stamp, e});
   }
 }
 
-void NextUsePolicy::Touch(Entry* e) {
-  e->policy_stamp = ++seq_;
-  if (e->policy_second_list) {  // in overflow_: try for a bucket again
-    Unplace(e);
+void NextUsePolicy::Rekey(Entry* e, int64_t next_use, uint64_t seq) {
+  if (e->policy_second_list) {  // in overflow_: no node to reuse
+    OnRemove(e);
+    e->next_use = next_use;
+    e->policy_stamp = seq;
     Place(e);
     return;
   }
-  EntryList* list = BucketOf(e);
-  if (list->newest == e) return;
-  list->Unlink(e);
-  list->PushNewest(e);
+  auto node = order_.extract(Key{e->next_use, e->policy_stamp, e});
+  e->next_use = next_use;
+  e->policy_stamp = seq;
+  if (node.empty()) {  // not linked (cannot happen): link it anew
+    Place(e);
+    return;
+  }
+  node.value() = Key{next_use, seq, e};
+  order_.insert(std::move(node));  // a node handle's insert never allocates
 }
 
 void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
   // A hint is not a use: the touch sequence stays.
-  if (next_use == e->next_use && !e->policy_second_list) return;
-  Unplace(e);
-  e->next_use = next_use;
-  Place(e);
+  Rekey(e, next_use, e->policy_stamp);
 }
 
 // Note [Next-use eviction]: no valid hint first, then farthest next use

@@ -8,9 +8,8 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <map>
+#include <set>
 #include <string>
-#include <vector>
 
 #include "entry.h"
 
@@ -162,95 +161,57 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // least recently acquired or requested first (needed by nobody we know of);
 // then expired hints, earliest first; then valid hints, farthest next use
 // first. Hints belong to the id, resident or not, so an id can be hinted
-// before its prefetch. Entries sit in buckets, one per next-use time (a
-// std::map from the time to an intrusive list), each bucket in touch order
-// (oldest first), so the order is (next_use, touch sequence); if a new
-// bucket cannot be made (no memory) the entry goes to an unordered overflow
-// list that is evicted first, never an exception.
-//
-// Note [Next-use buckets]
-// Until stop 47 the entries sat in one std::set keyed by (next_use, touch
-// sequence), and every use, request or hint re-keyed the entry's node: a
-// walk down a tree of every resident entry, whose nodes are cold between
-// decode layers. A step plan's engine call (Note [Host-routed step pins] in
-// prefetch/step_plan.py) reports a step's reads as used, requests the next
-// step's and hints them: BM5's gemma-4 replay makes 180 of each once a
-// step, and on the development VM that call took 160-180 us inside the
-// decode loop, 3 of them for its pins. bench/engine_path.py's step-plan row
-// (48 layers x 8 reads, 6,144 resident entries, host backend, this VM):
-// 128 us a call with the set, 25 with buckets; 261 and 85 with 32 MB of
-// host memory touched between calls. With buckets a use or a request moves
-// the entry to the end of its own bucket (the newest touch is the largest
-// sequence): no search. A hint to another time finds that time's bucket in
-// a map of the distinct times (tens, not thousands; the last one found is
-// kept, since a call hints runs of ids with one time) and places the entry
-// by its own sequence, walking from the bucket's newest end (a hint keeps
-// the touch order). Emptied buckets' nodes are kept for new times, so hints
-// that move entries from time to time allocate nothing once warm.
-
+// before its prefetch. Entries sit in a std::set ordered by (next_use, a
+// touch sequence); if that set cannot grow (no memory) an entry goes to an
+// unordered overflow list that is evicted first, never an exception.
 class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
  public:
   const char* Name() const override { return "next-use"; }
-  void OnInsert(Entry* e) override {
-    e->policy_stamp = ++seq_;
-    Place(e);
-  }
-  void OnRequest(Entry* e) override { Touch(e); }
-  void OnUse(Entry* e) override { Touch(e); }
-  void OnRemove(Entry* e) override { Unplace(e); }
+  void OnInsert(Entry* e) override { Link(e); }
+  void OnRequest(Entry* e) override { Relink(e); }
+  void OnUse(Entry* e) override { Relink(e); }
+  void OnRemove(Entry* e) override;
   void OnHint(Entry* e, int64_t next_use) override;
   void OnClock(int64_t now) override { now_ = now; }
 
  private:
   friend class WalkedPolicy<NextUsePolicy>;
-  // next_use -> its entries, oldest touch first (Note [Next-use buckets]).
-  using Buckets = std::map<int64_t, EntryList>;
-  // Into the bucket of e->next_use by its policy_stamp, or overflow_.
-  void Place(Entry* e);
-  // Out of its bucket (dropped when empty) or overflow_.
-  void Unplace(Entry* e);
-  // A use or request: a new touch sequence, the newest of its bucket.
-  void Touch(Entry* e);
-  // The bucket of `next_use`, made if need be (from spare_ when it has a
-  // node: no allocation); nullptr when none can be made.
-  EntryList* BucketFor(int64_t next_use);
-  static EntryList* BucketOf(const Entry* e) { return static_cast<EntryList*>(e->policy_list); }
+  struct Key {
+    int64_t next_use;
+    uint64_t seq;  // touch order; unique
+    Entry* e;
+    bool operator<(const Key& o) const {
+      return next_use != o.next_use ? next_use < o.next_use : seq < o.seq;
+    }
+  };
+  void Link(Entry* e);   // with a new touch sequence
+  void Place(Entry* e);  // with its current one
+  // A linked `e` moves to (next_use, seq): its own set node is re-keyed,
+  // so a use or a hint allocates nothing (the plan's call makes hundreds).
+  void Rekey(Entry* e, int64_t next_use, uint64_t seq);
+  void Relink(Entry* e) { Rekey(e, e->next_use, ++seq_); }
   // Victim order; the one place it is written down.
   template <typename Visit>
   Entry* Walk(Visit visit) const {
     for (Entry* e = overflow_.oldest; e != nullptr; e = e->policy_next) {
       if (visit(e)) return e;
     }
-    const auto no_hint = buckets_.lower_bound(kNoNextUse);
-    if (no_hint != buckets_.end()) {  // never hinted (or cleared): least recently touched first
-      for (Entry* e = no_hint->second.oldest; e != nullptr; e = e->policy_next) {
-        if (visit(e)) return e;
-      }
+    const auto no_hint = order_.lower_bound(Key{kNoNextUse, 0, nullptr});
+    for (auto it = no_hint; it != order_.end(); ++it) {
+      if (visit(it->e)) return it->e;
     }
-    auto valid = buckets_.begin();  // expired hints: oldest hint first
-    for (; valid != no_hint && valid->first < now_; ++valid) {
-      for (Entry* e = valid->second.oldest; e != nullptr; e = e->policy_next) {
-        if (visit(e)) return e;
-      }
+    auto valid = order_.begin();  // expired hints: oldest hint first
+    for (; valid != no_hint && valid->next_use < now_; ++valid) {
+      if (visit(valid->e)) return valid->e;
     }
     for (auto it = no_hint; it != valid;) {  // valid hints: farthest first
       --it;
-      for (Entry* e = it->second.newest; e != nullptr; e = e->policy_prev) {
-        if (visit(e)) return e;
-      }
+      if (visit(it->e)) return it->e;
     }
     return nullptr;
   }
-  Buckets buckets_;
-  // Nodes of emptied buckets, for the next new ones: hints move entries
-  // between times every step, and each move would otherwise free one bucket
-  // and allocate another.
-  std::vector<Buckets::node_type> spare_;
-  // The bucket the last Place found (a hint call names runs of ids with one
-  // time); nullptr once that bucket is dropped.
-  int64_t last_time_ = 0;
-  EntryList* last_list_ = nullptr;
-  EntryList overflow_;  // could not get a bucket (std::bad_alloc)
+  std::set<Key> order_;
+  EntryList overflow_;  // could not enter order_ (std::bad_alloc)
   uint64_t seq_ = 0;
   int64_t now_ = std::numeric_limits<int64_t>::min();
 };
