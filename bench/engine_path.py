@@ -27,7 +27,17 @@ next one, on the current CUDA stream. Rows, each the median over
                     last step's pins, report its reads as used, pin this
                     step's reads (`layers` x `top`), prefetch the next
                     step's and hint their next-use times; its p50 is per
-                    call (Note [Next-use buckets] in src_cpp/eviction_policy.h)
+                    call
+  hints-one-time    on that handle, a hint_next_use of `layers` x `top`
+                    random resident ids, all to one time (per call)
+  hints-clear       the same ids' hints cleared (NO_NEXT_USE) right after
+                    (per call). Stop 47 tried a next-use order kept in a
+                    bucket per time that placed a hinted entry by walking
+                    its bucket: the step-plan call fell 3-5x, but 1,000
+                    hints to one time took 1.5 ms and clearing 180 hints
+                    among 6,000 unhinted entries 5.4 ms (0.19 ms and 29
+                    us with the set; docs/results.md, stop 47). These two
+                    rows are here so such a cliff shows.
 Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
 --thrash-mb N touches N MB of host memory between calls (outside the timed
 region), as a model's forward does between two MoE layers: the call then
@@ -142,7 +152,7 @@ def main(argv=None) -> int:
     if pinned[0] is not None:
         handle.release(pinned[0], stream=stream)
     s = handle.stats()
-    rows["step-plan"] = step_plan_row(args, prefetch, np, torch, budget, per, routes, thrash)
+    rows.update(next_use_rows(args, prefetch, np, torch, budget, per, routes, thrash))
     hit_rate = s["hits"] / max(1, s["hits"] + s["misses"])
     cold = f", {args.thrash_mb} MB touched between calls" if args.thrash_mb else ""
     print(f"engine path per layer, {args.top} experts, all hits ({handle.backend}{cold}; "
@@ -158,9 +168,16 @@ def main(argv=None) -> int:
     return 0
 
 
-def step_plan_row(args, prefetch, np, torch, budget: int, per: int, routes, thrash) -> dict:
-    """The step-plan row: its own handle ("next-use" eviction, every expert
-    resident), one call a step over eight steps' reads in turn."""
+def _row(samples: list, per_what: str) -> dict:
+    samples.sort()
+    return {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
+            "iterations": len(samples), "per": per_what}
+
+
+def next_use_rows(args, prefetch, np, torch, budget: int, per: int, routes, thrash) -> dict:
+    """The step-plan and hint rows: their own handle ("next-use" eviction,
+    every expert resident); the step plan's call once a step over eight
+    steps' reads in turn, then the hint calls."""
     from prefetch.controller import OffloadController
 
     handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend=args.backend, eviction_policy="next-use")
@@ -205,9 +222,28 @@ def step_plan_row(args, prefetch, np, torch, budget: int, per: int, routes, thra
             handle.release(pinned, stream=stream)
         if stream is not None:
             torch.cuda.synchronize()
-        samples.sort()
-        return {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
-                "iterations": len(samples), "per": "step"}
+        rows = {"step-plan": _row(samples, "step")}
+        every = np.concatenate([ctl.prefetcher.tensor_ids(layer, np.arange(args.experts))
+                                for layer in range(args.layers)])
+        rng = np.random.default_rng(1)
+        n = min(args.layers * args.top, every.shape[0])
+        clear = np.full(n, prefetch.NO_NEXT_USE, dtype=np.int64)
+        hint, cleared = [], []
+        clock = handle.hint_clock() or 0
+        for i in range(120):
+            ids = np.sort(rng.choice(every, n, replace=False))
+            clock += 1
+            t0 = time.perf_counter_ns()
+            handle.hint_next_use(ids, np.full(n, clock + 10, dtype=np.int64), now=clock)
+            t1 = time.perf_counter_ns()
+            handle.hint_next_use(ids, clear)
+            t2 = time.perf_counter_ns()
+            if i >= 20:
+                hint.append((t1 - t0) / 1e3)
+                cleared.append((t2 - t1) / 1e3)
+        rows["hints-one-time"] = _row(hint, "call")
+        rows["hints-clear"] = _row(cleared, "call")
+        return rows
     finally:
         handle.close()
 

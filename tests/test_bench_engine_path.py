@@ -15,7 +15,9 @@ def test_engine_path_reports_every_row_on_the_host_backend(tmp_path):
                              "--iterations", "40", "--json", str(out)]) == 0
     got = json.loads(out.read_text())
     assert got["backend"] == "host"
-    assert set(got["rows"]) == {"step", "exchange", "separate-calls", "pin-layer", "step-plan"}
+    assert set(got["rows"]) == {"step", "exchange", "separate-calls", "pin-layer", "step-plan", "hints-one-time",
+                                "hints-clear"}
     for row in got["rows"].values():
         assert row["p50_us"] > 0 and row["p90_us"] >= row["p50_us"] and row["iterations"] > 0
     assert got["rows"]["step-plan"]["per"] == "step"
+    assert got["rows"]["hints-one-time"]["per"] == got["rows"]["hints-clear"]["per"] == "call"
