@@ -642,10 +642,10 @@ def test_next_use_victim_order(make_handle, rng):
 
 def test_next_use_keeps_touch_order_within_one_time(make_handle, rng):
     # Entries hinted to one time keep their touch order whatever order the
-    # hints come in (Note [Next-use buckets]: a hint places an entry by its
-    # own touch, which may be older than the ones already there), a use
-    # makes an entry the newest of its time, and a time whose entries all
-    # moved away can be taken again.
+    # hints come in (a hint places an entry by its own touch, which may be
+    # older than the ones already there; stop 47's bucket order had to keep
+    # this too), a use makes an entry the newest of its time, and a time
+    # whose entries all moved away can be taken again.
     h = make_handle(device_budget_bytes=5 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(5))
     use_each(h, range(5))  # touches 0 < 1 < 2 < 3 < 4
