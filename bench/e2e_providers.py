@@ -189,7 +189,10 @@ class EngineProvider:
     # numbers and SlotRows' two torch.cat. BM5's engine rows spent 40-50
     # us a layer more than the resident row's three index_select in this
     # phase on the H200 host (runs 135, 162) and 35-40 on the development
-    # VM (tools/bm5_host_proxy.py); the split says which part it is.
+    # VM (tools/bm5_host_proxy.py); the split says which part it is. Run
+    # 167 (gemma-4's oracle): layer 0's call 24 us a layer, the others' 27,
+    # the gather 64, though alone (tools/gather_cost_probe.py) the two
+    # torch.cat take 22 us against the resident row's 33.
 
     def acquire_stacked(self, layer, x, experts, routed):
         """Pins the experts (as acquire does: same waits, same counters) and

@@ -109,7 +109,7 @@ for step in $steps; do
           [ "$side" = old ] && dir=$old_dir
           echo "== $side $i"
           PYTHONPATH="$dir" python3 bench/engine_path.py --backend cuda --iterations ${ENGINE_ITERS:-2000} \
-            --json "$out/abengine_${side}_$i.json" 2>&1 | tail -4
+            --json "$out/abengine_${side}_$i.json" 2>&1 | tail -8
         done
       done ;;
     abbm6)
