@@ -113,14 +113,15 @@ class EngineProvider:
     """Experts through the engine; prediction through prefetch.integration."""
 
     def __init__(self, dec, budget: int, predictor, eviction: str, handle_options=None, disk=None,
-                 step_plan: bool = True):
+                 step_plan: bool = True, resident_gather: bool = False):
         """`disk`: (folder, host tier bytes): the experts are read from the
         decoder's pool file there through the engine's host tier instead of
         registered from host memory (the on-demand-disk policy).
         `step_plan`: the controller knows the cache's slot count, so a
         predictor that knows whole steps (the oracle) gets step plans (Note
         [Host-routed step pins] in prefetch/step_plan.py); False keeps it
-        layer by layer."""
+        layer by layer. `resident_gather`: Note [Engine calls, resident
+        weights]."""
         import prefetch
         from prefetch.integration import OffloadController, layer_handle_options
 
@@ -156,6 +157,7 @@ class EngineProvider:
                     self.ctl.prefetcher.register_disk(layer, e, [(pool[0], pool[1][index], dec.expert_bytes, 0)],
                                                       layout, device=dec.layer_dev[layer])
 
+        self.resident_gather = resident_gather
         self._slot_views = {}  # device -> (gate_up [slots, 2I, H], down [slots, H, I])
         self._slot_rows = {}  # device -> SlotRows of its arena
         self._slot_buf = np.empty(dec.spec["experts"], dtype=np.int64)  # a layer's slot numbers
@@ -193,6 +195,22 @@ class EngineProvider:
     # 167 (gemma-4's oracle): layer 0's call 24 us a layer, the others' 27,
     # the gather 64, though alone (tools/gather_cost_probe.py) the two
     # torch.cat take 22 us against the resident row's 33.
+    #
+    # Note [Engine calls, resident weights]
+    # The policy option resident_gather=1 (a diagnostic: "oracle:
+    # resident_gather=1") makes every engine call of the policy, copies and
+    # waits included, and then gathers the layer's weights from the
+    # decoder's resident pool as the resident row does (its three
+    # index_select), not from the engine's arena. Its output is the
+    # resident row's; the step differs from the resident row's only by the
+    # engine's presence (the controller, the engine calls, the copy
+    # workers and their copies), and from the policy's own row only by
+    # where the gather reads. Run 167 left open why every CUDA call of an
+    # engine row's step costs more than the same call in the resident
+    # row's (the gather 64 us a layer against 22 alone, the compute launch
+    # +25): this row's gather and compute phases against the resident
+    # row's say whether the engine's presence does it. Grouped compute only
+    # (the default): --expert-compute loop reads the engine's views as ever.
 
     def acquire_stacked(self, layer, x, experts, routed):
         """Pins the experts (as acquire does: same waits, same counters) and
@@ -211,7 +229,13 @@ class EngineProvider:
         if timers is not None:
             t1 = time.perf_counter()
         try:
-            got = self.gather(layer, where)
+            if self.resident_gather:  # Note [Engine calls, resident weights]
+                dec = self.dec
+                rows = dec.pool_table[layer].index_select(0, routed)
+                gate_up, down = dec.pool_stacked[dec.layer_dev[layer]]
+                got = gate_up.index_select(0, rows), down.index_select(0, rows)
+            else:
+                got = self.gather(layer, where)
         except ValueError as e:
             self.ctl.release_held(stream)
             raise RuntimeError(f"layer {layer}: {e}") from e
@@ -397,7 +421,10 @@ def split_policy(policy: str):
     int}); a plain policy gives {}. Options only go with engine policies;
     "distance" (the oracle's and oracle-cyclic's, over --oracle-distance) is
     the predictor's, "step_plan=0" (an engine policy's) turns the
-    controller's step plans off (Note [Host-routed step pins]), the others
+    controller's step plans off (Note [Host-routed step pins]),
+    "resident_gather=1" (an engine policy's) gathers the weights from the
+    resident pool after the engine calls (Note [Engine calls, resident
+    weights]), the others
     are the handle's."""
     from bench.e2e_decoder import ENGINE_POLICIES, POLICIES
 
@@ -409,8 +436,9 @@ def split_policy(policy: str):
         raise ValueError(f"policy {policy!r}: handle options need an engine policy ({', '.join(ENGINE_POLICIES)})")
     if "distance" in options and (base not in ("oracle", "oracle-cyclic") or options["distance"] < 1):
         raise ValueError(f"policy {policy!r}: distance goes with oracle or oracle-cyclic, and is >= 1")
-    if options.get("step_plan", 1) not in (0, 1):
-        raise ValueError(f"policy {policy!r}: step_plan is 0 or 1")
+    for flag in ("step_plan", "resident_gather"):
+        if options.get(flag, 0) not in (0, 1):
+            raise ValueError(f"policy {policy!r}: {flag} is 0 or 1")
     return base, options
 
 
@@ -421,6 +449,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
     policy, options = split_policy(policy)
     oracle_distance = options.pop("distance", oracle_distance)
     step_plan = bool(options.pop("step_plan", 1))
+    resident_gather = bool(options.pop("resident_gather", 0))
     handle_options = {**(handle_options or {}), **options} or None
     spec = dec.spec
     if policy == "all-resident":
@@ -444,7 +473,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
         total = spec["layers"] * spec["experts"] * dec.slot_bytes
         disk = (disk_dir or tempfile.gettempdir(), max(int(DISK_HOST_SHARE * total), 3 * dec.slot_bytes + 3 * 4096))
     return EngineProvider(dec, budget, predictor, policy_eviction(policy, eviction), handle_options, disk,
-                          step_plan=step_plan)
+                          step_plan=step_plan, resident_gather=resident_gather)
 
 
 def policy_eviction(policy: str, eviction: str) -> str:

@@ -188,7 +188,7 @@ def test_profile_steps_split_a_step_on_the_cpu(tmp_path):
     resident = ResidentProvider(dec)
     for x in inputs:
         dec.step(x, resident)
-    provider = make_provider(dec, "oracle", 6 * dec.slot_bytes, resident.trace)
+    provider = make_provider(dec, "oracle:resident_gather=1", 6 * dec.slot_bytes, resident.trace)
     try:
         e2e.measure_steps(dec, provider, inputs, warmup=1)
         out = profile_steps(dec, provider, inputs, 1, 5, None, str(tmp_path / "prof" / "oracle"))
@@ -344,10 +344,14 @@ def test_policies_carry_handle_options():
     assert policy_eviction("oracle:copy_poll_us=0", "cyclic") == "next-use"
     assert policy_eviction("on-demand:copy_lanes=1", "lru") == "lru"
     assert split_policy("oracle:distance=4") == ("oracle", {"distance": 4})
+    assert split_policy("on-demand:resident_gather=1") == ("on-demand", {"resident_gather": 1})
     for bad, message in (("oracel", "unknown policy"), ("oracle:copy_poll_us", "name=int"),
                          ("on-demand:distance=4", "distance goes with oracle"), ("oracle:distance=0", ">= 1"),
                          ("oracle:copy_poll_us=fast", "must be an int"),
-                         ("torch-by-hand:copy_lanes=1", "need an engine policy")):
+                         ("torch-by-hand:copy_lanes=1", "need an engine policy"),
+                         ("oracle:resident_gather=2", "resident_gather is 0 or 1"),
+                         ("oracle:step_plan=3", "step_plan is 0 or 1"),
+                         ("all-resident:resident_gather=1", "need an engine policy")):
         with pytest.raises(ValueError, match=message):
             split_policy(bad)
     with pytest.raises(SystemExit):
@@ -399,3 +403,37 @@ def test_oracle_distance_must_stay_below_the_models_layers(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         e2e.main(["--models", "tiny", "--policies", "oracle", "--oracle-distance", "0"])
     assert "--oracle-distance must be >= 1" in capsys.readouterr().err
+
+
+def test_engine_calls_with_resident_weights_compute_the_resident_step():
+    # Note [Engine calls, resident weights]: with resident_gather=1 the
+    # oracle makes its engine calls (hits, copies) and computes from the
+    # resident pool: every step's output is the resident row's, bit for bit,
+    # and the acquire's parts are still timed.
+    from bench.e2e_providers import ResidentProvider, make_provider
+
+    spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="t")
+    dec = e2e.Decoder(torch, spec, pool=5, device="cpu")
+    inputs = dec.inputs(5, 2, seed=0)
+    resident = ResidentProvider(dec)
+    want = [dec.step(x, resident) for x in inputs]
+    provider = make_provider(dec, "oracle:resident_gather=1", 6 * dec.slot_bytes, resident.trace)
+    try:
+        assert provider.resident_gather
+
+        def arena_gather(*args):
+            raise AssertionError("gathered from the engine's arena")
+
+        provider.gather = arena_gather  # the weights must come from the pool
+        timers = {}
+        dec.timers = timers
+        try:
+            got = [dec.step(x, provider) for x in inputs]
+        finally:
+            dec.timers = None
+        stats = provider.stats()
+    finally:
+        provider.close()
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    assert stats["hits"] > 0 and stats["bytes"] > 0  # the engine did its part
+    assert {"acquire.route_l0", "acquire.route", "acquire.gather"} <= set(timers)
