@@ -258,7 +258,8 @@ def main(argv=None) -> int:
     parser.add_argument("--shares", type=float, nargs="+", default=[0.1, 0.25, 0.5])
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), type=policy_arg, metavar="POLICY",
                         help=f"of {', '.join(POLICIES)}; an engine policy may carry PrefetchHandle options, "
-                             "as oracle:copy_poll_us=0 (a row of its own)")
+                             "as oracle:copy_poll_us=0 (a row of its own), and step_plan=0 or resident_gather=1 "
+                             "(bench/e2e_providers.py's split_policy)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--train", type=int, default=3, help="past requests the trace predictor learns from")
