@@ -35,7 +35,7 @@ next one, on the current CUDA stream. Rows, each the median over
                     bucket per time that placed a hinted entry by walking
                     its bucket: the step-plan call fell 3-5x, but 1,000
                     hints to one time took 1.5 ms and clearing 180 hints
-                    among 6,000 unhinted entries 5.4 ms (0.19 ms and 29
+                    among 6,000 unhinted entries 5.4-5.7 ms (0.19 ms and 29
                     us with the set; docs/results.md, stop 47). These two
                     rows are here so such a cliff shows.
 Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
