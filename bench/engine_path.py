@@ -72,28 +72,12 @@ def main(argv=None) -> int:
     import torch
 
     import prefetch
-    from prefetch.controller import OffloadController
 
-    per = 4096
-    budget = args.layers * args.experts * (per + 256) + (1 << 20)
-    handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend=args.backend, eviction_policy="cyclic")
-    cuda = handle.backend == "cuda"
-    stream = torch.cuda.current_stream().cuda_stream if cuda else None
-    ctl = OffloadController(handle, num_layers=args.layers, num_experts=args.experts, top_k=args.top)
-    payload = torch.zeros(per // 4, dtype=torch.float32)
-    for layer in range(args.layers):
-        for e in range(args.experts):
-            ctl.prefetcher.register_expert(layer, e, {"w": payload})
+    handle, ctl, stream = resident_handle(args, prefetch, np, torch, "cyclic")
+    cuda = stream is not None
     rng = np.random.default_rng(0)
     routes = [np.sort(rng.choice(args.experts, args.top, replace=False)).astype(np.int64)
               for _ in range(args.layers * 4)]
-    # Warm: every expert resident.
-    for layer in range(args.layers):
-        ids = ctl.prefetcher.tensor_ids(layer, np.arange(args.experts))
-        handle.acquire_slots(ids, stream=stream, timeout=60)
-        handle.release(ids, stream=stream)
-    if cuda:
-        torch.cuda.synchronize()  # every copy done: the loop below only hits
     rows = {}
     thrash = np.ones(args.thrash_mb << 17) if args.thrash_mb else None  # float64: 8 bytes each
 
@@ -112,9 +96,7 @@ def main(argv=None) -> int:
                 samples.append((t1 - t0) / 1e3)
         if cuda:
             torch.cuda.synchronize()
-        samples.sort()
-        rows[name] = {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
-                      "iterations": len(samples)}
+        rows[name] = _row(samples)
 
     held = [None]
 
@@ -152,7 +134,7 @@ def main(argv=None) -> int:
     if pinned[0] is not None:
         handle.release(pinned[0], stream=stream)
     s = handle.stats()
-    rows.update(next_use_rows(args, prefetch, np, torch, budget, per, routes, thrash))
+    rows.update(next_use_rows(args, prefetch, np, torch, routes, thrash))
     hit_rate = s["hits"] / max(1, s["hits"] + s["misses"])
     cold = f", {args.thrash_mb} MB touched between calls" if args.thrash_mb else ""
     print(f"engine path per layer, {args.top} experts, all hits ({handle.backend}{cold}; "
@@ -168,32 +150,46 @@ def main(argv=None) -> int:
     return 0
 
 
-def _row(samples: list, per_what: str) -> dict:
+def _row(samples: list, per_what: str | None = None) -> dict:
+    """A row's figures from its samples (us)."""
     samples.sort()
-    return {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
-            "iterations": len(samples), "per": per_what}
+    row = {"p50_us": statistics.median(samples), "p90_us": samples[int(0.9 * len(samples))],
+           "iterations": len(samples)}
+    if per_what is not None:
+        row["per"] = per_what
+    return row
 
 
-def next_use_rows(args, prefetch, np, torch, budget: int, per: int, routes, thrash) -> dict:
+def resident_handle(args, prefetch, np, torch, eviction: str):
+    """A handle of `eviction` with the decode loop's experts registered (4
+    KiB each) and every one resident, its controller and the current CUDA
+    stream (None on the host backend)."""
+    from prefetch.controller import OffloadController
+
+    per = 4096
+    budget = args.layers * args.experts * (per + 256) + (1 << 20)
+    handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend=args.backend, eviction_policy=eviction)
+    stream = torch.cuda.current_stream().cuda_stream if handle.backend == "cuda" else None
+    ctl = OffloadController(handle, num_layers=args.layers, num_experts=args.experts, top_k=args.top)
+    payload = torch.zeros(per // 4, dtype=torch.float32)
+    for layer in range(args.layers):
+        for e in range(args.experts):
+            ctl.prefetcher.register_expert(layer, e, {"w": payload})
+    for layer in range(args.layers):
+        ids = ctl.prefetcher.tensor_ids(layer, np.arange(args.experts))
+        handle.acquire_slots(ids, stream=stream, timeout=60)
+        handle.release(ids, stream=stream)
+    if stream is not None:
+        torch.cuda.synchronize()  # every copy done: the loops only hit
+    return handle, ctl, stream
+
+
+def next_use_rows(args, prefetch, np, torch, routes, thrash) -> dict:
     """The step-plan and hint rows: their own handle ("next-use" eviction,
     every expert resident); the step plan's call once a step over eight
     steps' reads in turn, then the hint calls."""
-    from prefetch.controller import OffloadController
-
-    handle = prefetch.PrefetchHandle(device_budget_bytes=budget, backend=args.backend, eviction_policy="next-use")
+    handle, ctl, stream = resident_handle(args, prefetch, np, torch, "next-use")
     try:
-        stream = torch.cuda.current_stream().cuda_stream if handle.backend == "cuda" else None
-        ctl = OffloadController(handle, num_layers=args.layers, num_experts=args.experts, top_k=args.top)
-        payload = torch.zeros(per // 4, dtype=torch.float32)
-        for layer in range(args.layers):
-            for e in range(args.experts):
-                ctl.prefetcher.register_expert(layer, e, {"w": payload})
-        for layer in range(args.layers):
-            ids = ctl.prefetcher.tensor_ids(layer, np.arange(args.experts))
-            handle.acquire_slots(ids, stream=stream, timeout=60)
-            handle.release(ids, stream=stream)
-        if stream is not None:
-            torch.cuda.synchronize()
         steps = []  # per step: its reads' tensor ids (sorted) and each one's layer
         for s in range(8):
             ids = np.concatenate([ctl.ids(layer, routes[(s * args.layers + layer) % len(routes)])
