@@ -78,6 +78,15 @@ class SlotRows:
         return tuple(cat([rows[s] for s in slots]) for rows in self.rows)
 
 
+def resident_gather(dec, layer, routed) -> tuple:
+    """The resident reference's gather: `layer`'s routed experts (`routed`,
+    a device tensor) mapped to their pool rows on the device and
+    index_selected from the stacked pool, [n, 2I, H] and [n, H, I]."""
+    rows = dec.pool_table[layer].index_select(0, routed)
+    gate_up, down = dec.pool_stacked[dec.layer_dev[layer]]
+    return gate_up.index_select(0, rows), down.index_select(0, rows)
+
+
 class ResidentProvider:
     """Every expert on the GPU (the reference): a layer's experts come from
     the decoder's pool, mapped expert -> pool row on the device."""
@@ -98,9 +107,7 @@ class ResidentProvider:
 
     def acquire_stacked(self, layer, x, experts, routed):
         self._record(layer, experts)
-        rows = self.dec.pool_table[layer].index_select(0, routed)
-        gate_up, down = self.dec.pool_stacked[self.dec.layer_dev[layer]]
-        return gate_up.index_select(0, rows), down.index_select(0, rows)
+        return resident_gather(self.dec, layer, routed)
 
     def release(self, layer, experts):
         pass
@@ -230,10 +237,7 @@ class EngineProvider:
             t1 = time.perf_counter()
         try:
             if self.resident_gather:  # Note [Engine calls, resident weights]
-                dec = self.dec
-                rows = dec.pool_table[layer].index_select(0, routed)
-                gate_up, down = dec.pool_stacked[dec.layer_dev[layer]]
-                got = gate_up.index_select(0, rows), down.index_select(0, rows)
+                got = resident_gather(self.dec, layer, routed)
             else:
                 got = self.gather(layer, where)
         except ValueError as e:

@@ -17,8 +17,9 @@ launch queue:
 
   index3      the resident row: table.index_select(0, routed), then one
               index_select per weight of the [slots, ...] views
-  cat2        an engine row as BM5 has it: slot_numbers on the acquire's
-              rows, .tolist(), one torch.cat per weight of per-slot views
+  cat2        an engine row as BM5 has it (EngineProvider.gather):
+              slot_numbers on the acquire's rows, .tolist(), SlotRows'
+              torch.cat per weight of per-slot views
   cat1        one torch.cat of per-slot [1, slot_bytes] rows of the whole
               slot, then each weight as a strided view of the result
   index2      slot numbers written into a page-locked buffer, copied to
@@ -67,6 +68,7 @@ def main(argv=None) -> int:
     from prefetch._engine import slot_numbers
 
     from bench.e2e_decoder import MODELS
+    from bench.e2e_providers import SlotRows
 
     if args.model not in MODELS:
         parser.error(f"--model must be one of {sorted(MODELS)}")
@@ -83,8 +85,7 @@ def main(argv=None) -> int:
     k, experts = spec["top_k"], spec["experts"]
     flat, gate_up, down, gate_up_elems = build(torch, spec, args.slots, device)
     slot_bytes = flat.shape[1] * flat.element_size()
-    rows_gu = [gate_up[s : s + 1] for s in range(args.slots)]
-    rows_dn = [down[s : s + 1] for s in range(args.slots)]
+    slot_rows = SlotRows(torch, {"gate_up": gate_up, "down": down})  # BM5's engine rows' gather
     rows_flat = [flat[s : s + 1] for s in range(args.slots)]
     table = torch.randperm(args.slots, device=device)[:experts]  # expert -> slot, as the resident pool table
     pinned = torch.empty(k, dtype=torch.int64, pin_memory=device.type == "cuda")
@@ -104,8 +105,7 @@ def main(argv=None) -> int:
 
     def cat2(i):
         n = slot_numbers(where[i], slot_bytes, buf)
-        slots = buf[:n].tolist()
-        return torch.cat([rows_gu[s] for s in slots]), torch.cat([rows_dn[s] for s in slots])
+        return slot_rows.gather(buf[:n].tolist())
 
     def cat1(i):
         out = torch.cat([rows_flat[s] for s in host_slots[i]])
