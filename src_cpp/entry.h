@@ -52,10 +52,11 @@ struct alignas(64) Entry {
   size_t slot_bytes = 0;             // size of its slot (aligned)
   CopyToken ready = kTokenDone;      // completion of the copy into the slot
   CopyToken last_use = kTokenDone;   // completion of consumers' stream work
-  uint64_t policy_stamp = 0;         // eviction policy's own (a clock/sequence)
+  uint64_t policy_stamp = 0;         // cyclic: the acquire clock at its last move
   // Which of its policy's two lists the entry is on: cyclic, `used_` (true)
-  // or `fresh_`; next-use, the `overflow_` list (true) or the ordered set.
+  // or `fresh_`; next-use, the `overflow_` list (true) or a bucket.
   bool policy_second_list = false;
+  void* policy_list = nullptr;       // next-use: its bucket (an EntryList) while in one
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
   bool use_on_arrival = false;       // read while not resident: a use once copied

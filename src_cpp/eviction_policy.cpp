@@ -80,52 +80,80 @@ void WalkedPolicy<Policy>::ForEach(void (*fn)(Entry*, void*), void* ctx) const {
 // then fresh oldest first (CyclicPolicy::Walk).
 template class WalkedPolicy<CyclicPolicy>;
 
-void NextUsePolicy::Link(Entry* e) {
-  e->policy_stamp = ++seq_;
-  Place(e);
+EntryList* NextUsePolicy::BucketFor(int64_t next_use) {
+  if (last_list_ != nullptr && last_time_ == next_use) return last_list_;
+  auto at = buckets_.lower_bound(next_use);
+  if (at == buckets_.end() || at->first != next_use) {
+    if (!spare_.empty()) {
+      Buckets::node_type node = std::move(spare_.back());
+      spare_.pop_back();
+      node.key() = next_use;
+      node.mapped() = EntryList{};
+      at = buckets_.insert(at, std::move(node));  // a node handle's insert never allocates
+    } else {
+      try {
+        at = buckets_.emplace_hint(at, next_use, EntryList{});
+      } catch (const std::bad_alloc&) {
+        return nullptr;
+      }
+    }
+  }
+  last_time_ = next_use;
+  last_list_ = &at->second;
+  return last_list_;
 }
 
 void NextUsePolicy::Place(Entry* e) {
-  e->policy_second_list = false;  // in order_
-  try {
-    order_.insert(Key{e->next_use, e->policy_stamp, e});
-  } catch (const std::bad_alloc&) {
+  EntryList* list = BucketFor(e->next_use);
+  if (list == nullptr) {
     e->policy_second_list = true;
+    e->policy_list = nullptr;
     overflow_.PushNewest(e);
+    return;
   }
+  e->policy_second_list = false;
+  e->policy_list = list;
+  list->PushNewest(e);  // the newest arrival at its time: no search
 }
 
-void NextUsePolicy::OnRemove(Entry* e) {
+void NextUsePolicy::Unplace(Entry* e) {
   if (e->policy_second_list) {
     overflow_.Unlink(e);
     e->policy_second_list = false;
-  } else {
-    order_.erase(Key{e->next_use, e->policy_stamp, e});
+    return;
+  }
+  EntryList* list = BucketOf(e);
+  list->Unlink(e);
+  e->policy_list = nullptr;
+  if (list->oldest != nullptr) return;
+  if (list == last_list_) last_list_ = nullptr;
+  Buckets::node_type node = buckets_.extract(e->next_use);
+  try {
+    spare_.push_back(std::move(node));
+  } catch (const std::bad_alloc&) {
+    // The node is freed with `node`.
   }
 }
 
-void NextUsePolicy::Rekey(Entry* e, int64_t next_use, uint64_t seq) {
-  if (e->policy_second_list) {  // in overflow_: no node to reuse
-    OnRemove(e);
-    e->next_use = next_use;
-    e->policy_stamp = seq;
+void NextUsePolicy::Touch(Entry* e) {
+  if (e->policy_second_list) {  // in overflow_: try for a bucket again
+    Unplace(e);
     Place(e);
     return;
   }
-  auto node = order_.extract(Key{e->next_use, e->policy_stamp, e});
-  e->next_use = next_use;
-  e->policy_stamp = seq;
-  if (node.empty()) {  // not linked (cannot happen): link it anew
-    Place(e);
-    return;
-  }
-  node.value() = Key{next_use, seq, e};
-  order_.insert(std::move(node));  // a node handle's insert never allocates
+  EntryList* list = BucketOf(e);
+  if (list->newest == e) return;
+  list->Unlink(e);
+  list->PushNewest(e);
 }
 
 void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
-  // A hint is not a use: the touch sequence stays.
-  Rekey(e, next_use, e->policy_stamp);
+  // The same time again: the entry keeps its place. Another time: it
+  // arrives there now, the newest of that time (Note [Next-use buckets]).
+  if (next_use == e->next_use && !e->policy_second_list) return;
+  Unplace(e);
+  e->next_use = next_use;
+  Place(e);
 }
 
 // Note [Next-use eviction]: no valid hint first, then farthest next use

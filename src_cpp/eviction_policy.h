@@ -8,16 +8,17 @@
 #include <cstdint>
 #include <limits>
 #include <memory>
-#include <set>
+#include <map>
 #include <string>
+#include <vector>
 
 #include "entry.h"
 
 namespace prefetch {
 
 // Orders resident entries for eviction. Implementations link entries through
-// Entry::policy_prev/policy_next (and may keep Entry::policy_stamp and
-// Entry::policy_second_list).
+// Entry::policy_prev/policy_next (and may keep Entry::policy_stamp,
+// Entry::policy_second_list and Entry::policy_list).
 // No hook throws: one that allocates must cope with running out of memory.
 class EvictionPolicy {
  public:
@@ -157,62 +158,100 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // increasing count, e.g. MoE layers routed so far), and moves the clock to
 // `now`. A hint whose time has passed without a new one has expired: the
 // read it announced happened (or never came), and the caller did not say
-// when the next one is, so it goes before any valid hint. Victim order: entries never hinted (or cleared),
-// least recently acquired or requested first (needed by nobody we know of);
-// then expired hints, earliest first; then valid hints, farthest next use
-// first. Hints belong to the id, resident or not, so an id can be hinted
-// before its prefetch. Entries sit in a std::set ordered by (next_use, a
-// touch sequence); if that set cannot grow (no memory) an entry goes to an
-// unordered overflow list that is evicted first, never an exception.
+// when the next one is, so it goes before any valid hint. Victim order:
+// entries never hinted (or cleared), first arrived first (needed by nobody
+// we know of); then expired hints, earliest first; then valid hints,
+// farthest next use first. Within one time, entries go in order of arrival
+// at that time: an entry arrives when it becomes resident, when it is used
+// or requested, and when a hint moves it to another time (a hint to the
+// time it already has leaves it in place). Unhinted entries are therefore
+// least recently touched first, as LRU. Hints belong to the id, resident or
+// not, so an id can be hinted before its prefetch. Entries sit in buckets,
+// one per next-use time (a std::map from the time to an intrusive list in
+// arrival order); if a new bucket cannot be made (no memory) the entry goes
+// to an unordered overflow list that is evicted first, never an exception.
+//
+// Note [Next-use buckets]
+// Until stop 47 the entries sat in one std::set keyed by (next_use, touch
+// sequence), and every use, request or hint re-keyed the entry's node: a
+// walk down a tree of every resident entry, whose nodes are cold between
+// decode layers. A step plan's engine call (Note [Host-routed step pins] in
+// prefetch/step_plan.py) reports a step's reads as used, requests the next
+// step's and hints them: BM5's gemma-4 replay makes 180 of each once a
+// step, and on the development VM that call took 160-180 us inside the
+// decode loop. With buckets every move is O(1) but for finding a new time's
+// bucket in a map of the distinct times (tens, not thousands; the last one
+// found is kept, since a call hints runs of ids with one time). Emptied
+// buckets' nodes are kept for new times, so hints that move entries from
+// time to time allocate nothing once warm.
+// Stop 47's first bucket engine kept the set's order within a time (touch
+// sequence, which a hint did not change), so a hint placed its entry by
+// walking its new bucket from the newest end: clearing 180 hints into a
+// bucket of thousands of unhinted entries took 5.7 ms against the set's
+// 29 us (bench/engine_path.py's hints-clear row). Ordering a time by
+// arrival instead needs no walk. It changes only the order among entries
+// needed at the same time (equal for Belady) and where a cleared entry
+// goes among the unhinted: the newest, as a freshly touched one.
 class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
  public:
   const char* Name() const override { return "next-use"; }
-  void OnInsert(Entry* e) override { Link(e); }
-  void OnRequest(Entry* e) override { Relink(e); }
-  void OnUse(Entry* e) override { Relink(e); }
-  void OnRemove(Entry* e) override;
+  void OnInsert(Entry* e) override { Place(e); }
+  void OnRequest(Entry* e) override { Touch(e); }
+  void OnUse(Entry* e) override { Touch(e); }
+  void OnRemove(Entry* e) override { Unplace(e); }
   void OnHint(Entry* e, int64_t next_use) override;
   void OnClock(int64_t now) override { now_ = now; }
 
  private:
   friend class WalkedPolicy<NextUsePolicy>;
-  struct Key {
-    int64_t next_use;
-    uint64_t seq;  // touch order; unique
-    Entry* e;
-    bool operator<(const Key& o) const {
-      return next_use != o.next_use ? next_use < o.next_use : seq < o.seq;
-    }
-  };
-  void Link(Entry* e);   // with a new touch sequence
-  void Place(Entry* e);  // with its current one
-  // A linked `e` moves to (next_use, seq): its own set node is re-keyed,
-  // so a use or a hint allocates nothing (the plan's call makes hundreds).
-  void Rekey(Entry* e, int64_t next_use, uint64_t seq);
-  void Relink(Entry* e) { Rekey(e, e->next_use, ++seq_); }
+  // next_use -> its entries, first arrived first (Note [Next-use buckets]).
+  using Buckets = std::map<int64_t, EntryList>;
+  // The newest of the bucket of e->next_use, or into overflow_.
+  void Place(Entry* e);
+  // Out of its bucket (dropped when empty) or overflow_.
+  void Unplace(Entry* e);
+  // A use or request: the newest of its bucket.
+  void Touch(Entry* e);
+  // The bucket of `next_use`, made if need be (from spare_ when it has a
+  // node: no allocation); nullptr when none can be made.
+  EntryList* BucketFor(int64_t next_use);
+  static EntryList* BucketOf(const Entry* e) { return static_cast<EntryList*>(e->policy_list); }
   // Victim order; the one place it is written down.
   template <typename Visit>
   Entry* Walk(Visit visit) const {
     for (Entry* e = overflow_.oldest; e != nullptr; e = e->policy_next) {
       if (visit(e)) return e;
     }
-    const auto no_hint = order_.lower_bound(Key{kNoNextUse, 0, nullptr});
-    for (auto it = no_hint; it != order_.end(); ++it) {
-      if (visit(it->e)) return it->e;
+    const auto no_hint = buckets_.lower_bound(kNoNextUse);
+    if (no_hint != buckets_.end()) {  // never hinted (or cleared): first arrived first
+      for (Entry* e = no_hint->second.oldest; e != nullptr; e = e->policy_next) {
+        if (visit(e)) return e;
+      }
     }
-    auto valid = order_.begin();  // expired hints: oldest hint first
-    for (; valid != no_hint && valid->next_use < now_; ++valid) {
-      if (visit(valid->e)) return valid->e;
+    auto valid = buckets_.begin();  // expired hints: oldest hint first
+    for (; valid != no_hint && valid->first < now_; ++valid) {
+      for (Entry* e = valid->second.oldest; e != nullptr; e = e->policy_next) {
+        if (visit(e)) return e;
+      }
     }
     for (auto it = no_hint; it != valid;) {  // valid hints: farthest first
       --it;
-      if (visit(it->e)) return it->e;
+      for (Entry* e = it->second.newest; e != nullptr; e = e->policy_prev) {
+        if (visit(e)) return e;
+      }
     }
     return nullptr;
   }
-  std::set<Key> order_;
-  EntryList overflow_;  // could not enter order_ (std::bad_alloc)
-  uint64_t seq_ = 0;
+  Buckets buckets_;
+  // Nodes of emptied buckets, for the next new ones: hints move entries
+  // between times every step, and each move would otherwise free one bucket
+  // and allocate another.
+  std::vector<Buckets::node_type> spare_;
+  // The bucket the last Place found (a hint call names runs of ids with one
+  // time); nullptr once that bucket is dropped.
+  int64_t last_time_ = 0;
+  EntryList* last_list_ = nullptr;
+  EntryList overflow_;  // could not get a bucket (std::bad_alloc)
   int64_t now_ = std::numeric_limits<int64_t>::min();
 };
 

@@ -636,33 +636,35 @@ def test_next_use_victim_order(make_handle, rng):
     (v,) = h.acquire([6], timeout=10)  # evicts 5, the first in that order
     h.release([6])
     assert 5 not in h.resident() and h.stats()["evictions"] == 1
-    h.hint_next_use([6, 4], None)  # cleared: back to the front
-    assert h.resident()[:2] == [4, 6]
+    h.hint_next_use([6, 4], None)  # cleared: with the unhinted (6 already was; 4 arrives after it)
+    assert h.resident()[:2] == [6, 4]
 
 
-def test_next_use_keeps_touch_order_within_one_time(make_handle, rng):
-    # Entries hinted to one time keep their touch order whatever order the
-    # hints come in (a hint places an entry by its own touch, which may be
-    # older than the ones already there; stop 47's bucket order had to keep
-    # this too), a use makes an entry the newest of its time, and a time
-    # whose entries all moved away can be taken again.
+def test_next_use_orders_one_time_by_arrival(make_handle, rng):
+    # Within one time entries go in order of arrival there (Note [Next-use
+    # eviction]): a hint to another time, a use or a request is an arrival
+    # (the newest); a hint to the time an entry already has leaves it in
+    # place; a time whose entries all moved away can be taken again.
     h = make_handle(device_budget_bytes=5 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(5))
-    use_each(h, range(5))  # touches 0 < 1 < 2 < 3 < 4
+    use_each(h, range(5))
+    assert h.resident() == [0, 1, 2, 3, 4]  # unhinted: first arrived first
     h.hint_next_use([3, 1], [20, 20], now=0)
-    h.hint_next_use([0, 4, 2], [20, 20, 20])  # older and newer touches than 1 and 3
-    # One valid time: newest touch first (farthest first, then the later touch).
-    assert h.resident() == [4, 3, 2, 1, 0]
+    h.hint_next_use([0, 4, 2], [20, 20, 20])  # arrivals at 20: 3, 1, 0, 4, 2
+    # One valid time: the newest arrival first (farthest first, then the latest).
+    assert h.resident() == [2, 4, 0, 1, 3]
     use_each(h, [1])
-    assert h.resident() == [1, 4, 3, 2, 0]
+    assert h.resident() == [1, 2, 4, 0, 3]
+    h.hint_next_use([3, 1], [20, 20])  # the same time: no move
+    assert h.resident() == [1, 2, 4, 0, 3]
     h.hint_next_use([0, 1, 2, 3, 4], [10, 30, 10, 30, 10])  # time 20 emptied
-    assert h.resident() == [1, 3, 4, 2, 0]
+    assert h.resident() == [3, 1, 4, 2, 0]
     h.hint_next_use([4, 0], [20, 20])  # time 20 again
-    assert h.resident() == [1, 3, 4, 0, 2]
-    h.hint_next_use([], None, now=25)  # 10 and 20 passed: expired, earliest first, oldest touch first
-    assert h.resident() == [2, 0, 4, 1, 3]
+    assert h.resident() == [3, 1, 0, 4, 2]
+    h.hint_next_use([], None, now=25)  # 10 and 20 passed: expired, earliest first, first arrived first
+    assert h.resident() == [2, 4, 0, 3, 1]
     h.hint_next_use([1], prefetch.NO_NEXT_USE)  # cleared: first, with the unhinted
-    assert h.resident() == [1, 2, 0, 4, 3]
+    assert h.resident() == [1, 2, 4, 0, 3]
 
 
 def test_next_use_hint_before_the_copy_is_kept(make_handle, rng):

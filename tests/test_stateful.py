@@ -37,9 +37,10 @@ class Residents:
     `fresh` (not acquired since it arrived, oldest first, stamped with the
     acquire clock) and `used` (acquired, oldest first); victims are stale
     fresh ids, then used newest first, then the other fresh ids. next-use
-    (Note [Next-use eviction]): `lru` holds the ids, `seq` their touch
-    order; victims are unhinted ids (oldest touch first), expired hints
-    (earliest first), then valid hints (farthest first)."""
+    (Note [Next-use eviction]): `lru` holds the ids, `seq` their order of
+    arrival at their time (made resident, used, requested, or hinted to
+    another time); victims are unhinted ids (first arrived first), expired
+    hints (earliest first), then valid hints (farthest first)."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -48,7 +49,7 @@ class Residents:
         self.used = []
         self.stamp = {}
         self.clock = 0  # acquire calls
-        self.seq = {}  # next-use: id -> touch sequence
+        self.seq = {}  # next-use: id -> arrival sequence
         self.touches = 0
         self.hint = {}  # next-use hints, resident or not: id -> time (NONE = none)
         self.now = None  # the hint clock (None: never set)
@@ -419,6 +420,9 @@ class EngineMachine(RuleBasedStateMachine):
         else:
             self.h.hint_next_use(ids, when, now=now)
             for tid, t in zip(ids, when):
+                if tid in r and r.hint.get(tid, NONE) != t:  # arrives at another time: its newest
+                    r.touches += 1
+                    r.seq[tid] = r.touches
                 r.hint[tid] = t
             if now is not None:
                 r.now = now
