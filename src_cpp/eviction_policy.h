@@ -183,7 +183,8 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // bucket in a map of the distinct times (tens, not thousands; the last one
 // found is kept, since a call hints runs of ids with one time). Emptied
 // buckets' nodes are kept for new times, so hints that move entries from
-// time to time allocate nothing once warm.
+// time to time allocate nothing once warm (tests/cpp/next_use_oom.cpp runs
+// the policy with allocations failing).
 // Stop 47's first bucket engine kept the set's order within a time (touch
 // sequence, which a hint did not change), so a hint placed its entry by
 // walking its new bucket from the newest end: clearing 180 hints into a
