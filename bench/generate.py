@@ -202,8 +202,10 @@ After each block the resident row runs again to check the model was restored.
 --ab ROW_A ROW_B (engine rows; needs --paired): after a block's rows, the
 model offloaded as ROW_A and the twin as ROW_B at --ab-share, both at once,
 --ab-pairs pairs of --paired-tokens generates alternating; the block's "ab"
-has pairs_ms ([A, B] p50s), x_ab (the median A/B ratio), a_faster and
-sign_p (pairs with A faster; the two-sided sign test's p), tokens_equal,
+has pairs_ms ([A, B] p50s), x_ab (the median A/B ratio), x_ab_ci (its
+distribution-free confidence interval, [low, high, coverage >= 95 %];
+null under 6 pairs), a_faster and sign_p (pairs with A faster; the
+two-sided sign test's p), tokens_equal,
 copies (each side's engine copies over its generates),
 parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
 bench/generate_ab.py).

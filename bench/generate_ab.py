@@ -35,6 +35,15 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # that differ (the chance of a split at least that uneven if neither row
 # were faster). Runs 168-169 gave x_ab 0.985 and 1.043 over 12 pairs with
 # A faster in 7 and 4 of them: p 0.77 and 0.39, neither row shown faster.
+# A target such as "A never slower than B" is not shown by a p that says
+# only that neither row was shown faster; what the pairs bound is how much
+# slower A can be. `x_ab_ci` is the distribution-free confidence interval
+# for the median pair ratio (median_ci: two order statistics of the
+# ratios, their coverage from the binomial law of how many ratios fall
+# below the median, at least 95 %), [low, high, coverage]: its high end is
+# the most by which A's median pair can be slower than B's at that
+# confidence. Runs 168-169's pairs give [0.944, 1.053] (OLMoE) and [0.863,
+# 1.219] (Qwen3), each 96.1 %.
 
 
 def sign_test(pairs) -> tuple[int, int, float | None]:
@@ -49,6 +58,24 @@ def sign_test(pairs) -> tuple[int, int, float | None]:
     k = min(a_faster, n - a_faster)
     tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
     return a_faster, n, min(1.0, 2 * tail)
+
+
+def median_ci(ratios, level: float = 0.95) -> list | None:
+    """[low, high, coverage]: the distribution-free interval for the median
+    of what `ratios` sample, the k-th smallest and k-th largest ratio with
+    k the largest for which the interval covers the median with
+    probability >= `level` (1 - 2 P(Binomial(n, 1/2) < k)); None when even
+    the smallest and largest ratio cover less (fewer than 6 ratios at
+    95 %)."""
+    r = sorted(ratios)
+    n = len(r)
+    best = None
+    for k in range(1, n // 2 + 1):
+        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        if coverage < level:
+            break
+        best = [r[k - 1], r[n - k], coverage]
+    return best
 
 
 def ab_rows(rows) -> tuple[str, str]:
@@ -68,7 +95,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     args, torch = block.args, block.torch
     a, b = ab_rows(args.ab)
     out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], "pairs_ms": [],
-           "x_ab": None, "a_faster": None, "sign_p": None, "tokens_equal": None, "copies": None,
+           "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None, "copies": None,
            "parked_resident_experts": None, "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
@@ -109,6 +136,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, block.reference[:, :tokens])
         ratios = [x / y for x, y in out["pairs_ms"] if x is not None and y]
         out["x_ab"] = statistics.median(ratios) if ratios else None
+        out["x_ab_ci"] = median_ci(ratios)
         out["a_faster"], _, out["sign_p"] = sign_test(out["pairs_ms"])
         out["tokens_equal"] = equal
         out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and pairs
@@ -126,7 +154,9 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         gc.collect()
         if block.cuda:
             torch.cuda.empty_cache()
-    print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b}: x_ab {fmt(out['x_ab'])} over "
+    ci = out["x_ab_ci"]
+    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
+    print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b}: x_ab {fmt(out['x_ab'])} ({ci_text}) over "
           f"{len(out['pairs_ms'])} pairs ({a} faster in {out['a_faster']}, sign test p {fmt(out['sign_p'])}), "
           f"tokens equal {out['tokens_equal']}"
           + (f" ({out['reason']})" if out["reason"] else ""), file=sys.stderr, flush=True)

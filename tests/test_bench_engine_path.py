@@ -21,3 +21,6 @@ def test_engine_path_reports_every_row_on_the_host_backend(tmp_path):
         assert row["p50_us"] > 0 and row["p90_us"] >= row["p50_us"] and row["iterations"] > 0
     assert got["rows"]["step-plan"]["per"] == "step"
     assert got["rows"]["hints-one-time"]["per"] == got["rows"]["hints-clear"]["per"] == "call"
+    # The first handle's acquires hit but for its warm-up's; every expert of
+    # the second is resident, so each of the step plan's pins finds its own.
+    assert 0.5 < got["hit_rate"] < 1 and got["step_plan_pins_resident"] == 1.0

@@ -254,6 +254,7 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert len(pairs) == 3 and all(len(p) == 2 and min(p) > 0 for p in pairs)
     assert ab["x_ab"] == pytest.approx(statistics.median(a / b for a, b in pairs))
     assert ab["a_faster"] == sum(a < b for a, b in pairs) and 0 < ab["sign_p"] <= 1
+    assert ab["x_ab_ci"] is None  # 3 pairs bound the median at 75 % at most
     assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
     assert ab["parked_resident_experts"] is False
     assert block["restore_check"] is True
@@ -772,3 +773,18 @@ def test_ab_sign_test_counts_the_pairs_and_gives_the_exact_p():
     # Ties and missing sides count for nobody; with none left, no p.
     assert sign_test([[1, 1], [None, 2], [3, None]]) == (0, 0, None)
     assert sign_test([[1, 2], [2, 2]]) == (1, 1, 1.0)
+
+
+def test_ab_median_ci_takes_the_order_statistics_of_the_binomial_law():
+    from bench.generate_ab import median_ci
+
+    # Run 168's 12 pair ratios: the 3rd smallest and 3rd largest, covering
+    # 1 - 2 (1 + 12 + 66) / 4096 = 96.1 % (the 4th would cover 85.4 %).
+    ratios = [0.6, 0.721, 0.944, 0.951, 0.968, 0.975, 0.995, 1.003, 1.017, 1.053, 1.425, 1.761]
+    low, high, coverage = median_ci(list(reversed(ratios)))
+    assert (low, high) == (0.944, 1.053) and coverage == pytest.approx(1 - 2 * 79 / 4096)
+    # Six ratios: min and max cover 1 - 2/64 = 96.9 %; five cannot reach 95 %.
+    assert median_ci([3, 1, 2, 6, 5, 4]) == [1, 6, pytest.approx(62 / 64)]
+    assert median_ci([1, 2, 3, 4, 5]) is None and median_ci([]) is None
+    # A lower level takes a narrower interval.
+    assert median_ci(ratios, level=0.8)[:2] == [0.951, 1.017]

@@ -329,6 +329,43 @@ def test_sync_free_option():
         ctl.close()
 
 
+@pytest.mark.parametrize("sync_free", [True, False])
+def test_a_device_side_predictor_guesses_on_synced_forwards_only(sync_free):
+    # The next-layer gate's guesses are device tensors that ride a layer's
+    # routing read-back; a sync-free forward reads no routing back per
+    # layer, so the gate is not called there and such a step makes the
+    # engine calls on-demand makes (docs/results.md, stop 48: why the gate
+    # and on-demand tie at batch 1 and a quarter cached). A synced forward
+    # calls it on every layer (with no pause for a cache that fetches
+    # nothing: Note [Speculation with nothing to fetch]). Same tokens
+    # either way.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    model = copy.deepcopy(ref)
+    gate = NextLayerGatePredictor()
+    calls = []
+    predict = gate.predict
+
+    def counted(ctl, step, layer, hidden):
+        calls.append((step, layer))
+        return predict(ctl, step, layer, hidden)
+
+    gate.predict = counted
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", predictor=gate,
+                              sync_free=sync_free)
+    ctl.probe_when_nothing_fetched = False
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        assert_same_decode(ref, model, ids, steps=4)
+        forwards = 4
+        if sync_free:
+            assert calls == [] and ctl.report()["sync_free_steps"] == forwards
+        else:
+            assert calls == [(s, layer) for s in range(forwards) for layer in range(cfg.num_hidden_layers)]
+    finally:
+        ctl.close()
+
+
 def test_sync_free_engine_calls_per_layer_then_per_step():
     # A sync-free step makes one engine call a layer; once a step missed
     # nothing and left nothing to fetch, the next ones make one call in all
