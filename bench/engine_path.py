@@ -38,8 +38,9 @@ next one, on the current CUDA stream. Rows, each the median over
                     among 6,000 unhinted entries 5.4-5.7 ms (0.19 ms and 29
                     us with the set; docs/results.md, stop 47). These two
                     rows are here so such a cliff shows. The buckets now
-                    keep a time in order of arrival, with no walk (Note
-                    [Next-use buckets] in src_cpp/eviction_policy.h).
+                    keep a hinted time in order of arrival, with no walk,
+                    and the unhinted in a set by touch (Note [Next-use
+                    buckets] in src_cpp/eviction_policy.h).
 Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
 --thrash-mb N touches N MB of host memory between calls (outside the timed
 region), as a model's forward does between two MoE layers: the call then

@@ -108,8 +108,8 @@ cdef class PrefetchHandle(_HandleBase):
         not yet acquired last, unless 8 acquire calls passed them by; Note
         [Cyclic eviction] in src_cpp/eviction_policy.h) or "next-use" (Belady's
         rule fed by ``hint_next_use``: entries never hinted first, least
-        recently used (or cleared) first, then hints whose time has passed,
-        then the farthest next use first; Note [Next-use eviction]).
+        recently used first, then hints whose time has passed, then the
+        farthest next use first; Note [Next-use eviction]).
     cycle_acquires=0
         "cyclic" only: acquire calls per decode step (the MoE layer count;
         offload_moe_experts sets it). An acquired entry not used within the

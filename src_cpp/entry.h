@@ -52,9 +52,11 @@ struct alignas(64) Entry {
   size_t slot_bytes = 0;             // size of its slot (aligned)
   CopyToken ready = kTokenDone;      // completion of the copy into the slot
   CopyToken last_use = kTokenDone;   // completion of consumers' stream work
-  uint64_t policy_stamp = 0;         // cyclic: the acquire clock at its last move
+  // Cyclic: the acquire clock at its last move; next-use: its touch sequence.
+  uint64_t policy_stamp = 0;
   // Which of its policy's two lists the entry is on: cyclic, `used_` (true)
-  // or `fresh_`; next-use, the `overflow_` list (true) or a bucket.
+  // or `fresh_`; next-use, the `overflow_` list (true) or else a bucket (a
+  // hinted entry) or the unhinted set.
   bool policy_second_list = false;
   void* policy_list = nullptr;       // next-use: its bucket (an EntryList) while in one
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read

@@ -104,22 +104,44 @@ EntryList* NextUsePolicy::BucketFor(int64_t next_use) {
 }
 
 void NextUsePolicy::Place(Entry* e) {
-  EntryList* list = BucketFor(e->next_use);
-  if (list == nullptr) {
-    e->policy_second_list = true;
-    e->policy_list = nullptr;
-    overflow_.PushNewest(e);
+  e->policy_second_list = false;
+  e->policy_list = nullptr;
+  if (e->next_use == kNoNextUse) {  // by its touch: a cleared entry keeps its place
+    const Touched key{e->policy_stamp, e};
+    if (!spare_unhinted_.empty()) {
+      Unhinted::node_type node = std::move(spare_unhinted_.back());
+      spare_unhinted_.pop_back();
+      node.value() = key;
+      unhinted_.insert(unhinted_.end(), std::move(node));  // a node handle's insert never allocates
+      return;
+    }
+    try {
+      unhinted_.insert(unhinted_.end(), key);  // the end: right for a new touch, a hint otherwise
+      return;
+    } catch (const std::bad_alloc&) {
+    }
+  } else if (EntryList* list = BucketFor(e->next_use)) {
+    e->policy_list = list;
+    list->PushNewest(e);  // the newest arrival at its time: no search
     return;
   }
-  e->policy_second_list = false;
-  e->policy_list = list;
-  list->PushNewest(e);  // the newest arrival at its time: no search
+  e->policy_second_list = true;
+  overflow_.PushNewest(e);
 }
 
 void NextUsePolicy::Unplace(Entry* e) {
   if (e->policy_second_list) {
     overflow_.Unlink(e);
     e->policy_second_list = false;
+    return;
+  }
+  if (e->next_use == kNoNextUse) {
+    Unhinted::node_type node = unhinted_.extract(Touched{e->policy_stamp, e});
+    try {
+      spare_unhinted_.push_back(std::move(node));
+    } catch (const std::bad_alloc&) {
+      // The node is freed with `node`.
+    }
     return;
   }
   EntryList* list = BucketOf(e);
@@ -136,11 +158,20 @@ void NextUsePolicy::Unplace(Entry* e) {
 }
 
 void NextUsePolicy::Touch(Entry* e) {
-  if (e->policy_second_list) {  // in overflow_: try for a bucket again
+  if (e->policy_second_list) {  // in overflow_: try for a place again
     Unplace(e);
+    e->policy_stamp = ++seq_;
     Place(e);
     return;
   }
+  if (e->next_use == kNoNextUse) {  // its own node re-keyed as the newest: no allocation
+    Unhinted::node_type node = unhinted_.extract(Touched{e->policy_stamp, e});
+    e->policy_stamp = ++seq_;
+    node.value() = Touched{e->policy_stamp, e};
+    unhinted_.insert(unhinted_.end(), std::move(node));
+    return;
+  }
+  e->policy_stamp = ++seq_;
   EntryList* list = BucketOf(e);
   if (list->newest == e) return;
   list->Unlink(e);
@@ -149,7 +180,8 @@ void NextUsePolicy::Touch(Entry* e) {
 
 void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
   // The same time again: the entry keeps its place. Another time: it
-  // arrives there now, the newest of that time (Note [Next-use buckets]).
+  // arrives there now, the newest of that time, or (no hint) goes back
+  // among the unhinted by its last touch (Note [Next-use buckets]).
   if (next_use == e->next_use && !e->policy_second_list) return;
   Unplace(e);
   e->next_use = next_use;

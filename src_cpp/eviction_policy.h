@@ -7,8 +7,9 @@
 #include <cstddef>
 #include <cstdint>
 #include <limits>
-#include <memory>
 #include <map>
+#include <memory>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -159,17 +160,17 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // `now`. A hint whose time has passed without a new one has expired: the
 // read it announced happened (or never came), and the caller did not say
 // when the next one is, so it goes before any valid hint. Victim order:
-// entries never hinted (or cleared), first arrived first (needed by nobody
-// we know of); then expired hints, earliest first; then valid hints,
-// farthest next use first. Within one time, entries go in order of arrival
-// at that time: an entry arrives when it becomes resident, when it is used
-// or requested, and when a hint moves it to another time (a hint to the
-// time it already has leaves it in place). Unhinted entries are therefore
-// least recently touched first, as LRU. Hints belong to the id, resident or
-// not, so an id can be hinted before its prefetch. Entries sit in buckets,
-// one per next-use time (a std::map from the time to an intrusive list in
-// arrival order); if a new bucket cannot be made (no memory) the entry goes
-// to an unordered overflow list that is evicted first, never an exception.
+// entries never hinted (or cleared), least recently acquired or requested
+// first (needed by nobody we know of); then expired hints, earliest first;
+// then valid hints, farthest next use first. Within one hinted time,
+// entries go in order of arrival at that time: an entry arrives when it
+// becomes resident, when it is used or requested, and when a hint moves it
+// there from another time (a hint to the time it already has leaves it in
+// place); expired times give up their first arrivals first, valid ones
+// their last. Hints belong to the id, resident or not, so an id can be
+// hinted before its prefetch. If no memory can be had for an entry's place
+// (Note [Next-use buckets]) it goes to an unordered overflow list that is
+// evicted first, never an exception.
 //
 // Note [Next-use buckets]
 // Until stop 47 the entries sat in one std::set keyed by (next_use, touch
@@ -179,24 +180,32 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // prefetch/step_plan.py) reports a step's reads as used, requests the next
 // step's and hints them: BM5's gemma-4 replay makes 180 of each once a
 // step, and on the development VM that call took 160-180 us inside the
-// decode loop. With buckets every move is O(1) but for finding a new time's
-// bucket in a map of the distinct times (tens, not thousands; the last one
-// found is kept, since a call hints runs of ids with one time). Emptied
-// buckets' nodes are kept for new times, so hints that move entries from
-// time to time allocate nothing once warm (tests/cpp/next_use_oom.cpp runs
-// the policy with allocations failing).
-// Stop 47's first bucket engine kept the set's order within a time (touch
-// sequence, which a hint did not change), so a hint placed its entry by
-// walking its new bucket from the newest end: clearing 180 hints into a
-// bucket of thousands of unhinted entries took 5.7 ms against the set's
-// 29 us (bench/engine_path.py's hints-clear row). Ordering a time by
-// arrival instead needs no walk. It changes only the order among entries
-// needed at the same time (equal for Belady) and where a cleared entry
-// goes among the unhinted: the newest, as a freshly touched one.
+// decode loop. Now each hinted time has a bucket (a std::map from the time
+// to an intrusive list in arrival order), so a use, a request or a hint of
+// a hinted entry moves it in O(1) but for finding a new time's bucket in a
+// map of the distinct times (tens, not thousands; the last one found is
+// kept, since a call hints runs of ids with one time). Emptied buckets'
+// nodes are kept for new times, so hints that move entries from time to
+// time allocate nothing once warm.
+// The unhinted entries keep the set, ordered by touch sequence alone: a
+// hint cleared (NO_NEXT_USE, which the oracle sends for an expert its trace
+// never reads again) puts the entry back by its last touch, which needs a
+// search. Stop 47's first buckets did that search by walking the unhinted
+// bucket (clearing 384 hints among 6,144 entries: 7.3-7.6 ms against the
+// set's 50 us, bench/engine_path.py's hints-clear row); a bucket of the
+// unhinted in arrival order needed none, but put a cleared entry behind
+// every unhinted one, and the oracle then hit less when a sequence was
+// generated again (tools/layer_overhead.py --share 0.25 --predictor oracle
+// --policy next-use: 0.954-0.958 against 0.973-0.981). A touch of an
+// unhinted entry re-keys its own node; nodes of entries that left the set
+// are kept for the next ones to enter it.
 class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
  public:
   const char* Name() const override { return "next-use"; }
-  void OnInsert(Entry* e) override { Place(e); }
+  void OnInsert(Entry* e) override {
+    e->policy_stamp = ++seq_;
+    Place(e);
+  }
   void OnRequest(Entry* e) override { Touch(e); }
   void OnUse(Entry* e) override { Touch(e); }
   void OnRemove(Entry* e) override { Unplace(e); }
@@ -207,11 +216,21 @@ class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
   friend class WalkedPolicy<NextUsePolicy>;
   // next_use -> its entries, first arrived first (Note [Next-use buckets]).
   using Buckets = std::map<int64_t, EntryList>;
-  // The newest of the bucket of e->next_use, or into overflow_.
+  // The unhinted entries by touch sequence (Entry::policy_stamp), oldest
+  // first.
+  struct Touched {
+    uint64_t seq;
+    Entry* e;
+    bool operator<(const Touched& o) const { return seq < o.seq; }
+  };
+  using Unhinted = std::set<Touched>;
+  // Into unhinted_ by its touch (no hint), else the newest of its time's
+  // bucket; overflow_ when neither can take it.
   void Place(Entry* e);
-  // Out of its bucket (dropped when empty) or overflow_.
+  // Out of unhinted_, its bucket (dropped when empty) or overflow_.
   void Unplace(Entry* e);
-  // A use or request: the newest of its bucket.
+  // A use or request: a new touch sequence; the newest of its bucket, or
+  // of unhinted_.
   void Touch(Entry* e);
   // The bucket of `next_use`, made if need be (from spare_ when it has a
   // node: no allocation); nullptr when none can be made.
@@ -223,19 +242,16 @@ class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
     for (Entry* e = overflow_.oldest; e != nullptr; e = e->policy_next) {
       if (visit(e)) return e;
     }
-    const auto no_hint = buckets_.lower_bound(kNoNextUse);
-    if (no_hint != buckets_.end()) {  // never hinted (or cleared): first arrived first
-      for (Entry* e = no_hint->second.oldest; e != nullptr; e = e->policy_next) {
-        if (visit(e)) return e;
-      }
+    for (const Touched& t : unhinted_) {  // never hinted (or cleared): least recently touched first
+      if (visit(t.e)) return t.e;
     }
     auto valid = buckets_.begin();  // expired hints: oldest hint first
-    for (; valid != no_hint && valid->first < now_; ++valid) {
+    for (; valid != buckets_.end() && valid->first < now_; ++valid) {
       for (Entry* e = valid->second.oldest; e != nullptr; e = e->policy_next) {
         if (visit(e)) return e;
       }
     }
-    for (auto it = no_hint; it != valid;) {  // valid hints: farthest first
+    for (auto it = buckets_.end(); it != valid;) {  // valid hints: farthest first
       --it;
       for (Entry* e = it->second.newest; e != nullptr; e = e->policy_prev) {
         if (visit(e)) return e;
@@ -243,7 +259,7 @@ class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
     }
     return nullptr;
   }
-  Buckets buckets_;
+  Buckets buckets_;  // hinted times only (never kNoNextUse)
   // Nodes of emptied buckets, for the next new ones: hints move entries
   // between times every step, and each move would otherwise free one bucket
   // and allocate another.
@@ -252,7 +268,12 @@ class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
   // time); nullptr once that bucket is dropped.
   int64_t last_time_ = 0;
   EntryList* last_list_ = nullptr;
-  EntryList overflow_;  // could not get a bucket (std::bad_alloc)
+  Unhinted unhinted_;
+  // Nodes of entries that left unhinted_ (hinted, evicted), for the next
+  // ones that enter it: no allocation once warm.
+  std::vector<Unhinted::node_type> spare_unhinted_;
+  EntryList overflow_;  // could get neither a bucket nor a node (std::bad_alloc)
+  uint64_t seq_ = 0;  // touch sequence
   int64_t now_ = std::numeric_limits<int64_t>::min();
 };
 

@@ -636,15 +636,16 @@ def test_next_use_victim_order(make_handle, rng):
     (v,) = h.acquire([6], timeout=10)  # evicts 5, the first in that order
     h.release([6])
     assert 5 not in h.resident() and h.stats()["evictions"] == 1
-    h.hint_next_use([6, 4], None)  # cleared: with the unhinted (6 already was; 4 arrives after it)
-    assert h.resident()[:2] == [6, 4]
+    h.hint_next_use([6, 4], None)  # cleared: back to the front, by their last use (4's is older)
+    assert h.resident()[:2] == [4, 6]
 
 
 def test_next_use_orders_one_time_by_arrival(make_handle, rng):
-    # Within one time entries go in order of arrival there (Note [Next-use
-    # eviction]): a hint to another time, a use or a request is an arrival
-    # (the newest); a hint to the time an entry already has leaves it in
-    # place; a time whose entries all moved away can be taken again.
+    # Within one hinted time entries go in order of arrival there (Note
+    # [Next-use eviction]): a hint to another time, a use or a request is an
+    # arrival (the newest); a hint to the time an entry already has leaves
+    # it in place; a time whose entries all moved away can be taken again.
+    # The unhinted go by their last touch, whenever their hint was cleared.
     h = make_handle(device_budget_bytes=5 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(5))
     use_each(h, range(5))
@@ -665,6 +666,8 @@ def test_next_use_orders_one_time_by_arrival(make_handle, rng):
     assert h.resident() == [2, 4, 0, 3, 1]
     h.hint_next_use([1], prefetch.NO_NEXT_USE)  # cleared: first, with the unhinted
     assert h.resident() == [1, 2, 4, 0, 3]
+    h.hint_next_use([3], None)  # cleared after 1, but touched before it (1 was used again)
+    assert h.resident() == [3, 1, 2, 4, 0]
 
 
 def test_next_use_hint_before_the_copy_is_kept(make_handle, rng):

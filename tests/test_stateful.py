@@ -37,10 +37,12 @@ class Residents:
     `fresh` (not acquired since it arrived, oldest first, stamped with the
     acquire clock) and `used` (acquired, oldest first); victims are stale
     fresh ids, then used newest first, then the other fresh ids. next-use
-    (Note [Next-use eviction]): `lru` holds the ids, `seq` their order of
-    arrival at their time (made resident, used, requested, or hinted to
-    another time); victims are unhinted ids (first arrived first), expired
-    hints (earliest first), then valid hints (farthest first)."""
+    (Note [Next-use eviction]): `lru` holds the ids, `seq` their touch
+    order (made resident, used, requested), `arrival` their order of
+    arrival at their time (a touch, or a hint to another time); victims
+    are unhinted ids (least recently touched first), expired hints
+    (earliest first, first arrived first), then valid hints (farthest
+    first, last arrived first)."""
 
     def __init__(self, policy):
         self.policy = policy
@@ -49,8 +51,10 @@ class Residents:
         self.used = []
         self.stamp = {}
         self.clock = 0  # acquire calls
-        self.seq = {}  # next-use: id -> arrival sequence
+        self.seq = {}  # next-use: id -> touch sequence
         self.touches = 0
+        self.arrival = {}  # next-use: id -> arrival sequence at its time
+        self.arrivals = 0
         self.hint = {}  # next-use hints, resident or not: id -> time (NONE = none)
         self.now = None  # the hint clock (None: never set)
 
@@ -65,8 +69,8 @@ class Residents:
             return list(self.lru)
         if self.policy == "next-use":
             def key(t):
-                return (self.hint.get(t, NONE), self.seq[t])
-            unhinted = sorted((t for t in self.lru if self.hint.get(t, NONE) == NONE), key=key)
+                return (self.hint.get(t, NONE), self.arrival[t])
+            unhinted = sorted((t for t in self.lru if self.hint.get(t, NONE) == NONE), key=lambda t: self.seq[t])
             hinted = [t for t in self.lru if self.hint.get(t, NONE) != NONE]
             expired = sorted((t for t in hinted if self.now is not None and self.hint[t] < self.now), key=key)
             valid = sorted((t for t in hinted if t not in expired), key=key, reverse=True)
@@ -84,6 +88,8 @@ class Residents:
             self.lru.append(tid)
             self.touches += 1
             self.seq[tid] = self.touches
+            self.arrivals += 1
+            self.arrival[tid] = self.arrivals
         else:
             self.fresh.append(tid)
             self.stamp[tid] = self.clock
@@ -421,8 +427,8 @@ class EngineMachine(RuleBasedStateMachine):
             self.h.hint_next_use(ids, when, now=now)
             for tid, t in zip(ids, when):
                 if tid in r and r.hint.get(tid, NONE) != t:  # arrives at another time: its newest
-                    r.touches += 1
-                    r.seq[tid] = r.touches
+                    r.arrivals += 1
+                    r.arrival[tid] = r.arrivals
                 r.hint[tid] = t
             if now is not None:
                 r.now = now

@@ -115,7 +115,40 @@ int main() {
 
     p.OnClock(12);  // 5 expired, 13 valid
     Expect(p, {2, 0, 1, 3}, "expired hints before valid ones, first arrived first");
-    for (int i : {0, 1, 2, 3}) p.OnRemove(&e[i]);
+
+    // The unhinted, by touch: each holds a node of its own.
+    e[4].next_use = kNoNextUse;
+    g_fail = true;
+    p.OnInsert(&e[4]);  // no node to be had: overflow
+    Expect(p, {4, 2, 0, 1, 3}, "an unhinted entry with no memory goes to the overflow list");
+    const long before_touch = g_refused;
+    p.OnUse(&e[2]);  // its own node, re-keyed: stays among the unhinted, no memory needed
+    Expect(p, {4, 2, 0, 1, 3}, "a touch of an unhinted entry needs no memory");
+    if (g_refused != before_touch) {
+      std::fprintf(stderr, "FAIL: touching an unhinted entry allocated (%ld refused)\n",
+                   g_refused - before_touch);
+      ++g_failures;
+    }
+    g_fail = false;
+    p.OnUse(&e[4]);  // memory is back: among the unhinted, the newest touch
+    Expect(p, {2, 4, 0, 1, 3}, "unhinted, least recently touched first");
+    p.OnHint(&e[2], 20);  // leaves the unhinted: its node is kept
+    Expect(p, {4, 0, 1, 2, 3}, "hinted: the farthest time, valid hints farthest first");
+    g_fail = true;
+    const long before_clear = g_refused;
+    // Cleared with no memory: the kept node takes it back, by its touch
+    // (older than 4's).
+    p.OnHint(&e[2], kNoNextUse);
+    Expect(p, {2, 4, 0, 1, 3}, "a cleared entry goes back by its touch, on a kept node");
+    if (g_refused != before_clear) {
+      std::fprintf(stderr, "FAIL: clearing onto a kept node allocated (%ld refused)\n",
+                   g_refused - before_clear);
+      ++g_failures;
+    }
+    p.OnHint(&e[0], kNoNextUse);  // no node kept now: overflow
+    Expect(p, {0, 2, 4, 1, 3}, "a cleared entry with no memory and no node goes to the overflow list");
+    g_fail = false;
+    for (int i : {0, 1, 2, 3, 4}) p.OnRemove(&e[i]);
     Expect(p, {}, "every entry removed");
   }
   if (g_failures != 0) return 1;
