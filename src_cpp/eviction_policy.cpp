@@ -137,6 +137,7 @@ void NextUsePolicy::Unplace(Entry* e) {
   }
   if (e->next_use == kNoNextUse) {
     Unhinted::node_type node = unhinted_.extract(Touched{e->policy_stamp, e});
+    if (node.empty()) return;  // not in the set (cannot happen): nothing to keep
     try {
       spare_unhinted_.push_back(std::move(node));
     } catch (const std::bad_alloc&) {
@@ -167,6 +168,10 @@ void NextUsePolicy::Touch(Entry* e) {
   if (e->next_use == kNoNextUse) {  // its own node re-keyed as the newest: no allocation
     Unhinted::node_type node = unhinted_.extract(Touched{e->policy_stamp, e});
     e->policy_stamp = ++seq_;
+    if (node.empty()) {  // not in the set (cannot happen): placed anew
+      Place(e);
+      return;
+    }
     node.value() = Touched{e->policy_stamp, e};
     unhinted_.insert(unhinted_.end(), std::move(node));
     return;
