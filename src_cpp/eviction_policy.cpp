@@ -116,7 +116,7 @@ void NextUsePolicy::Place(Entry* e) {
       return;
     }
     try {
-      unhinted_.insert(unhinted_.end(), key);  // the end: right for a new touch, a hint otherwise
+      unhinted_.insert(unhinted_.end(), key);  // a new touch goes last; a cleared one is searched for
       return;
     } catch (const std::bad_alloc&) {
     }
