@@ -649,7 +649,7 @@ def test_next_use_orders_one_time_by_arrival(make_handle, rng):
     h = make_handle(device_budget_bytes=5 * SLOT, eviction_policy="next-use")
     register_random(h, rng, range(5))
     use_each(h, range(5))
-    assert h.resident() == [0, 1, 2, 3, 4]  # unhinted: first arrived first
+    assert h.resident() == [0, 1, 2, 3, 4]  # unhinted: least recently touched first
     h.hint_next_use([3, 1], [20, 20], now=0)
     h.hint_next_use([0, 4, 2], [20, 20, 20])  # arrivals at 20: 3, 1, 0, 4, 2
     # One valid time: the newest arrival first (farthest first, then the latest).
