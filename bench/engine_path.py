@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     timed("pin-layer", pin_layer)
     if pinned[0] is not None:
         handle.release(pinned[0], stream=stream)
-    hit_rate = _hit_rate(handle.stats())
+    s = handle.stats()
+    hit_rate = s["hits"] / max(1, s["hits"] + s["misses"])
     next_use, pins_resident = next_use_rows(args, prefetch, np, torch, routes, thrash)
     rows.update(next_use)
     cold = f", {args.thrash_mb} MB touched between calls" if args.thrash_mb else ""
@@ -152,11 +153,6 @@ def main(argv=None) -> int:
                                "thrash_mb": args.thrash_mb,
                                "hit_rate": hit_rate, "step_plan_pins_resident": pins_resident, "rows": rows})
     return 0
-
-
-def _hit_rate(s: dict) -> float:
-    """A handle's acquires that hit, over its whole run (0 without any)."""
-    return s["hits"] / max(1, s["hits"] + s["misses"])
 
 
 def _row(samples: list, per_what: str | None = None) -> dict:

@@ -46,6 +46,12 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # 1.219] (Qwen3), each 96.1 %.
 
 
+def _at_most(n: int, k: int) -> float:
+    """P(Binomial(n, 1/2) <= k): the chance that at most k of n pairs fall
+    one way if either way were as likely."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+
+
 def sign_test(pairs) -> tuple[int, int, float | None]:
     """(pairs whose A was faster, pairs that differ, the two-sided exact
     sign test's p over those; None without any) for `pairs` of [A, B] ms,
@@ -55,9 +61,7 @@ def sign_test(pairs) -> tuple[int, int, float | None]:
     n = sum(a != b for a, b in done)
     if n == 0:
         return a_faster, 0, None
-    k = min(a_faster, n - a_faster)
-    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
-    return a_faster, n, min(1.0, 2 * tail)
+    return a_faster, n, min(1.0, 2 * _at_most(n, min(a_faster, n - a_faster)))
 
 
 def median_ci(ratios, level: float = 0.95) -> list | None:
@@ -71,7 +75,7 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
     n = len(r)
     best = None
     for k in range(1, n // 2 + 1):
-        coverage = 1 - 2 * sum(math.comb(n, i) for i in range(k)) / 2**n
+        coverage = 1 - 2 * _at_most(n, k - 1)
         if coverage < level:
             break
         best = [r[k - 1], r[n - k], coverage]
