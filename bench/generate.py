@@ -5,7 +5,8 @@
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
         [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--profile DIR [--profile-tokens 16]]
-        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-lockstep 0] [--ab-share S]] [--json PATH] [--plot PATH.png]
+        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-lockstep 0] [--ab-control] [--ab-share S]]
+        [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--trace-in TRACE.json] [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -211,7 +212,9 @@ copies (each side's engine copies over its generates),
 parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
 bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
 run in lockstep, a token each in turn, in "lockstep": the same figures
-and handoffs_with_copies (Note [Lockstep pairs]).
+and handoffs_with_copies (Note [Lockstep pairs]). --ab-control runs the
+same pairs first with ROW_B on both sides, into "control": the
+estimators' own bias, beside the A/B.
 
 --smoke-cpu: tiny Qwen3-MoE, OLMoE and Mixtral configs (4 layers, 8 experts,
 top-2, hidden 64) in float32 on the CPU, a few tokens, every row that can run
@@ -374,6 +377,10 @@ def main(argv=None) -> int:
                         help="after --ab's alternating pairs, this many pairs in lockstep: the two sides' "
                              "generates in two threads taking turns a token at a time (Note [Lockstep pairs] in "
                              "bench/generate_ab.py; default 0)")
+    parser.add_argument("--ab-control", action="store_true",
+                        help="before --ab's A/B, the same pairs with ROW_B on both sides (the model and the twin): "
+                             "what the estimators give two sides doing the same work, in the block's "
+                             "ab.control")
     parser.add_argument("--ab-share", type=float, default=None,
                         help="the cache share of --ab's rows (default: the first of --shares)")
     parser.add_argument("--park-resident-experts", action="store_true",
@@ -473,7 +480,7 @@ def main(argv=None) -> int:
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
                                                         "timer_sync", "repeats", "paired", "paired_tokens",
-                                                        "ab", "ab_pairs", "ab_lockstep", "ab_share",
+                                                        "ab", "ab_pairs", "ab_lockstep", "ab_control", "ab_share",
                                                         "trace_in", "trace_from", "profile",
                                                         "profile_tokens")},
               "transformers": transformers.__version__,

@@ -11,7 +11,7 @@ import threading
 import time
 
 from bench.common import fmt
-from bench.generate_model import generate
+from bench.generate_model import ModelState, generate
 from bench.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
 from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, decode_p50, oracle_trace
 
@@ -45,7 +45,9 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # below the median, at least 95 %), [low, high, coverage]: its high end is
 # the most by which A's median pair can be slower than B's at that
 # confidence. Runs 168-169's pairs give [0.944, 1.053] (OLMoE) and [0.863,
-# 1.219] (Qwen3), each 96.1 %.
+# 1.219] (Qwen3), each 96.1 %. --ab-control first runs the same pairs
+# with ROW_B on both sides (the model and the twin restored between), so
+# the estimators' own bias and spread come from the same lease.
 
 
 def _at_most(n: int, k: int) -> float:
@@ -106,8 +108,9 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # bound). Near 0 on both sides, lockstep and alternating pairs measure
 # the same thing; far from it, lockstep flatters the side with copies
 # left over. The two threads are a difference of their own, so the same
-# row on both sides (--ab on-demand on-demand) is the control to run
-# beside it: on the 2-core development VM (--smoke-cpu, smoke-olmoe,
+# row on both sides is the control to run beside it (--ab-control: ROW_B
+# against ROW_B first, in the block's ab.control; or --ab with the same
+# row twice): on the 2-core development VM (--smoke-cpu, smoke-olmoe,
 # 12 pairs of 8 tokens) the control gave x_ab 1.00 (0.99-1.01) alternating
 # and 0.94 (0.90-0.96) in lockstep, side A faster in all 12 lockstep
 # pairs; with OMP_NUM_THREADS=1, 1.01 (1.00-1.04); with
@@ -276,14 +279,69 @@ def ab_rows(rows) -> tuple[str, str]:
     return rows[0], rows[1]
 
 
+def _figures_line(name: str, block: Block, share: float, rows, res: dict, how: str) -> str:
+    ci = res["x_ab_ci"]
+    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
+    line = (f"  {name} b{block.batch} {fmt(share):>5} --ab {rows[0]} / {rows[1]}{how}: x_ab {fmt(res['x_ab'])} "
+            f"({ci_text}) over {len(res['pairs_ms'])} pairs ({rows[0]} faster in {res['a_faster']}, sign test p "
+            f"{fmt(res['sign_p'])}), ")
+    if "handoffs_with_copies" in res:
+        h = res["handoffs_with_copies"]
+        line += f"hand-overs with copies {fmt(h[0])} / {fmt(h[1])}, "
+    return line + f"tokens equal {res['tokens_equal']}"
+
+
+def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict, what: str) -> None:
+    """The model offloaded as rows[0] and `twin` as rows[1] (both caches at
+    once), warmed, then --ab-pairs alternating pairs and --ab-lockstep
+    lockstep pairs, their figures into `out`; both offloads closed after,
+    whatever happens (an exception goes on to the caller)."""
+    args = block.args
+    modes = []
+    try:
+        block.phase = f"{what} setup"
+        modes.append(EngineMode(block.model, budget, rows[0], trace(), block.cuda, host=host))
+        modes.append(EngineMode(twin, budget, rows[1], trace(), block.cuda, host=host))  # its own trace object
+        sides = list(zip((block.model, twin), modes))
+        tokens = min(args.paired_tokens, args.new_tokens)
+        block.phase = f"{what} warm-up"
+        for model, mode in sides:
+            decode_p50(block, model, tokens)
+            mode.new_sequence()
+        block.phase = f"{what} pairs"
+        want = block.reference[:, :tokens]
+        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, want)
+        out.update(_pair_figures(out["pairs_ms"]))
+        out["tokens_equal"] = equal
+        if args.ab_lockstep:
+            block.phase = f"{what} lockstep pairs"
+            pairs, equal, handoffs = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
+            out["lockstep"] = {"pairs_ms": pairs, **_pair_figures(pairs), "tokens_equal": equal,
+                               "handoffs_with_copies": handoffs}
+        out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and every pair
+    finally:
+        for mode in modes:
+            with contextlib.suppress(Exception):
+                mode.close()
+        modes = sides = None
+        gc.collect()
+        if block.cuda:
+            block.torch.cuda.empty_cache()
+
+
+def _empty_figures() -> dict:
+    return {"pairs_ms": [], "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None,
+            "copies": None, "lockstep": None}
+
+
 def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     """Note [Two rows side by side]: the A/B of --ab's rows at `share` on this
-    block; null figures with the reason where it cannot run."""
-    args, torch = block.args, block.torch
+    block, after --ab-control's B/B; null figures with the reason where it
+    cannot run."""
+    args = block.args
     a, b = ab_rows(args.ab)
-    out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], "pairs_ms": [],
-           "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None, "copies": None,
-           "lockstep": None, "parked_resident_experts": None, "reason": None}
+    out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], **_empty_figures(),
+           "control": None, "parked_resident_experts": None, "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
         return out
@@ -293,70 +351,50 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     if block.twin is None:
         out["reason"] = f"not run: no second copy of the model ({block.twin_reason})"
         return out
-    trace = None
-    if any(r.removesuffix("-synced") == "oracle" for r in (a, b)):
-        trace = oracle_trace(block, share)
-        if trace is None:
-            out["reason"] = "not run: no recorded routing trace for the oracle (on-demand did not run)"
-            return out
+    oracle = any(r.removesuffix("-synced") == "oracle" for r in (a, b))
+    if oracle and oracle_trace(block, share) is None:
+        out["reason"] = "not run: no recorded routing trace for the oracle (on-demand did not run)"
+        return out
+
+    def trace():  # a new trace object for each side (the oracle's), or None
+        return oracle_trace(block, share) if oracle else None
+
     budget = int(share * block.state.total_bytes)
     twin, block.twin = block.twin, None
     block.twin_reason = "used by --ab"
-    modes = []
     try:
         block.phase = "--ab setup"
         host = shared_host_experts(block.model, block.cuda)
         if args.park_resident_experts:  # as the engine rows do (Note [Parked resident experts])
             block.state.park(host)
         out["parked_resident_experts"] = block.state.parked is not None
-        modes.append(EngineMode(block.model, budget, a, trace, block.cuda, host=host))
-        # Each side its own trace object (oracle_trace makes a new one).
-        trace_b = None if trace is None else oracle_trace(block, share)
-        modes.append(EngineMode(twin, budget, b, trace_b, block.cuda, host=host))
-        sides = list(zip((block.model, twin), modes))
-        tokens = min(args.paired_tokens, args.new_tokens)
-        block.phase = "--ab warm-up"
-        for model, mode in sides:
-            decode_p50(block, model, tokens)
-            mode.new_sequence()
-        block.phase = "--ab pairs"
-        want = block.reference[:, :tokens]
-        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, want)
-        out.update(_pair_figures(out["pairs_ms"]))
-        out["tokens_equal"] = equal
-        if args.ab_lockstep:
-            block.phase = "--ab lockstep pairs"
-            pairs, equal, handoffs = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
-            out["lockstep"] = {"pairs_ms": pairs, **_pair_figures(pairs), "tokens_equal": equal,
-                               "handoffs_with_copies": handoffs}
-        out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and every pair
+        if args.ab_control:
+            out["control"] = {"rows": [b, b], **_empty_figures()}
+            twin_state = ModelState(twin)
+            _side_by_side(block, twin, (b, b), budget, trace, host, out["control"], "--ab-control")
+            block.phase = "--ab-control restore"  # both copies back to resident, to be offloaded again
+            block.state.restore()
+            twin_state.restore()
+            if args.park_resident_experts:
+                block.state.park(host)
+        _side_by_side(block, twin, (a, b), budget, trace, host, out, "--ab")
     except Exception as exc:  # noqa: BLE001 - the A/B reports why it failed; the block goes on
         out["reason"] = f"failed in {block.phase}: {type(exc).__name__}: {str(exc)[:300]}"
         clear_exception_frames(exc)  # its frames hold the caches: gone before the restore
     finally:
         block.phase = "restore"
-        for mode in modes:
-            with contextlib.suppress(Exception):
-                mode.close()
-        modes = sides = None
         del twin
         block.state.restore()
         gc.collect()
         if block.cuda:
-            torch.cuda.empty_cache()
-    ci = out["x_ab_ci"]
-    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
-    print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b}: x_ab {fmt(out['x_ab'])} ({ci_text}) over "
-          f"{len(out['pairs_ms'])} pairs ({a} faster in {out['a_faster']}, sign test p {fmt(out['sign_p'])}), "
-          f"tokens equal {out['tokens_equal']}"
-          + (f" ({out['reason']})" if out["reason"] else ""), file=sys.stderr, flush=True)
-    lock = out["lockstep"]
-    if lock is not None:
-        ci = lock["x_ab_ci"]
-        ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
-        print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b} in lockstep: x_ab {fmt(lock['x_ab'])} "
-              f"({ci_text}) over {len(lock['pairs_ms'])} pairs ({a} faster in {lock['a_faster']}, sign test p "
-              f"{fmt(lock['sign_p'])}), hand-overs with copies {fmt(lock['handoffs_with_copies'][0])} / "
-              f"{fmt(lock['handoffs_with_copies'][1])}, tokens equal {lock['tokens_equal']}",
-              file=sys.stderr, flush=True)
+            block.torch.cuda.empty_cache()
+    reason = f" ({out['reason']})" if out["reason"] else ""
+    for res, how in ((out["control"], " (control)"), (out, "")):
+        if res is None:
+            continue
+        rows = res.get("rows", [a, b])
+        print(_figures_line(name, block, share, rows, res, how) + reason, file=sys.stderr, flush=True)
+        if res["lockstep"] is not None:
+            print(_figures_line(name, block, share, rows, res["lockstep"], how + " in lockstep") + reason,
+                  file=sys.stderr, flush=True)
     return out

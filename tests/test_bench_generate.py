@@ -260,12 +260,14 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert block["restore_check"] is True
     assert report["config"]["ab"] == ["oracle", "on-demand"] and report["config"]["ab_pairs"] == 3
     # With --park-resident-experts the model's side runs parked, as the
-    # engine rows do, and comes back bit-equal.
+    # engine rows do, and comes back bit-equal; with --ab-control it is
+    # parked, restored after the control and parked again for the A/B.
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1",
-                  "--park-resident-experts")
+                  "--park-resident-experts", "--ab-control")
     (block,) = report["blocks"]
     assert block["ab"]["reason"] is None and block["ab"]["tokens_equal"] is True
+    assert block["ab"]["control"]["tokens_equal"] is True
     assert block["ab"]["parked_resident_experts"] is True and block["restore_check"] is True
 
 
@@ -274,6 +276,8 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path):
     # take turns a token at a time; the same figures as the alternating
     # pairs, both sides the resident tokens, the model restored after.
     import statistics
+
+    from bench import generate_ab
 
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "4", "--new-tokens", "4", "--ab", "gate", "on-demand", "--ab-pairs", "1",
@@ -294,13 +298,21 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path):
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1")
     assert report["blocks"][0]["ab"]["lockstep"] is None  # none asked for
-    # The same row on both sides is the control (the estimator's own bias).
+    # --ab-control: the same pairs first with ROW_B on both sides (the
+    # estimators' own bias), then the A/B; both in the block's "ab".
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
-                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "on-demand", "on-demand", "--ab-pairs", "1",
-                  "--ab-lockstep", "1")
-    ab = report["blocks"][0]["ab"]
-    assert ab["rows"] == ["on-demand", "on-demand"] and ab["reason"] is None
-    assert ab["tokens_equal"] is True and ab["lockstep"]["tokens_equal"] is True
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "2",
+                  "--ab-lockstep", "1", "--ab-control")
+    (block,) = report["blocks"]
+    ab, control = block["ab"], block["ab"]["control"]
+    assert ab["reason"] is None and ab["rows"] == ["gate", "on-demand"] and report["config"]["ab_control"] is True
+    assert control["rows"] == ["on-demand", "on-demand"] and control["tokens_equal"] is True
+    assert len(control["pairs_ms"]) == 2 and len(control["lockstep"]["pairs_ms"]) == 1
+    assert control["x_ab"] == pytest.approx(statistics.median(a / b for a, b in control["pairs_ms"]))
+    assert len(control["copies"]) == 2 and len(ab["pairs_ms"]) == 2 and ab["tokens_equal"] is True
+    assert block["restore_check"] is True
+    # The same row twice is a valid --ab of its own, too.
+    assert generate_ab.ab_rows(["on-demand", "on-demand"]) == ("on-demand", "on-demand")
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--ab", "gate", "on-demand", "--paired", "1", "--ab-lockstep", "-1"])
 
