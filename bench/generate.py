@@ -208,7 +208,8 @@ has pairs_ms ([A, B] p50s), x_ab (the median A/B ratio), x_ab_ci (its
 distribution-free confidence interval, [low, high, coverage >= 95 %];
 null under 6 pairs), a_faster and sign_p (pairs with A faster; the
 two-sided sign test's p), tokens_equal,
-copies (each side's engine copies over its generates),
+copies and hit_rates (each side's engine copies and hit rate over its
+generates),
 parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
 bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
 run in lockstep, a token each in turn, in "lockstep": the same figures

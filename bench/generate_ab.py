@@ -318,7 +318,10 @@ def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict,
             pairs, equal, handoffs = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
             out["lockstep"] = {"pairs_ms": pairs, **_pair_figures(pairs), "tokens_equal": equal,
                                "handoffs_with_copies": handoffs}
-        out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and every pair
+        counts = [mode.counters() for mode in modes]  # warm-up and every pair
+        out["copies"] = [c["copies"] for c in counts]
+        out["hit_rates"] = [c["hits"] / (c["hits"] + c["misses"]) if c["hits"] is not None and c["hits"] + c["misses"]
+                            else None for c in counts]
     finally:
         for mode in modes:
             with contextlib.suppress(Exception):
@@ -331,7 +334,7 @@ def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict,
 
 def _empty_figures() -> dict:
     return {"pairs_ms": [], "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None,
-            "copies": None, "lockstep": None}
+            "copies": None, "hit_rates": None, "lockstep": None}
 
 
 def run_ab(block: Block, name: str, share: float, started: float) -> dict:

@@ -256,6 +256,7 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert ab["a_faster"] == sum(a < b for a, b in pairs) and 0 < ab["sign_p"] <= 1
     assert ab["x_ab_ci"] is None  # 3 pairs bound the median at 75 % at most
     assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
+    assert len(ab["hit_rates"]) == 2 and all(0 <= h <= 1 for h in ab["hit_rates"])
     assert ab["parked_resident_experts"] is False
     assert block["restore_check"] is True
     assert report["config"]["ab"] == ["oracle", "on-demand"] and report["config"]["ab_pairs"] == 3
