@@ -462,6 +462,10 @@ def main(argv=None) -> int:
         if args.paired < 1 or args.ab_pairs < 1 or args.ab_lockstep < 0:
             parser.error("--ab needs --paired >= 1 (its second side is the twin), --ab-pairs >= 1 and "
                          "--ab-lockstep >= 0")
+        if args.ab_lockstep and args.timer_sync == "device" and not smoke:
+            # Note [Lockstep pairs]: a device-wide wait would charge each side the other's copies.
+            parser.error("--ab-lockstep needs --timer-sync stream (a device-wide wait would time each side "
+                         "over the other side's copies too)")
         if args.ab_share is None:
             args.ab_share = args.shares[0]
         if not 0 < args.ab_share <= 1:

@@ -96,8 +96,9 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # step, B's, ...; odd pairs B first), so each side's step t runs within a
 # step's time of the other's, in the same spell. A side's step is timed
 # from the moment it gets its turn back to its next token's logits (after
-# the --timer-sync wait), so neither side's clock runs while the other
-# computes; a pair is the two sides' p50 step times, as in the
+# the --timer-sync wait, which must be the compute stream's: a device-wide
+# wait would time each side over the other side's copies too, and BM6
+# refuses it), so neither side's clock runs while the other computes; a pair is the two sides' p50 step times, as in the
 # alternating pairs, and x_ab, x_ab_ci, a_faster and sign_p are taken the
 # same way. What lockstep changes besides the clock: a side's copies still
 # queued or on the link when it hands the turn over go on during the other

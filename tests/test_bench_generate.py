@@ -272,7 +272,7 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert block["ab"]["parked_resident_experts"] is True and block["restore_check"] is True
 
 
-def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path):
+def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
     # Note [Lockstep pairs]: --ab-lockstep N adds N pairs whose generates
     # take turns a token at a time; the same figures as the alternating
     # pairs, both sides the resident tokens, the model restored after.
@@ -316,6 +316,11 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path):
     assert generate_ab.ab_rows(["on-demand", "on-demand"]) == ("on-demand", "on-demand")
     with pytest.raises(SystemExit):
         generate.main(["--smoke-cpu", "--ab", "gate", "on-demand", "--paired", "1", "--ab-lockstep", "-1"])
+    # On a GPU a device-wide clock would charge each side the other's copies.
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        generate.main(["--ab", "gate", "on-demand", "--paired", "1", "--ab-lockstep", "2"])
+    assert "--ab-lockstep needs --timer-sync stream" in capsys.readouterr().err
 
 
 class _FakeMode:
