@@ -5,7 +5,8 @@
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
         [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--profile DIR [--profile-tokens 16]]
-        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-share S]] [--json PATH] [--plot PATH.png]
+        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-lockstep 0] [--ab-control] [--ab-share S]]
+        [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--trace-in TRACE.json] [--json PATH]
 
 Models: transformers OlmoeConfig / Qwen3MoeConfig at the real shapes of
@@ -199,16 +200,22 @@ During offloaded rows the model's own GPU expert weights stay allocated (kept
 to restore the model for the next row; nothing reads them) unless
 --park-resident-experts frees them: device memory is not what is measured.
 After each block the resident row runs again to check the model was restored.
---ab ROW_A ROW_B (engine rows; needs --paired): after a block's rows, the
+--ab ROW_A ROW_B (engine rows; needs --paired; the same row twice is the
+estimator's control): after a block's rows, the
 model offloaded as ROW_A and the twin as ROW_B at --ab-share, both at once,
 --ab-pairs pairs of --paired-tokens generates alternating; the block's "ab"
 has pairs_ms ([A, B] p50s), x_ab (the median A/B ratio), x_ab_ci (its
 distribution-free confidence interval, [low, high, coverage >= 95 %];
 null under 6 pairs), a_faster and sign_p (pairs with A faster; the
 two-sided sign test's p), tokens_equal,
-copies (each side's engine copies over its generates),
+copies and hit_rates (each side's engine copies and hit rate over its
+generates),
 parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
-bench/generate_ab.py).
+bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
+run in lockstep, a token each in turn, in "lockstep": the same figures
+and handoffs_with_copies (Note [Lockstep pairs]). --ab-control runs the
+same pairs first with ROW_B on both sides, into "control": the
+estimators' own bias, beside the A/B.
 
 --smoke-cpu: tiny Qwen3-MoE, OLMoE and Mixtral configs (4 layers, 8 experts,
 top-2, hidden 64) in float32 on the CPU, a few tokens, every row that can run
@@ -367,6 +374,14 @@ def main(argv=None) -> int:
                              "block's 'ab' has the pairs and x_ab, the median A/B ratio (Note [Two rows side by "
                              "side] in bench/generate_ab.py)")
     parser.add_argument("--ab-pairs", type=int, default=8, help="pairs of generates of --ab (default 8)")
+    parser.add_argument("--ab-lockstep", type=int, default=0,
+                        help="after --ab's alternating pairs, this many pairs in lockstep: the two sides' "
+                             "generates in two threads taking turns a token at a time (Note [Lockstep pairs] in "
+                             "bench/generate_ab.py; default 0)")
+    parser.add_argument("--ab-control", action="store_true",
+                        help="before --ab's A/B, the same pairs with ROW_B on both sides (the model and the twin): "
+                             "what the estimators give two sides doing the same work, in the block's "
+                             "ab.control")
     parser.add_argument("--ab-share", type=float, default=None,
                         help="the cache share of --ab's rows (default: the first of --shares)")
     parser.add_argument("--park-resident-experts", action="store_true",
@@ -444,8 +459,13 @@ def main(argv=None) -> int:
             ab_rows(args.ab)
         except ValueError as exc:
             parser.error(str(exc))
-        if args.paired < 1 or args.ab_pairs < 1:
-            parser.error("--ab needs --paired >= 1 (its second side is the twin) and --ab-pairs >= 1")
+        if args.paired < 1 or args.ab_pairs < 1 or args.ab_lockstep < 0:
+            parser.error("--ab needs --paired >= 1 (its second side is the twin), --ab-pairs >= 1 and "
+                         "--ab-lockstep >= 0")
+        if args.ab_lockstep and args.timer_sync == "device" and not smoke:
+            # Note [Lockstep pairs]: a device-wide wait would charge each side the other's copies.
+            parser.error("--ab-lockstep needs --timer-sync stream (a device-wide wait would time each side "
+                         "over the other side's copies too)")
         if args.ab_share is None:
             args.ab_share = args.shares[0]
         if not 0 < args.ab_share <= 1:
@@ -465,7 +485,7 @@ def main(argv=None) -> int:
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
                                                         "timer_sync", "repeats", "paired", "paired_tokens",
-                                                        "ab", "ab_pairs", "ab_share",
+                                                        "ab", "ab_pairs", "ab_lockstep", "ab_control", "ab_share",
                                                         "trace_in", "trace_from", "profile",
                                                         "profile_tokens")},
               "transformers": transformers.__version__,

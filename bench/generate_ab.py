@@ -7,9 +7,11 @@ import gc
 import math
 import statistics
 import sys
+import threading
 import time
 
 from bench.common import fmt
+from bench.generate_model import ModelState, generate
 from bench.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
 from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, decode_p50, oracle_trace
 
@@ -43,7 +45,9 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # below the median, at least 95 %), [low, high, coverage]: its high end is
 # the most by which A's median pair can be slower than B's at that
 # confidence. Runs 168-169's pairs give [0.944, 1.053] (OLMoE) and [0.863,
-# 1.219] (Qwen3), each 96.1 %.
+# 1.219] (Qwen3), each 96.1 %. --ab-control first runs the same pairs
+# with ROW_B on both sides (the model and the twin restored between), so
+# the estimators' own bias and spread come from the same lease.
 
 
 def _at_most(n: int, k: int) -> float:
@@ -82,25 +86,266 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
     return best
 
 
+# -- Note [Lockstep pairs]
+# Alternating pairs put the two generates of a pair a second or so apart,
+# and the H200 host's spells still split pairs: runs 168-169's single
+# pair ratios spread 0.59-1.84, so 12 pairs bound a median only to
+# 0.944-1.053 and 0.863-1.219. With --ab-lockstep N the two sides also run
+# N pairs in lockstep: each side's generate in a thread of its own, taking
+# turns one token at a time (A's prefill, B's prefill, A's first decode
+# step, B's, ...; odd pairs B first), so each side's step t runs within a
+# step's time of the other's, in the same spell. A side's step is timed
+# from the moment it gets its turn back to its next token's logits (after
+# the --timer-sync wait, which must be the compute stream's: a device-wide
+# wait would time each side over the other side's copies too, and BM6
+# refuses it), so neither side's clock runs while the other computes; a pair is the two sides' p50 step times, as in the
+# alternating pairs, and x_ab, x_ab_ci, a_faster and sign_p are taken the
+# same way. What lockstep changes besides the clock: a side's copies still
+# queued or on the link when it hands the turn over go on during the other
+# side's step, time they would not have had in a generate of its own;
+# `handoffs_with_copies` says for each side how often that could happen
+# (the share of its hand-overs with ids queued or bytes counted in flight,
+# which the engine counts until its copy worker next looks: an upper
+# bound). Near 0 on both sides, lockstep and alternating pairs measure
+# the same thing; far from it, lockstep flatters the side with copies
+# left over. The two threads are a difference of their own, so the same
+# row on both sides is the control to run beside it (--ab-control: ROW_B
+# against ROW_B first, in the block's ab.control; or --ab with the same
+# row twice): on the 2-core development VM (--smoke-cpu, smoke-olmoe,
+# 12 pairs of 8 tokens) the control gave x_ab 1.00 (0.99-1.01) alternating
+# and 0.94 (0.90-0.96) in lockstep, side A faster in all 12 lockstep
+# pairs; with OMP_NUM_THREADS=1, 1.01 (1.00-1.04); with
+# OMP_WAIT_POLICY=PASSIVE, 0.99 (0.79-1.09). Each thread that calls into
+# torch's CPU kernels has an OpenMP team of its own, and the waiting
+# side's team spins on the cores the running side needs; a GPU decode
+# runs few CPU kernels, so whether the H200 host shows it is for the
+# control to say.
+
+
+class _OtherSideFailed(RuntimeError):
+    """A side woken because the other side of its lockstep pair failed."""
+
+
+class _Turns:
+    """Two threads taking turns: `wait_for(side)` blocks until it is
+    `side`'s turn; `hand_over(side)` gives the turn to the other side; a
+    failure on either side (`fail`) wakes both."""
+
+    def __init__(self, first: int, timeout_s: float):
+        self._cv = threading.Condition()
+        self._turn = first
+        self._failed = False
+        self._timeout_s = timeout_s
+
+    def start(self, first: int) -> None:
+        """A new pair: `first` has the turn."""
+        with self._cv:
+            self._turn = first
+            self._cv.notify_all()
+
+    def wait_for(self, side: int) -> None:
+        with self._cv:
+            if not self._cv.wait_for(lambda: self._turn == side or self._failed, timeout=self._timeout_s):
+                raise TimeoutError(f"lockstep: side {side} waited {self._timeout_s:g} s for its turn")
+            if self._failed:
+                raise _OtherSideFailed("lockstep: the other side failed")
+
+    def hand_over(self, side: int) -> None:
+        with self._cv:
+            self._turn = 1 - side
+            self._cv.notify_all()
+
+    def fail(self) -> None:
+        with self._cv:
+            self._failed = True
+            self._cv.notify_all()
+
+
+class _LockstepTimer:
+    """A logits processor for one side of a lockstep pair: times the step
+    since the side's last turn began, hands the turn over and waits for it
+    again (the last side's last token hands over and returns)."""
+
+    def __init__(self, side: int, turns: _Turns, sync, tokens: int, last: bool, copies_pending):
+        self.side, self.turns, self.sync, self.tokens, self.last = side, turns, sync, tokens, last
+        self.copies_pending = copies_pending
+        self.steps_s = []
+        self.calls = 0
+        self.handoffs_with_copies = 0
+        self._resumed = None
+
+    def __call__(self, input_ids, scores):
+        self.sync()
+        now = time.perf_counter()
+        if self._resumed is not None:
+            self.steps_s.append(now - self._resumed)
+        self.calls += 1
+        self.handoffs_with_copies += bool(self.copies_pending())
+        self.turns.hand_over(self.side)
+        if not (self.last and self.calls == self.tokens):
+            self.turns.wait_for(self.side)
+        self._resumed = time.perf_counter()
+        return scores
+
+
+def _copies_pending(mode) -> bool:
+    s = mode.ctl.handle.stats()
+    return bool(s["queue_depth"] or s["bytes_in_flight"])
+
+
+def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
+                  timeout_s: float = 300.0) -> tuple[list, bool, list]:
+    """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
+    `tokens` on the two `sides` ((model, EngineMode) each), side 0 first in
+    even pairs. The two sides run in two threads kept for all the pairs
+    (to_host's page-locked buffers are per thread: new threads would
+    allocate them again); each side's mode starts a new sequence after each
+    pair. Returns ([A p50, B p50] (ms) per pair, whether every generate's
+    ids equal `want` (True when None), each side's share of hand-overs
+    with copies pending)."""
+    turns = _Turns(0, timeout_s)
+    gate = threading.Barrier(3, timeout=timeout_s)  # the two sides and this thread, around each pair
+    done = [[None, None] for _ in range(pairs)]  # per pair and side: (timer, ids)
+    errors = [None, None]
+
+    def run(j):
+        try:
+            for i in range(pairs):
+                gate.wait()  # the pair's turns are set
+                timer = _LockstepTimer(j, turns, block.timer_sync, tokens, j != i % 2,
+                                       lambda mode=sides[j][1]: _copies_pending(mode))
+                turns.wait_for(j)
+                ids = generate(block.torch, sides[j][0], block.prompt, tokens, block.sync, timer)[0]
+                done[i][j] = (timer, ids)
+                gate.wait()  # the pair is over
+        except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
+            errors[j] = exc
+            turns.fail()
+            gate.abort()
+
+    threads = [threading.Thread(target=run, args=(j,), name=f"lockstep-{j}", daemon=True) for j in range(2)]
+    for t in threads:
+        t.start()
+    out, equal, pending = [], True, [0, 0]
+    try:
+        for i in range(pairs):
+            turns.start(i % 2)
+            gate.wait()
+            gate.wait()
+            p50s = []
+            for j, (timer, ids) in enumerate(done[i]):
+                if timer.calls != tokens or len(timer.steps_s) != tokens - 1:
+                    raise RuntimeError(f"lockstep: side {j} made {timer.calls} of {tokens} tokens")
+                p50s.append(statistics.median(timer.steps_s) * 1e3 if timer.steps_s else None)
+                pending[j] += timer.handoffs_with_copies
+                sides[j][1].new_sequence()
+                if want is not None:
+                    equal = equal and bool(block.torch.equal(ids, want))
+            out.append(p50s)
+    except threading.BrokenBarrierError:
+        pass  # a side failed: its error is raised below
+    finally:
+        if len(out) != pairs:  # a side failed, or this thread did: free the other waiters
+            turns.fail()
+            gate.abort()
+        for t in threads:
+            t.join(timeout_s)
+    woken = (_OtherSideFailed, threading.BrokenBarrierError)
+    failed = [e for e in errors if e is not None and not isinstance(e, woken)]
+    if failed:  # the side that failed first; the other one was only woken by it
+        raise failed[0]
+    if any(e is not None for e in errors) or len(out) != pairs:
+        raise RuntimeError(f"lockstep: {len(out)} of {pairs} pairs ran (errors: {errors})")
+    return out, equal, [p / (pairs * tokens) if pairs else None for p in pending]
+
+
+def _pair_figures(pairs) -> dict:
+    """x_ab, x_ab_ci, a_faster and sign_p of [A, B] ms pairs."""
+    ratios = [x / y for x, y in pairs if x is not None and y]
+    a_faster, _, p = sign_test(pairs)
+    return {"x_ab": statistics.median(ratios) if ratios else None, "x_ab_ci": median_ci(ratios),
+            "a_faster": a_faster, "sign_p": p}
+
+
 def ab_rows(rows) -> tuple[str, str]:
-    """--ab's two rows, checked: engine rows (they offload a whole model
-    through the library), two different ones."""
-    if len(rows) != 2 or rows[0] == rows[1]:
-        raise ValueError(f"--ab needs two different rows, got {rows}")
+    """--ab's two rows, checked: two engine rows (they offload a whole
+    model through the library). The same row twice is the control: what
+    the estimator gives two sides that do the same work (the model against
+    its twin, going first against going second)."""
+    if len(rows) != 2:
+        raise ValueError(f"--ab needs two rows, got {rows}")
     bad = [r for r in rows if r not in ENGINE_ROWS]
     if bad:
         raise ValueError(f"--ab takes engine rows ({', '.join(ENGINE_ROWS)}), not {bad}")
     return rows[0], rows[1]
 
 
+def _figures_line(name: str, block: Block, share: float, rows, res: dict, how: str) -> str:
+    ci = res["x_ab_ci"]
+    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
+    line = (f"  {name} b{block.batch} {fmt(share):>5} --ab {rows[0]} / {rows[1]}{how}: x_ab {fmt(res['x_ab'])} "
+            f"({ci_text}) over {len(res['pairs_ms'])} pairs ({rows[0]} faster in {res['a_faster']}, sign test p "
+            f"{fmt(res['sign_p'])}), ")
+    if "handoffs_with_copies" in res:
+        h = res["handoffs_with_copies"]
+        line += f"hand-overs with copies {fmt(h[0])} / {fmt(h[1])}, "
+    return line + f"tokens equal {res['tokens_equal']}"
+
+
+def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict, what: str) -> None:
+    """The model offloaded as rows[0] and `twin` as rows[1] (both caches at
+    once), warmed, then --ab-pairs alternating pairs and --ab-lockstep
+    lockstep pairs, their figures into `out`; both offloads closed after,
+    whatever happens (an exception goes on to the caller)."""
+    args = block.args
+    modes = []
+    try:
+        block.phase = f"{what} setup"
+        modes.append(EngineMode(block.model, budget, rows[0], trace(), block.cuda, host=host))
+        modes.append(EngineMode(twin, budget, rows[1], trace(), block.cuda, host=host))  # its own trace object
+        sides = list(zip((block.model, twin), modes))
+        tokens = min(args.paired_tokens, args.new_tokens)
+        block.phase = f"{what} warm-up"
+        for model, mode in sides:
+            decode_p50(block, model, tokens)
+            mode.new_sequence()
+        block.phase = f"{what} pairs"
+        want = block.reference[:, :tokens]
+        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, want)
+        out.update(_pair_figures(out["pairs_ms"]))
+        out["tokens_equal"] = equal
+        if args.ab_lockstep:
+            block.phase = f"{what} lockstep pairs"
+            pairs, equal, handoffs = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
+            out["lockstep"] = {"pairs_ms": pairs, **_pair_figures(pairs), "tokens_equal": equal,
+                               "handoffs_with_copies": handoffs}
+        counts = [mode.counters() for mode in modes]  # warm-up and every pair
+        out["copies"] = [c["copies"] for c in counts]
+        out["hit_rates"] = [c["hits"] / (c["hits"] + c["misses"]) if c["hits"] is not None and c["hits"] + c["misses"]
+                            else None for c in counts]
+    finally:
+        for mode in modes:
+            with contextlib.suppress(Exception):
+                mode.close()
+        modes = sides = None
+        gc.collect()
+        if block.cuda:
+            block.torch.cuda.empty_cache()
+
+
+def _empty_figures() -> dict:
+    return {"pairs_ms": [], "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None,
+            "copies": None, "hit_rates": None, "lockstep": None}
+
+
 def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     """Note [Two rows side by side]: the A/B of --ab's rows at `share` on this
-    block; null figures with the reason where it cannot run."""
-    args, torch = block.args, block.torch
+    block, after --ab-control's B/B; null figures with the reason where it
+    cannot run."""
+    args = block.args
     a, b = ab_rows(args.ab)
-    out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], "pairs_ms": [],
-           "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None, "copies": None,
-           "parked_resident_experts": None, "reason": None}
+    out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], **_empty_figures(),
+           "control": None, "parked_resident_experts": None, "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
         return out
@@ -110,58 +355,50 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     if block.twin is None:
         out["reason"] = f"not run: no second copy of the model ({block.twin_reason})"
         return out
-    trace = None
-    if any(r.removesuffix("-synced") == "oracle" for r in (a, b)):
-        trace = oracle_trace(block, share)
-        if trace is None:
-            out["reason"] = "not run: no recorded routing trace for the oracle (on-demand did not run)"
-            return out
+    oracle = any(r.removesuffix("-synced") == "oracle" for r in (a, b))
+    if oracle and oracle_trace(block, share) is None:
+        out["reason"] = "not run: no recorded routing trace for the oracle (on-demand did not run)"
+        return out
+
+    def trace():  # a new trace object for each side (the oracle's), or None
+        return oracle_trace(block, share) if oracle else None
+
     budget = int(share * block.state.total_bytes)
     twin, block.twin = block.twin, None
     block.twin_reason = "used by --ab"
-    modes = []
     try:
         block.phase = "--ab setup"
         host = shared_host_experts(block.model, block.cuda)
         if args.park_resident_experts:  # as the engine rows do (Note [Parked resident experts])
             block.state.park(host)
         out["parked_resident_experts"] = block.state.parked is not None
-        modes.append(EngineMode(block.model, budget, a, trace, block.cuda, host=host))
-        # Each side its own trace object (oracle_trace makes a new one).
-        trace_b = None if trace is None else oracle_trace(block, share)
-        modes.append(EngineMode(twin, budget, b, trace_b, block.cuda, host=host))
-        sides = list(zip((block.model, twin), modes))
-        tokens = min(args.paired_tokens, args.new_tokens)
-        block.phase = "--ab warm-up"
-        for model, mode in sides:
-            decode_p50(block, model, tokens)
-            mode.new_sequence()
-        block.phase = "--ab pairs"
-        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, block.reference[:, :tokens])
-        ratios = [x / y for x, y in out["pairs_ms"] if x is not None and y]
-        out["x_ab"] = statistics.median(ratios) if ratios else None
-        out["x_ab_ci"] = median_ci(ratios)
-        out["a_faster"], _, out["sign_p"] = sign_test(out["pairs_ms"])
-        out["tokens_equal"] = equal
-        out["copies"] = [mode.counters()["copies"] for mode in modes]  # warm-up and pairs
+        if args.ab_control:
+            out["control"] = {"rows": [b, b], **_empty_figures()}
+            twin_state = ModelState(twin)
+            _side_by_side(block, twin, (b, b), budget, trace, host, out["control"], "--ab-control")
+            block.phase = "--ab-control restore"  # both copies back to resident, to be offloaded again
+            block.state.restore()
+            twin_state.restore()
+            if args.park_resident_experts:
+                block.state.park(host)
+        _side_by_side(block, twin, (a, b), budget, trace, host, out, "--ab")
     except Exception as exc:  # noqa: BLE001 - the A/B reports why it failed; the block goes on
         out["reason"] = f"failed in {block.phase}: {type(exc).__name__}: {str(exc)[:300]}"
         clear_exception_frames(exc)  # its frames hold the caches: gone before the restore
     finally:
         block.phase = "restore"
-        for mode in modes:
-            with contextlib.suppress(Exception):
-                mode.close()
-        modes = sides = None
         del twin
         block.state.restore()
         gc.collect()
         if block.cuda:
-            torch.cuda.empty_cache()
-    ci = out["x_ab_ci"]
-    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
-    print(f"  {name} b{block.batch} {fmt(share):>5} --ab {a} / {b}: x_ab {fmt(out['x_ab'])} ({ci_text}) over "
-          f"{len(out['pairs_ms'])} pairs ({a} faster in {out['a_faster']}, sign test p {fmt(out['sign_p'])}), "
-          f"tokens equal {out['tokens_equal']}"
-          + (f" ({out['reason']})" if out["reason"] else ""), file=sys.stderr, flush=True)
+            block.torch.cuda.empty_cache()
+    reason = f" ({out['reason']})" if out["reason"] else ""
+    for res, how in ((out["control"], " (control)"), (out, "")):
+        if res is None:
+            continue
+        rows = res.get("rows", [a, b])
+        print(_figures_line(name, block, share, rows, res, how) + reason, file=sys.stderr, flush=True)
+        if res["lockstep"] is not None:
+            print(_figures_line(name, block, share, rows, res["lockstep"], how + " in lockstep") + reason,
+                  file=sys.stderr, flush=True)
     return out

@@ -46,19 +46,51 @@ class RoutingTrace:
 
     @classmethod
     def load(cls, path: str) -> RoutingTrace:
-        with open(path) as f:
-            data = json.load(f)
+        """Reads a trace file, an untrusted input: anything but the format
+        (docs/trace_format.md) raises ValueError naming the problem."""
+        try:
+            with open(path, "rb") as f:
+                data = json.loads(f.read().decode("utf-8"))
+        except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
+            raise ValueError(f"{path}: not a prefetch routing trace (not JSON: {exc})") from None
+        if not isinstance(data, dict):
+            raise ValueError(f"{path}: not a prefetch routing trace (a JSON {type(data).__name__}, not an object)")
         if data.get("format") != "prefetch-routing-trace/1":
             raise ValueError(f"{path}: not a prefetch routing trace (format {data.get('format')!r})")
-        trace = cls(int(data["num_layers"]), int(data["num_experts"]), [])
-        for step in data["steps"]:
-            if len(step) != trace.num_layers:
-                raise ValueError(f"{path}: a step has {len(step)} layers, expected {trace.num_layers}")
-            for layer in step:
-                if any(not (0 <= int(e) < trace.num_experts) for e in layer):
-                    raise ValueError(f"{path}: expert index out of range 0..{trace.num_experts - 1}")
-            trace.steps.append([sorted(int(e) for e in layer) for layer in step])
+        num_layers = _count(data, "num_layers", path)
+        num_experts = _count(data, "num_experts", path)
+        steps = data.get("steps")
+        if not isinstance(steps, list):
+            raise ValueError(f"{path}: steps must be a list, got {type(steps).__name__}")
+        trace = cls(num_layers, num_experts, [])
+        for s, step in enumerate(steps):
+            if not isinstance(step, list) or len(step) != num_layers:
+                got = f"{len(step)} layers" if isinstance(step, list) else f"a {type(step).__name__}"
+                raise ValueError(f"{path}: step {s} has {got}, expected a list of {num_layers} layers")
+            layers = []
+            for layer, experts in enumerate(step):
+                where = f"{path}: step {s}, layer {layer}"
+                if not isinstance(experts, list):
+                    raise ValueError(f"{where}: expected a list of experts, got {type(experts).__name__}")
+                if any(type(e) is not int for e in experts):  # bools and floats are not expert indices
+                    bad = next(e for e in experts if type(e) is not int)
+                    raise ValueError(f"{where}: expert indices must be integers, got {bad!r}")
+                if any(not 0 <= e < num_experts for e in experts):
+                    raise ValueError(f"{where}: expert index out of range 0..{num_experts - 1}")
+                ordered = sorted(experts)
+                if any(a == b for a, b in zip(ordered, ordered[1:])):
+                    raise ValueError(f"{where}: an expert is listed twice (a layer lists distinct experts)")
+                layers.append(ordered)
+            trace.steps.append(layers)
         return trace
+
+
+def _count(data: dict, key: str, path: str) -> int:
+    """A trace header's positive integer `key`."""
+    value = data.get(key)
+    if type(value) is not int or value < 1:
+        raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
+    return value
 
 
 def belady_misses(trace: RoutingTrace, capacity: int, start_step: int = 0) -> int:

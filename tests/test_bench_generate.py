@@ -256,17 +256,156 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert ab["a_faster"] == sum(a < b for a, b in pairs) and 0 < ab["sign_p"] <= 1
     assert ab["x_ab_ci"] is None  # 3 pairs bound the median at 75 % at most
     assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
+    assert len(ab["hit_rates"]) == 2 and all(0 <= h <= 1 for h in ab["hit_rates"])
     assert ab["parked_resident_experts"] is False
     assert block["restore_check"] is True
     assert report["config"]["ab"] == ["oracle", "on-demand"] and report["config"]["ab_pairs"] == 3
     # With --park-resident-experts the model's side runs parked, as the
-    # engine rows do, and comes back bit-equal.
+    # engine rows do, and comes back bit-equal; with --ab-control it is
+    # parked, restored after the control and parked again for the A/B.
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1",
-                  "--park-resident-experts")
+                  "--park-resident-experts", "--ab-control")
     (block,) = report["blocks"]
     assert block["ab"]["reason"] is None and block["ab"]["tokens_equal"] is True
+    assert block["ab"]["control"]["tokens_equal"] is True
     assert block["ab"]["parked_resident_experts"] is True and block["restore_check"] is True
+
+
+def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
+    # Note [Lockstep pairs]: --ab-lockstep N adds N pairs whose generates
+    # take turns a token at a time; the same figures as the alternating
+    # pairs, both sides the resident tokens, the model restored after.
+    import statistics
+
+    from bench import generate_ab
+
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "4", "--new-tokens", "4", "--ab", "gate", "on-demand", "--ab-pairs", "1",
+                  "--ab-lockstep", "6")
+    (block,) = report["blocks"]
+    ab = block["ab"]
+    assert ab["reason"] is None and len(ab["pairs_ms"]) == 1
+    lock = ab["lockstep"]
+    assert lock["tokens_equal"] is True
+    pairs = lock["pairs_ms"]
+    assert len(pairs) == 6 and all(len(p) == 2 and min(p) > 0 for p in pairs)
+    ratios = [a / b for a, b in pairs]
+    assert lock["x_ab"] == pytest.approx(statistics.median(ratios))
+    assert lock["x_ab_ci"] is not None and lock["x_ab_ci"][:2] == [min(ratios), max(ratios)]
+    assert lock["a_faster"] == sum(a < b for a, b in pairs) and 0 < lock["sign_p"] <= 1
+    assert len(lock["handoffs_with_copies"]) == 2 and all(0 <= h <= 1 for h in lock["handoffs_with_copies"])
+    assert block["restore_check"] is True and report["config"]["ab_lockstep"] == 6
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1")
+    assert report["blocks"][0]["ab"]["lockstep"] is None  # none asked for
+    # --ab-control: the same pairs first with ROW_B on both sides (the
+    # estimators' own bias), then the A/B; both in the block's "ab".
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "2",
+                  "--ab-lockstep", "1", "--ab-control")
+    (block,) = report["blocks"]
+    ab, control = block["ab"], block["ab"]["control"]
+    assert ab["reason"] is None and ab["rows"] == ["gate", "on-demand"] and report["config"]["ab_control"] is True
+    assert control["rows"] == ["on-demand", "on-demand"] and control["tokens_equal"] is True
+    assert len(control["pairs_ms"]) == 2 and len(control["lockstep"]["pairs_ms"]) == 1
+    assert control["x_ab"] == pytest.approx(statistics.median(a / b for a, b in control["pairs_ms"]))
+    assert len(control["copies"]) == 2 and len(ab["pairs_ms"]) == 2 and ab["tokens_equal"] is True
+    assert block["restore_check"] is True
+    # The same row twice is a valid --ab of its own, too.
+    assert generate_ab.ab_rows(["on-demand", "on-demand"]) == ("on-demand", "on-demand")
+    with pytest.raises(SystemExit):
+        generate.main(["--smoke-cpu", "--ab", "gate", "on-demand", "--paired", "1", "--ab-lockstep", "-1"])
+    # On a GPU a device-wide clock would charge each side the other's copies.
+    capsys.readouterr()
+    with pytest.raises(SystemExit):
+        generate.main(["--ab", "gate", "on-demand", "--paired", "1", "--ab-lockstep", "2"])
+    assert "--ab-lockstep needs --timer-sync stream" in capsys.readouterr().err
+
+
+class _FakeMode:
+    """An engine row's mode as lockstep uses it: its handle's stats and
+    new_sequence."""
+
+    class ctl:  # noqa: N801 - stands in for the controller
+        class handle:  # noqa: N801
+            @staticmethod
+            def stats():
+                return {"queue_depth": 0, "bytes_in_flight": 1}
+
+    def __init__(self):
+        self.sequences = 0
+
+    def new_sequence(self):
+        self.sequences += 1
+
+
+def _fake_block():
+    import types
+
+    import torch
+
+    return types.SimpleNamespace(torch=torch, prompt=None, sync=lambda: None, timer_sync=lambda: None)
+
+
+def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
+    # Each side's forward (between its turn starting and its logits) runs
+    # while the other side waits: the log never interleaves two sides'
+    # forwards, the sides alternate token by token, side 0 first in even
+    # pairs and side 1 in odd ones, each in the same thread every pair.
+    import threading
+    import time
+
+    import torch
+
+    from bench import generate_ab
+
+    log, lock, threads = [], threading.Lock(), [set(), set()]
+
+    def fake_generate(torch_, model, prompt, tokens, sync, timer):
+        threads[model].add(threading.get_ident())
+        for _ in range(tokens):
+            with lock:
+                log.append((model, "start"))
+            time.sleep(0.002)  # a forward: the other side must not start meanwhile
+            with lock:
+                log.append((model, "end"))
+            timer(None, None)
+        return (torch.tensor([[7]]),)
+
+    monkeypatch.setattr(generate_ab, "generate", fake_generate)
+    sides = [(0, _FakeMode()), (1, _FakeMode())]
+    pairs, equal, handoffs = generate_ab.lockstep_p50s(_fake_block(), sides, 3, 5, torch.tensor([[7]]),
+                                                       timeout_s=30)
+    starts = [e[0] for e in log if e[1] == "start"]
+    assert starts == [(first + i) % 2 for first in (0, 1, 0) for i in range(10)]
+    for i in range(0, len(log), 2):
+        assert log[i][0] == log[i + 1][0] and (log[i][1], log[i + 1][1]) == ("start", "end")
+    assert len(pairs) == 3 and all(p >= 2.0 for pair in pairs for p in pair)  # each step over its own forward
+    assert equal is True and handoffs == [1.0, 1.0]  # bytes counted in flight at every hand-over
+    assert all(len(t) == 1 for t in threads) and threads[0] != threads[1]
+    assert sides[0][1].sequences == sides[1][1].sequences == 3  # a new sequence after each pair
+
+
+def test_lockstep_a_failing_side_raises_its_error_and_wakes_the_other(monkeypatch):
+    import time
+
+    import torch
+
+    from bench import generate_ab
+
+    def fake_generate(torch_, model, prompt, tokens, sync, timer):
+        for t in range(tokens):
+            if model == 1 and t == 2:
+                raise ValueError("side 1 broke")
+            timer(None, None)
+        return (torch.tensor([[model]]),)
+
+    monkeypatch.setattr(generate_ab, "generate", fake_generate)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="side 1 broke"):
+        generate_ab.lockstep_p50s(_fake_block(), [(0, _FakeMode()), (1, _FakeMode())], 2, 6, timeout_s=60)
+    assert time.monotonic() - t0 < 30  # woken, not timed out
 
 
 def test_ab_says_why_it_did_not_run_and_refuses_bad_rows(tmp_path):
@@ -277,7 +416,7 @@ def test_ab_says_why_it_did_not_run_and_refuses_bad_rows(tmp_path):
     (block,) = report["blocks"]
     assert "no recorded routing trace" in block["ab"]["reason"] and block["ab"]["pairs_ms"] == []
     assert block["ab"]["x_ab"] is None and block["restore_check"] is True
-    for bad in (["--ab", "gate", "gate", "--paired", "1"], ["--ab", "torch-by-hand", "gate", "--paired", "1"],
+    for bad in (["--ab", "torch-by-hand", "gate", "--paired", "1"],
                 ["--ab", "gate", "on-demand"], ["--ab", "gate", "on-demand", "--paired", "1", "--ab-pairs", "0"],
                 ["--ab", "gate", "on-demand", "--paired", "1", "--ab-share", "1.5"]):
         with pytest.raises(SystemExit):

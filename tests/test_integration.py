@@ -854,6 +854,54 @@ def test_trace_file_is_validated(tmp_path):
         RoutingTrace.load(str(path))
 
 
+_HEADER = {"format": "prefetch-routing-trace/1", "num_layers": 2, "num_experts": 4}
+
+
+@pytest.mark.parametrize("content, message", [
+    (b"\xff\xfe not text", "not JSON"),
+    (b'{"format": "prefetch-routing-trace/1", "steps": [', "not JSON"),
+    (b"[" * 100_000 + b"]" * 100_000, "not JSON|a JSON list"),  # too deep for the parser, or a list
+    (json.dumps([_HEADER]).encode(), "a JSON list, not an object"),
+    (json.dumps({**_HEADER, "num_layers": "2", "steps": []}).encode(), "num_layers must be a positive integer"),
+    (json.dumps({**_HEADER, "num_layers": 2.0, "steps": []}).encode(), "num_layers must be a positive integer"),
+    (json.dumps({**_HEADER, "num_layers": True, "steps": []}).encode(), "num_layers must be a positive integer"),
+    (json.dumps({**_HEADER, "num_layers": 0, "steps": []}).encode(), "num_layers must be a positive integer"),
+    (json.dumps({**_HEADER, "num_experts": -4, "steps": []}).encode(), "num_experts must be a positive integer"),
+    (json.dumps({k: v for k, v in _HEADER.items() if k != "num_experts"} | {"steps": []}).encode(),
+     "num_experts must be a positive integer, got None"),
+    (json.dumps(_HEADER).encode(), "steps must be a list, got NoneType"),
+    (json.dumps({**_HEADER, "steps": {"0": []}}).encode(), "steps must be a list, got dict"),
+    (json.dumps({**_HEADER, "steps": [7]}).encode(), "step 0 has a int, expected a list of 2 layers"),
+    (json.dumps({**_HEADER, "steps": [[[0], [1]], [[0]]]}).encode(), "step 1 has 1 layers"),
+    (json.dumps({**_HEADER, "steps": [[[0], 3]]}).encode(), "step 0, layer 1: expected a list of experts"),
+    (json.dumps({**_HEADER, "steps": [[[0], [1.5]]]}).encode(), "integers, got 1.5"),
+    (json.dumps({**_HEADER, "steps": [[[0], [1.0]]]}).encode(), "integers, got 1.0"),
+    (json.dumps({**_HEADER, "steps": [[[True], [1]]]}).encode(), "integers, got True"),
+    (json.dumps({**_HEADER, "steps": [[["1"], [1]]]}).encode(), "integers, got '1'"),
+    (json.dumps({**_HEADER, "steps": [[[0], [None]]]}).encode(), "integers, got None"),
+    (json.dumps({**_HEADER, "steps": [[[0], [-1]]]}).encode(), "step 0, layer 1: expert index out of range 0..3"),
+    (json.dumps({**_HEADER, "steps": [[[0], [2, 1, 2]]]}).encode(), "listed twice"),
+])
+def test_a_malformed_trace_file_gets_a_clear_error(tmp_path, content, message):
+    """A trace is an untrusted file: every way of breaking the format is a
+    ValueError that says where, never a KeyError, TypeError or a trace
+    with values the format does not allow."""
+    path = tmp_path / "trace.json"
+    path.write_bytes(content)
+    with pytest.raises(ValueError, match=message):
+        RoutingTrace.load(str(path))
+
+
+def test_a_trace_file_loads_sorted_and_an_empty_layer_is_allowed(tmp_path):
+    path = tmp_path / "trace.json"
+    path.write_text(json.dumps({**_HEADER, "steps": [[[3, 0], []], [[1], [2, 0]]]}))
+    trace = RoutingTrace.load(str(path))
+    assert (trace.num_layers, trace.num_experts) == (2, 4)
+    assert trace.steps == [[[0, 3], []], [[1], [0, 2]]]
+    trace.save(str(path))
+    assert RoutingTrace.load(str(path)).steps == trace.steps
+
+
 def test_trace_predictor_learns_from_past_requests():
     cfg = family_configs()["mixtral"]
     model = build(cfg)
