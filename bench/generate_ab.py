@@ -108,18 +108,26 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # which the engine counts until its copy worker next looks: an upper
 # bound). Near 0 on both sides, lockstep and alternating pairs measure
 # the same thing; far from it, lockstep flatters the side with copies
-# left over. The two threads are a difference of their own, so the same
-# row on both sides is the control to run beside it (--ab-control: ROW_B
-# against ROW_B first, in the block's ab.control; or --ab with the same
-# row twice): on the 2-core development VM (--smoke-cpu, smoke-olmoe,
-# 12 pairs of 8 tokens) the control gave x_ab 1.00 (0.99-1.01) alternating
+# left over. The two threads are a difference of their own. With each
+# side kept to one thread, the same row on both sides (--ab on-demand
+# on-demand) gave, on the 2-core development VM (--smoke-cpu,
+# smoke-olmoe, 12 pairs of 8 tokens), x_ab 1.00 (0.99-1.01) alternating
 # and 0.94 (0.90-0.96) in lockstep, side A faster in all 12 lockstep
-# pairs; with OMP_NUM_THREADS=1, 1.01 (1.00-1.04); with
-# OMP_WAIT_POLICY=PASSIVE, 0.99 (0.79-1.09). Each thread that calls into
+# pairs, and 1.02-1.03 in three later runs: each thread that calls into
 # torch's CPU kernels has an OpenMP team of its own, and the waiting
-# side's team spins on the cores the running side needs; a GPU decode
-# runs few CPU kernels, so whether the H200 host shows it is for the
-# control to say.
+# side's team spins on the cores the running side needs (with
+# OMP_NUM_THREADS=1 1.01 and later 1.02-1.03, with OMP_WAIT_POLICY=PASSIVE
+# 0.99 (0.79-1.09): part of the bias, not all of it, cause not found).
+# So the threads swap sides every two pairs (side 0 first, then side 1,
+# in each thread: a four-pair cycle), which turns a thread's bias into
+# spread that the interval covers, and one warm-up pair, not counted,
+# gives each thread its first generate (the first counted pair had read
+# 0.68 in two of three runs). With both, the same VM gave the control
+# 1.02 (0.98-1.02), 1.03 (1.01-1.03) and 0.99 (0.98-1.01) in lockstep
+# (docs/results.md, stop 49): a lockstep A/B is read against its
+# control, not against 1.00. --ab-control runs that control (ROW_B against
+# ROW_B) in the same lease before the A/B, in the block's ab.control;
+# whether the H200 host shows a bias of its own is for it to say there.
 
 
 class _OtherSideFailed(RuntimeError):
@@ -189,28 +197,37 @@ class _LockstepTimer:
 
 
 def _copies_pending(mode) -> bool:
+    if mode is None:  # a resident side: no engine
+        return False
     s = mode.ctl.handle.stats()
     return bool(s["queue_depth"] or s["bytes_in_flight"])
 
 
-def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
-                  timeout_s: float = 300.0) -> tuple[list, bool, list]:
+def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeout_s: float = 300.0,
+                  warmup: int = 1) -> tuple[list, bool, list]:
     """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
-    `tokens` on the two `sides` ((model, EngineMode) each), side 0 first in
-    even pairs. The two sides run in two threads kept for all the pairs
-    (to_host's page-locked buffers are per thread: new threads would
-    allocate them again); each side's mode starts a new sequence after each
-    pair. Returns ([A p50, B p50] (ms) per pair, whether every generate's
-    ids equal `want` (True when None), each side's share of hand-overs
+    `tokens` on the two `sides` ((model, EngineMode or None) each), after
+    `warmup` pairs run the same way and not counted. Pair i (warm-up
+    pairs included) starts with side i % 2, and the two threads, kept for
+    all the pairs, swap sides every two pairs, so that in any four
+    consecutive pairs each side goes first and second in each thread once.
+    Each side's mode starts a new sequence after each pair. Returns
+    ([A p50, B p50] (ms) per counted pair, whether every generate's ids
+    equal `want` (True when None), each side's share of counted hand-overs
     with copies pending)."""
+    total = pairs + warmup
     turns = _Turns(0, timeout_s)
-    gate = threading.Barrier(3, timeout=timeout_s)  # the two sides and this thread, around each pair
-    done = [[None, None] for _ in range(pairs)]  # per pair and side: (timer, ids)
+    gate = threading.Barrier(3, timeout=timeout_s)  # the two threads and this one, around each pair
+    done = [[None, None] for _ in range(total)]  # per pair and side: (timer, ids)
     errors = [None, None]
 
-    def run(j):
+    def side_of(thread: int, i: int) -> int:
+        return thread ^ ((i // 2) % 2)
+
+    def run(thread):
         try:
-            for i in range(pairs):
+            for i in range(total):
+                j = side_of(thread, i)
                 gate.wait()  # the pair's turns are set
                 timer = _LockstepTimer(j, turns, block.timer_sync, tokens, j != i % 2,
                                        lambda mode=sides[j][1]: _copies_pending(mode))
@@ -219,16 +236,16 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
                 done[i][j] = (timer, ids)
                 gate.wait()  # the pair is over
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
-            errors[j] = exc
+            errors[thread] = exc
             turns.fail()
             gate.abort()
 
-    threads = [threading.Thread(target=run, args=(j,), name=f"lockstep-{j}", daemon=True) for j in range(2)]
+    threads = [threading.Thread(target=run, args=(t,), name=f"lockstep-{t}", daemon=True) for t in range(2)]
     for t in threads:
         t.start()
-    out, equal, pending = [], True, [0, 0]
+    out, equal, pending, ran = [], True, [0, 0], 0
     try:
-        for i in range(pairs):
+        for i in range(total):
             turns.start(i % 2)
             gate.wait()
             gate.wait()
@@ -237,15 +254,19 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
                 if timer.calls != tokens or len(timer.steps_s) != tokens - 1:
                     raise RuntimeError(f"lockstep: side {j} made {timer.calls} of {tokens} tokens")
                 p50s.append(statistics.median(timer.steps_s) * 1e3 if timer.steps_s else None)
-                pending[j] += timer.handoffs_with_copies
-                sides[j][1].new_sequence()
+                if i >= warmup:
+                    pending[j] += timer.handoffs_with_copies
+                if sides[j][1] is not None:
+                    sides[j][1].new_sequence()
                 if want is not None:
                     equal = equal and bool(block.torch.equal(ids, want))
-            out.append(p50s)
+            ran += 1
+            if i >= warmup:
+                out.append(p50s)
     except threading.BrokenBarrierError:
         pass  # a side failed: its error is raised below
     finally:
-        if len(out) != pairs:  # a side failed, or this thread did: free the other waiters
+        if ran != total:  # a side failed, or this thread did: free the other waiters
             turns.fail()
             gate.abort()
         for t in threads:
@@ -254,8 +275,8 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
     failed = [e for e in errors if e is not None and not isinstance(e, woken)]
     if failed:  # the side that failed first; the other one was only woken by it
         raise failed[0]
-    if any(e is not None for e in errors) or len(out) != pairs:
-        raise RuntimeError(f"lockstep: {len(out)} of {pairs} pairs ran (errors: {errors})")
+    if any(e is not None for e in errors) or ran != total:
+        raise RuntimeError(f"lockstep: {ran} of {total} pairs ran (errors: {errors})")
     return out, equal, [p / (pairs * tokens) if pairs else None for p in pending]
 
 

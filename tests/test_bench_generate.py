@@ -351,8 +351,9 @@ def _fake_block():
 def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
     # Each side's forward (between its turn starting and its logits) runs
     # while the other side waits: the log never interleaves two sides'
-    # forwards, the sides alternate token by token, side 0 first in even
-    # pairs and side 1 in odd ones, each in the same thread every pair.
+    # forwards, and the sides alternate token by token, side i % 2 first
+    # in pair i (the warm-up pair is pair 0). The two threads swap sides
+    # every two pairs, so each side runs in both.
     import threading
     import time
 
@@ -360,10 +361,11 @@ def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
 
     from bench import generate_ab
 
-    log, lock, threads = [], threading.Lock(), [set(), set()]
+    log, lock, runs = [], threading.Lock(), []
 
     def fake_generate(torch_, model, prompt, tokens, sync, timer):
-        threads[model].add(threading.get_ident())
+        with lock:
+            runs.append((model, threading.get_ident()))
         for _ in range(tokens):
             with lock:
                 log.append((model, "start"))
@@ -378,13 +380,15 @@ def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
     pairs, equal, handoffs = generate_ab.lockstep_p50s(_fake_block(), sides, 3, 5, torch.tensor([[7]]),
                                                        timeout_s=30)
     starts = [e[0] for e in log if e[1] == "start"]
-    assert starts == [(first + i) % 2 for first in (0, 1, 0) for i in range(10)]
+    assert starts == [(i + k) % 2 for i in range(4) for k in range(10)]  # 1 warm-up and 3 counted pairs
     for i in range(0, len(log), 2):
         assert log[i][0] == log[i + 1][0] and (log[i][1], log[i + 1][1]) == ("start", "end")
     assert len(pairs) == 3 and all(p >= 2.0 for pair in pairs for p in pair)  # each step over its own forward
-    assert equal is True and handoffs == [1.0, 1.0]  # bytes counted in flight at every hand-over
-    assert all(len(t) == 1 for t in threads) and threads[0] != threads[1]
-    assert sides[0][1].sequences == sides[1][1].sequences == 3  # a new sequence after each pair
+    assert equal is True and handoffs == [1.0, 1.0]  # bytes counted in flight at every counted hand-over
+    threads = {side: [t for m, t in runs if m == side] for side in (0, 1)}
+    assert threads[0][0] == threads[1][2] and threads[0][2] == threads[1][0]  # swapped at pair 2
+    assert threads[0][0] != threads[0][2] and threads[0][:2] == threads[0][0:1] * 2
+    assert sides[0][1].sequences == sides[1][1].sequences == 4  # a new sequence after each pair
 
 
 def test_lockstep_a_failing_side_raises_its_error_and_wakes_the_other(monkeypatch):
