@@ -197,8 +197,6 @@ class _LockstepTimer:
 
 
 def _copies_pending(mode) -> bool:
-    if mode is None:  # a resident side: no engine
-        return False
     s = mode.ctl.handle.stats()
     return bool(s["queue_depth"] or s["bytes_in_flight"])
 
@@ -206,7 +204,7 @@ def _copies_pending(mode) -> bool:
 def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeout_s: float = 300.0,
                   warmup: int = 1) -> tuple[list, bool, list]:
     """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
-    `tokens` on the two `sides` ((model, EngineMode or None) each), after
+    `tokens` on the two `sides` ((model, EngineMode) each), after
     `warmup` pairs run the same way and not counted. Pair i (warm-up
     pairs included) starts with side i % 2, and the two threads, kept for
     all the pairs, swap sides every two pairs, so that in any four
@@ -256,8 +254,7 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
                 p50s.append(statistics.median(timer.steps_s) * 1e3 if timer.steps_s else None)
                 if i >= warmup:
                     pending[j] += timer.handoffs_with_copies
-                if sides[j][1] is not None:
-                    sides[j][1].new_sequence()
+                sides[j][1].new_sequence()
                 if want is not None:
                     equal = equal and bool(block.torch.equal(ids, want))
             ran += 1
