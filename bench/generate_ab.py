@@ -98,9 +98,14 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # from the moment it gets its turn back to its next token's logits (after
 # the --timer-sync wait, which must be the compute stream's: a device-wide
 # wait would time each side over the other side's copies too, and BM6
-# refuses it), so neither side's clock runs while the other computes; a pair is the two sides' p50 step times, as in the
-# alternating pairs, and x_ab, x_ab_ci, a_faster and sign_p are taken the
-# same way. What lockstep changes besides the clock: a side's copies still
+# refuses it), so neither side's clock runs while the other computes; a
+# pair is the two sides' p50 step times, as in the alternating pairs, and
+# x_ab, x_ab_ci, a_faster and sign_p are taken the same way. Each side's
+# prefill is timed too, from the turn that starts its generate to its
+# first logits (prefill_pairs_ms, prefill_x_ab and the rest): at batch 1
+# and a quarter cached the gate and on-demand differ only on synced
+# forwards such as the prefill (stop 48 in docs/results.md), so that is
+# where a difference between them shows. What lockstep changes besides the clock: a side's copies still
 # queued or on the link when it hands the turn over go on during the other
 # side's step, time they would not have had in a generate of its own;
 # `handoffs_with_copies` says for each side how often that could happen
@@ -178,14 +183,21 @@ class _LockstepTimer:
         self.side, self.turns, self.sync, self.tokens, self.last = side, turns, sync, tokens, last
         self.copies_pending = copies_pending
         self.steps_s = []
+        self.prefill_s = None  # from the turn that starts the generate to its first logits
         self.calls = 0
         self.handoffs_with_copies = 0
         self._resumed = None
 
+    def start(self) -> None:
+        """The side's first turn begins: its generate (the prefill) is next."""
+        self._resumed = time.perf_counter()
+
     def __call__(self, input_ids, scores):
         self.sync()
         now = time.perf_counter()
-        if self._resumed is not None:
+        if self.calls == 0:
+            self.prefill_s = now - self._resumed if self._resumed is not None else None
+        else:
             self.steps_s.append(now - self._resumed)
         self.calls += 1
         self.handoffs_with_copies += bool(self.copies_pending())
@@ -210,9 +222,12 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
     all the pairs, swap sides every two pairs, so that in any four
     consecutive pairs each side goes first and second in each thread once.
     Each side's mode starts a new sequence after each pair. Returns
-    ([A p50, B p50] (ms) per counted pair, whether every generate's ids
-    equal `want` (True when None), each side's share of counted hand-overs
-    with copies pending)."""
+    {"pairs_ms": [A p50, B p50] (decode steps, ms) per counted pair,
+    "prefill_pairs_ms": [A, B] prefill ms per counted pair (from the turn
+    that starts the generate to its first logits), "tokens_equal": whether
+    every generate's ids equal `want` (True when None),
+    "handoffs_with_copies": each side's share of counted hand-overs with
+    copies pending}."""
     total = pairs + warmup
     turns = _Turns(0, timeout_s)
     gate = threading.Barrier(3, timeout=timeout_s)  # the two threads and this one, around each pair
@@ -230,6 +245,7 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
                 timer = _LockstepTimer(j, turns, block.timer_sync, tokens, j != i % 2,
                                        lambda mode=sides[j][1]: _copies_pending(mode))
                 turns.wait_for(j)
+                timer.start()
                 ids = generate(block.torch, sides[j][0], block.prompt, tokens, block.sync, timer)[0]
                 done[i][j] = (timer, ids)
                 gate.wait()  # the pair is over
@@ -241,17 +257,18 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
     threads = [threading.Thread(target=run, args=(t,), name=f"lockstep-{t}", daemon=True) for t in range(2)]
     for t in threads:
         t.start()
-    out, equal, pending, ran = [], True, [0, 0], 0
+    out, prefills, equal, pending, ran = [], [], True, [0, 0], 0
     try:
         for i in range(total):
             turns.start(i % 2)
             gate.wait()
             gate.wait()
-            p50s = []
+            p50s, prefill = [], []
             for j, (timer, ids) in enumerate(done[i]):
                 if timer.calls != tokens or len(timer.steps_s) != tokens - 1:
                     raise RuntimeError(f"lockstep: side {j} made {timer.calls} of {tokens} tokens")
                 p50s.append(statistics.median(timer.steps_s) * 1e3 if timer.steps_s else None)
+                prefill.append(timer.prefill_s * 1e3)
                 if i >= warmup:
                     pending[j] += timer.handoffs_with_copies
                 sides[j][1].new_sequence()
@@ -260,6 +277,7 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
             ran += 1
             if i >= warmup:
                 out.append(p50s)
+                prefills.append(prefill)
     except threading.BrokenBarrierError:
         pass  # a side failed: its error is raised below
     finally:
@@ -274,7 +292,8 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
         raise failed[0]
     if any(e is not None for e in errors) or ran != total:
         raise RuntimeError(f"lockstep: {ran} of {total} pairs ran (errors: {errors})")
-    return out, equal, [p / (pairs * tokens) if pairs else None for p in pending]
+    return {"pairs_ms": out, "prefill_pairs_ms": prefills, "tokens_equal": equal,
+            "handoffs_with_copies": [p / (pairs * tokens) if pairs else None for p in pending]}
 
 
 def _pair_figures(pairs) -> dict:
@@ -298,12 +317,17 @@ def ab_rows(rows) -> tuple[str, str]:
     return rows[0], rows[1]
 
 
+def _ci_text(ci) -> str:
+    return f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
+
+
 def _figures_line(name: str, block: Block, share: float, rows, res: dict, how: str) -> str:
-    ci = res["x_ab_ci"]
-    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
     line = (f"  {name} b{block.batch} {fmt(share):>5} --ab {rows[0]} / {rows[1]}{how}: x_ab {fmt(res['x_ab'])} "
-            f"({ci_text}) over {len(res['pairs_ms'])} pairs ({rows[0]} faster in {res['a_faster']}, sign test p "
-            f"{fmt(res['sign_p'])}), ")
+            f"({_ci_text(res['x_ab_ci'])}) over {len(res['pairs_ms'])} pairs ({rows[0]} faster in "
+            f"{res['a_faster']}, sign test p {fmt(res['sign_p'])}), ")
+    if "prefill_x_ab" in res:
+        line += (f"prefill x_ab {fmt(res['prefill_x_ab'])} ({_ci_text(res['prefill_x_ab_ci'])}, {rows[0]} faster "
+                 f"in {res['prefill_a_faster']}), ")
     if "handoffs_with_copies" in res:
         h = res["handoffs_with_copies"]
         line += f"hand-overs with copies {fmt(h[0])} / {fmt(h[1])}, "
@@ -334,9 +358,10 @@ def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict,
         out["tokens_equal"] = equal
         if args.ab_lockstep:
             block.phase = f"{what} lockstep pairs"
-            pairs, equal, handoffs = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
-            out["lockstep"] = {"pairs_ms": pairs, **_pair_figures(pairs), "tokens_equal": equal,
-                               "handoffs_with_copies": handoffs}
+            lock = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
+            prefill = _pair_figures(lock["prefill_pairs_ms"])
+            out["lockstep"] = {**lock, **_pair_figures(lock["pairs_ms"]),
+                               **{f"prefill_{k}": v for k, v in prefill.items()}}
         counts = [mode.counters() for mode in modes]  # warm-up and every pair
         out["copies"] = [c["copies"] for c in counts]
         out["hit_rates"] = [c["hits"] / (c["hits"] + c["misses"]) if c["hits"] is not None and c["hits"] + c["misses"]
