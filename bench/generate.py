@@ -212,8 +212,9 @@ copies and hit_rates (each side's engine copies and hit rate over its
 generates),
 parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
 bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
-run in lockstep, a token each in turn, in "lockstep": the same figures
-and handoffs_with_copies (Note [Lockstep pairs]). --ab-control runs the
+run in lockstep, a token each in turn, in "lockstep": the same figures,
+the same of the two prefills (prefill_pairs_ms, prefill_x_ab, ...) and
+handoffs_with_copies (Note [Lockstep pairs]). --ab-control runs the
 same pairs first with ROW_B on both sides, into "control": the
 estimators' own bias, beside the A/B.
 

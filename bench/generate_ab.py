@@ -98,9 +98,14 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # from the moment it gets its turn back to its next token's logits (after
 # the --timer-sync wait, which must be the compute stream's: a device-wide
 # wait would time each side over the other side's copies too, and BM6
-# refuses it), so neither side's clock runs while the other computes; a pair is the two sides' p50 step times, as in the
-# alternating pairs, and x_ab, x_ab_ci, a_faster and sign_p are taken the
-# same way. What lockstep changes besides the clock: a side's copies still
+# refuses it), so neither side's clock runs while the other computes; a
+# pair is the two sides' p50 step times, as in the alternating pairs, and
+# x_ab, x_ab_ci, a_faster and sign_p are taken the same way. Each side's
+# prefill is timed too, from the turn that starts its generate to its
+# first logits (prefill_pairs_ms, prefill_x_ab and the rest): at batch 1
+# and a quarter cached the gate and on-demand differ only on synced
+# forwards such as the prefill (stop 48 in docs/results.md), so that is
+# where a difference between them shows. What lockstep changes besides the clock: a side's copies still
 # queued or on the link when it hands the turn over go on during the other
 # side's step, time they would not have had in a generate of its own;
 # `handoffs_with_copies` says for each side how often that could happen
@@ -108,18 +113,26 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # which the engine counts until its copy worker next looks: an upper
 # bound). Near 0 on both sides, lockstep and alternating pairs measure
 # the same thing; far from it, lockstep flatters the side with copies
-# left over. The two threads are a difference of their own, so the same
-# row on both sides is the control to run beside it (--ab-control: ROW_B
-# against ROW_B first, in the block's ab.control; or --ab with the same
-# row twice): on the 2-core development VM (--smoke-cpu, smoke-olmoe,
-# 12 pairs of 8 tokens) the control gave x_ab 1.00 (0.99-1.01) alternating
+# left over. The two threads are a difference of their own. With each
+# side kept to one thread, the same row on both sides (--ab on-demand
+# on-demand) gave, on the 2-core development VM (--smoke-cpu,
+# smoke-olmoe, 12 pairs of 8 tokens), x_ab 1.00 (0.99-1.01) alternating
 # and 0.94 (0.90-0.96) in lockstep, side A faster in all 12 lockstep
-# pairs; with OMP_NUM_THREADS=1, 1.01 (1.00-1.04); with
-# OMP_WAIT_POLICY=PASSIVE, 0.99 (0.79-1.09). Each thread that calls into
+# pairs, and 1.02-1.03 in three later runs: each thread that calls into
 # torch's CPU kernels has an OpenMP team of its own, and the waiting
-# side's team spins on the cores the running side needs; a GPU decode
-# runs few CPU kernels, so whether the H200 host shows it is for the
-# control to say.
+# side's team spins on the cores the running side needs (with
+# OMP_NUM_THREADS=1 1.01 and later 1.02-1.03, with OMP_WAIT_POLICY=PASSIVE
+# 0.99 (0.79-1.09): part of the bias, not all of it, cause not found).
+# So the threads swap sides every two pairs (side 0 first, then side 1,
+# in each thread: a four-pair cycle), which turns a thread's bias into
+# spread that the interval covers, and one warm-up pair, not counted,
+# gives each thread its first generate (the first counted pair had read
+# 0.68 in two of three runs). With both, the same VM gave the control
+# 1.02 (0.98-1.02), 1.03 (1.01-1.03) and 0.99 (0.98-1.01) in lockstep
+# (docs/results.md, stop 49): a lockstep A/B is read against its
+# control, not against 1.00. --ab-control runs that control (ROW_B against
+# ROW_B) in the same lease before the A/B, in the block's ab.control;
+# whether the H200 host shows a bias of its own is for it to say there.
 
 
 class _OtherSideFailed(RuntimeError):
@@ -170,14 +183,21 @@ class _LockstepTimer:
         self.side, self.turns, self.sync, self.tokens, self.last = side, turns, sync, tokens, last
         self.copies_pending = copies_pending
         self.steps_s = []
+        self.prefill_s = None  # from the turn that starts the generate to its first logits
         self.calls = 0
         self.handoffs_with_copies = 0
         self._resumed = None
 
+    def start(self) -> None:
+        """The side's first turn begins: its generate (the prefill) is next."""
+        self._resumed = time.perf_counter()
+
     def __call__(self, input_ids, scores):
         self.sync()
         now = time.perf_counter()
-        if self._resumed is not None:
+        if self.calls == 0:
+            self.prefill_s = now - self._resumed if self._resumed is not None else None
+        else:
             self.steps_s.append(now - self._resumed)
         self.calls += 1
         self.handoffs_with_copies += bool(self.copies_pending())
@@ -193,59 +213,75 @@ def _copies_pending(mode) -> bool:
     return bool(s["queue_depth"] or s["bytes_in_flight"])
 
 
-def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
-                  timeout_s: float = 300.0) -> tuple[list, bool, list]:
+def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeout_s: float = 300.0,
+                  warmup: int = 1) -> tuple[list, bool, list]:
     """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
-    `tokens` on the two `sides` ((model, EngineMode) each), side 0 first in
-    even pairs. The two sides run in two threads kept for all the pairs
-    (to_host's page-locked buffers are per thread: new threads would
-    allocate them again); each side's mode starts a new sequence after each
-    pair. Returns ([A p50, B p50] (ms) per pair, whether every generate's
-    ids equal `want` (True when None), each side's share of hand-overs
-    with copies pending)."""
+    `tokens` on the two `sides` ((model, EngineMode) each), after
+    `warmup` pairs run the same way and not counted. Pair i (warm-up
+    pairs included) starts with side i % 2, and the two threads, kept for
+    all the pairs, swap sides every two pairs, so that in any four
+    consecutive pairs each side goes first and second in each thread once.
+    Each side's mode starts a new sequence after each pair. Returns
+    {"pairs_ms": [A p50, B p50] (decode steps, ms) per counted pair,
+    "prefill_pairs_ms": [A, B] prefill ms per counted pair (from the turn
+    that starts the generate to its first logits), "tokens_equal": whether
+    every generate's ids equal `want` (True when None),
+    "handoffs_with_copies": each side's share of counted hand-overs with
+    copies pending}."""
+    total = pairs + warmup
     turns = _Turns(0, timeout_s)
-    gate = threading.Barrier(3, timeout=timeout_s)  # the two sides and this thread, around each pair
-    done = [[None, None] for _ in range(pairs)]  # per pair and side: (timer, ids)
+    gate = threading.Barrier(3, timeout=timeout_s)  # the two threads and this one, around each pair
+    done = [[None, None] for _ in range(total)]  # per pair and side: (timer, ids)
     errors = [None, None]
 
-    def run(j):
+    def side_of(thread: int, i: int) -> int:
+        return thread ^ ((i // 2) % 2)
+
+    def run(thread):
         try:
-            for i in range(pairs):
+            for i in range(total):
+                j = side_of(thread, i)
                 gate.wait()  # the pair's turns are set
                 timer = _LockstepTimer(j, turns, block.timer_sync, tokens, j != i % 2,
                                        lambda mode=sides[j][1]: _copies_pending(mode))
                 turns.wait_for(j)
+                timer.start()
                 ids = generate(block.torch, sides[j][0], block.prompt, tokens, block.sync, timer)[0]
                 done[i][j] = (timer, ids)
                 gate.wait()  # the pair is over
         except BaseException as exc:  # noqa: BLE001 - re-raised in the calling thread
-            errors[j] = exc
+            errors[thread] = exc
             turns.fail()
             gate.abort()
 
-    threads = [threading.Thread(target=run, args=(j,), name=f"lockstep-{j}", daemon=True) for j in range(2)]
+    threads = [threading.Thread(target=run, args=(t,), name=f"lockstep-{t}", daemon=True) for t in range(2)]
     for t in threads:
         t.start()
-    out, equal, pending = [], True, [0, 0]
+    out, prefills, equal, pending, ran = [], [], True, [0, 0], 0
     try:
-        for i in range(pairs):
+        for i in range(total):
             turns.start(i % 2)
             gate.wait()
             gate.wait()
-            p50s = []
+            p50s, prefill = [], []
             for j, (timer, ids) in enumerate(done[i]):
                 if timer.calls != tokens or len(timer.steps_s) != tokens - 1:
                     raise RuntimeError(f"lockstep: side {j} made {timer.calls} of {tokens} tokens")
                 p50s.append(statistics.median(timer.steps_s) * 1e3 if timer.steps_s else None)
-                pending[j] += timer.handoffs_with_copies
+                prefill.append(timer.prefill_s * 1e3)
+                if i >= warmup:
+                    pending[j] += timer.handoffs_with_copies
                 sides[j][1].new_sequence()
                 if want is not None:
                     equal = equal and bool(block.torch.equal(ids, want))
-            out.append(p50s)
+            ran += 1
+            if i >= warmup:
+                out.append(p50s)
+                prefills.append(prefill)
     except threading.BrokenBarrierError:
         pass  # a side failed: its error is raised below
     finally:
-        if len(out) != pairs:  # a side failed, or this thread did: free the other waiters
+        if ran != total:  # a side failed, or this thread did: free the other waiters
             turns.fail()
             gate.abort()
         for t in threads:
@@ -254,9 +290,10 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
     failed = [e for e in errors if e is not None and not isinstance(e, woken)]
     if failed:  # the side that failed first; the other one was only woken by it
         raise failed[0]
-    if any(e is not None for e in errors) or len(out) != pairs:
-        raise RuntimeError(f"lockstep: {len(out)} of {pairs} pairs ran (errors: {errors})")
-    return out, equal, [p / (pairs * tokens) if pairs else None for p in pending]
+    if any(e is not None for e in errors) or ran != total:
+        raise RuntimeError(f"lockstep: {ran} of {total} pairs ran (errors: {errors})")
+    return {"pairs_ms": out, "prefill_pairs_ms": prefills, "tokens_equal": equal,
+            "handoffs_with_copies": [p / (pairs * tokens) if pairs else None for p in pending]}
 
 
 def _pair_figures(pairs) -> dict:
@@ -280,12 +317,17 @@ def ab_rows(rows) -> tuple[str, str]:
     return rows[0], rows[1]
 
 
+def _ci_text(ci) -> str:
+    return f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
+
+
 def _figures_line(name: str, block: Block, share: float, rows, res: dict, how: str) -> str:
-    ci = res["x_ab_ci"]
-    ci_text = f"{fmt(ci[0])}-{fmt(ci[1])} at {fmt(100 * ci[2])} %" if ci else "null (too few pairs)"
     line = (f"  {name} b{block.batch} {fmt(share):>5} --ab {rows[0]} / {rows[1]}{how}: x_ab {fmt(res['x_ab'])} "
-            f"({ci_text}) over {len(res['pairs_ms'])} pairs ({rows[0]} faster in {res['a_faster']}, sign test p "
-            f"{fmt(res['sign_p'])}), ")
+            f"({_ci_text(res['x_ab_ci'])}) over {len(res['pairs_ms'])} pairs ({rows[0]} faster in "
+            f"{res['a_faster']}, sign test p {fmt(res['sign_p'])}), ")
+    if "prefill_x_ab" in res:
+        line += (f"prefill x_ab {fmt(res['prefill_x_ab'])} ({_ci_text(res['prefill_x_ab_ci'])}, {rows[0]} faster "
+                 f"in {res['prefill_a_faster']}), ")
     if "handoffs_with_copies" in res:
         h = res["handoffs_with_copies"]
         line += f"hand-overs with copies {fmt(h[0])} / {fmt(h[1])}, "
@@ -316,9 +358,10 @@ def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict,
         out["tokens_equal"] = equal
         if args.ab_lockstep:
             block.phase = f"{what} lockstep pairs"
-            pairs, equal, handoffs = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
-            out["lockstep"] = {"pairs_ms": pairs, **_pair_figures(pairs), "tokens_equal": equal,
-                               "handoffs_with_copies": handoffs}
+            lock = lockstep_p50s(block, sides, args.ab_lockstep, tokens, want)
+            prefill = _pair_figures(lock["prefill_pairs_ms"])
+            out["lockstep"] = {**lock, **_pair_figures(lock["pairs_ms"]),
+                               **{f"prefill_{k}": v for k, v in prefill.items()}}
         counts = [mode.counters() for mode in modes]  # warm-up and every pair
         out["copies"] = [c["copies"] for c in counts]
         out["hit_rates"] = [c["hits"] / (c["hits"] + c["misses"]) if c["hits"] is not None and c["hits"] + c["misses"]

@@ -295,6 +295,10 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
     assert lock["x_ab_ci"] is not None and lock["x_ab_ci"][:2] == [min(ratios), max(ratios)]
     assert lock["a_faster"] == sum(a < b for a, b in pairs) and 0 < lock["sign_p"] <= 1
     assert len(lock["handoffs_with_copies"]) == 2 and all(0 <= h <= 1 for h in lock["handoffs_with_copies"])
+    prefills = lock["prefill_pairs_ms"]
+    assert len(prefills) == 6 and all(len(p) == 2 and min(p) > 0 for p in prefills)
+    assert lock["prefill_x_ab"] == pytest.approx(statistics.median(a / b for a, b in prefills))
+    assert lock["prefill_a_faster"] == sum(a < b for a, b in prefills) and lock["prefill_x_ab_ci"] is not None
     assert block["restore_check"] is True and report["config"]["ab_lockstep"] == 6
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1")
@@ -351,8 +355,9 @@ def _fake_block():
 def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
     # Each side's forward (between its turn starting and its logits) runs
     # while the other side waits: the log never interleaves two sides'
-    # forwards, the sides alternate token by token, side 0 first in even
-    # pairs and side 1 in odd ones, each in the same thread every pair.
+    # forwards, and the sides alternate token by token, side i % 2 first
+    # in pair i (the warm-up pair is pair 0). The two threads swap sides
+    # every two pairs, so each side runs in both.
     import threading
     import time
 
@@ -360,14 +365,17 @@ def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
 
     from bench import generate_ab
 
-    log, lock, threads = [], threading.Lock(), [set(), set()]
+    log, lock, runs = [], threading.Lock(), []
 
     def fake_generate(torch_, model, prompt, tokens, sync, timer):
-        threads[model].add(threading.get_ident())
-        for _ in range(tokens):
+        with lock:
+            runs.append((model, threading.get_ident()))
+        for t in range(tokens):
             with lock:
                 log.append((model, "start"))
-            time.sleep(0.002)  # a forward: the other side must not start meanwhile
+            # A forward (the other side must not start meanwhile); the
+            # prefill (t == 0) ten times as long.
+            time.sleep(0.02 if t == 0 else 0.002)
             with lock:
                 log.append((model, "end"))
             timer(None, None)
@@ -375,16 +383,20 @@ def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
 
     monkeypatch.setattr(generate_ab, "generate", fake_generate)
     sides = [(0, _FakeMode()), (1, _FakeMode())]
-    pairs, equal, handoffs = generate_ab.lockstep_p50s(_fake_block(), sides, 3, 5, torch.tensor([[7]]),
-                                                       timeout_s=30)
+    got = generate_ab.lockstep_p50s(_fake_block(), sides, 3, 5, torch.tensor([[7]]), timeout_s=30)
     starts = [e[0] for e in log if e[1] == "start"]
-    assert starts == [(first + i) % 2 for first in (0, 1, 0) for i in range(10)]
+    assert starts == [(i + k) % 2 for i in range(4) for k in range(10)]  # 1 warm-up and 3 counted pairs
     for i in range(0, len(log), 2):
         assert log[i][0] == log[i + 1][0] and (log[i][1], log[i + 1][1]) == ("start", "end")
+    pairs, prefills = got["pairs_ms"], got["prefill_pairs_ms"]
     assert len(pairs) == 3 and all(p >= 2.0 for pair in pairs for p in pair)  # each step over its own forward
-    assert equal is True and handoffs == [1.0, 1.0]  # bytes counted in flight at every hand-over
-    assert all(len(t) == 1 for t in threads) and threads[0] != threads[1]
-    assert sides[0][1].sequences == sides[1][1].sequences == 3  # a new sequence after each pair
+    assert len(prefills) == 3 and all(p >= 20.0 for pair in prefills for p in pair)  # the prefill, apart
+    assert all(step < prefill for ps, fs in zip(pairs, prefills) for step, prefill in zip(ps, fs))
+    assert got["tokens_equal"] is True and got["handoffs_with_copies"] == [1.0, 1.0]  # in flight at every hand-over
+    threads = {side: [t for m, t in runs if m == side] for side in (0, 1)}
+    assert threads[0][0] == threads[1][2] and threads[0][2] == threads[1][0]  # swapped at pair 2
+    assert threads[0][0] != threads[0][2] and threads[0][:2] == threads[0][0:1] * 2
+    assert sides[0][1].sequences == sides[1][1].sequences == 4  # a new sequence after each pair
 
 
 def test_lockstep_a_failing_side_raises_its_error_and_wakes_the_other(monkeypatch):
