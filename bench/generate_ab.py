@@ -214,7 +214,7 @@ def _copies_pending(mode) -> bool:
 
 
 def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeout_s: float = 300.0,
-                  warmup: int = 1) -> tuple[list, bool, list]:
+                  warmup: int = 1) -> dict:
     """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
     `tokens` on the two `sides` ((model, EngineMode) each), after
     `warmup` pairs run the same way and not counted. Pair i (warm-up
@@ -239,6 +239,8 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
 
     def run(thread):
         try:
+            if getattr(block, "cuda", False):  # a new thread's current device is device 0
+                block.torch.cuda.set_device(block.device)
             for i in range(total):
                 j = side_of(thread, i)
                 gate.wait()  # the pair's turns are set
