@@ -116,9 +116,9 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # left over. And each side's step runs right after the other side's, on
 # host caches that hold the other model's state: lockstep compares the
 # two rows under the same conditions, not at a lone generate's speed, so
-# its ms are not BM6's p50s (on the development VM a control's lockstep
-# steps took 4.8-6.0 ms against 3.6-4.2 alternating, with two OpenMP
-# threads; 3.3-4.0 against 3.6-3.8 with one). The two threads are a difference of their own. With each
+# its ms are not BM6's p50s (on the development VM, the first version's
+# control: lockstep p50s 4.8-6.0 ms against 3.5-4.2 alternating with two
+# OpenMP threads, 3.3-4.0 against 3.5-3.8 with one). The two threads are a difference of their own. With each
 # side kept to one thread, the same row on both sides (--ab on-demand
 # on-demand) gave, on the 2-core development VM (--smoke-cpu,
 # smoke-olmoe, 12 pairs of 8 tokens), x_ab 1.00 (0.99-1.01) alternating
