@@ -113,7 +113,12 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # which the engine counts until its copy worker next looks: an upper
 # bound). Near 0 on both sides, lockstep and alternating pairs measure
 # the same thing; far from it, lockstep flatters the side with copies
-# left over. The two threads are a difference of their own. With each
+# left over. And each side's step runs right after the other side's, on
+# host caches that hold the other model's state: lockstep compares the
+# two rows under the same conditions, not at a lone generate's speed, so
+# its ms are not BM6's p50s (on the development VM, the first version's
+# control: lockstep p50s 4.8-6.0 ms against 3.5-4.2 alternating with two
+# OpenMP threads, 3.3-4.0 against 3.5-3.8 with one). The two threads are a difference of their own. With each
 # side kept to one thread, the same row on both sides (--ab on-demand
 # on-demand) gave, on the 2-core development VM (--smoke-cpu,
 # smoke-olmoe, 12 pairs of 8 tokens), x_ab 1.00 (0.99-1.01) alternating
@@ -214,7 +219,7 @@ def _copies_pending(mode) -> bool:
 
 
 def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeout_s: float = 300.0,
-                  warmup: int = 1) -> tuple[list, bool, list]:
+                  warmup: int = 1) -> dict:
     """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
     `tokens` on the two `sides` ((model, EngineMode) each), after
     `warmup` pairs run the same way and not counted. Pair i (warm-up
@@ -239,6 +244,8 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
 
     def run(thread):
         try:
+            if getattr(block, "cuda", False):  # a new thread's current device is device 0
+                block.torch.cuda.set_device(block.device)
             for i in range(total):
                 j = side_of(thread, i)
                 gate.wait()  # the pair's turns are set
