@@ -87,57 +87,60 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 
 
 # -- Note [Lockstep pairs]
-# Alternating pairs put the two generates of a pair a second or so apart,
-# and the H200 host's spells still split pairs: runs 168-169's single
-# pair ratios spread 0.59-1.84, so 12 pairs bound a median only to
-# 0.944-1.053 and 0.863-1.219. With --ab-lockstep N the two sides also run
-# N pairs in lockstep: each side's generate in a thread of its own, taking
-# turns one token at a time (A's prefill, B's prefill, A's first decode
-# step, B's, ...; odd pairs B first), so each side's step t runs within a
-# step's time of the other's, in the same spell. A side's step is timed
-# from the moment it gets its turn back to its next token's logits (after
-# the --timer-sync wait, which must be the compute stream's: a device-wide
-# wait would time each side over the other side's copies too, and BM6
-# refuses it), so neither side's clock runs while the other computes; a
-# pair is the two sides' p50 step times, as in the alternating pairs, and
-# x_ab, x_ab_ci, a_faster and sign_p are taken the same way. Each side's
-# prefill is timed too, from the turn that starts its generate to its
-# first logits (prefill_pairs_ms, prefill_x_ab and the rest): at batch 1
-# and a quarter cached the gate and on-demand differ only on synced
-# forwards such as the prefill (stop 48 in docs/results.md), so that is
-# where a difference between them shows. What lockstep changes besides the clock: a side's copies still
-# queued or on the link when it hands the turn over go on during the other
-# side's step, time they would not have had in a generate of its own;
-# `handoffs_with_copies` says for each side how often that could happen
-# (the share of its hand-overs with ids queued or bytes counted in flight,
-# which the engine counts until its copy worker next looks: an upper
-# bound). Near 0 on both sides, lockstep and alternating pairs measure
-# the same thing; far from it, lockstep flatters the side with copies
-# left over. And each side's step runs right after the other side's, on
-# host caches that hold the other model's state: lockstep compares the
-# two rows under the same conditions, not at a lone generate's speed, so
-# its ms are not BM6's p50s (on the development VM, the first version's
-# control: lockstep p50s 4.8-6.0 ms against 3.5-4.2 alternating with two
-# OpenMP threads, 3.3-4.0 against 3.5-3.8 with one). The two threads are a difference of their own. With each
-# side kept to one thread, the same row on both sides (--ab on-demand
+# Alternating pairs put the two generates of a pair a second or so
+# apart, and the H200 host's spells still split pairs: runs 168-169's
+# single pair ratios spread 0.59-1.84, so 12 pairs bound a median only
+# to 0.944-1.053 and 0.863-1.219. With --ab-lockstep N the two sides
+# also run N pairs in lockstep: each side's generate in a thread of its
+# own, taking turns one token at a time (A's prefill, B's prefill, A's
+# first decode step, B's, ...; odd pairs B first), so each side's step t
+# runs within a step's time of the other's, in the same spell. A side's
+# step is timed from the moment it gets its turn back to its next
+# token's logits (after the --timer-sync wait, which must be the compute
+# stream's: a device-wide wait would time each side over the other
+# side's copies too, and BM6 refuses it), so neither side's clock runs
+# while the other computes; a pair is the two sides' p50 step times, as
+# in the alternating pairs, and x_ab, x_ab_ci, a_faster and sign_p are
+# taken the same way. Each side's prefill is timed too, from the turn
+# that starts its generate to its first logits (prefill_pairs_ms,
+# prefill_x_ab and the rest): at batch 1 and a quarter cached the gate
+# and on-demand differ only on synced forwards such as the prefill (stop
+# 48 in docs/results.md), so that is where a difference between them
+# shows. What lockstep changes besides the clock: a side's copies still
+# queued or on the link when it hands the turn over go on during the
+# other side's step, time they would not have had in a generate of its
+# own; `handoffs_with_copies` says for each side how often that could
+# happen (the share of its hand-overs with ids queued or bytes counted
+# in flight, which the engine counts until its copy worker next looks:
+# an upper bound). Near 0 on both sides, lockstep and alternating pairs
+# measure the same thing; far from it, lockstep flatters the side with
+# copies left over. And each side's step runs right after the other
+# side's, on host caches that hold the other model's state: lockstep
+# compares the two rows under the same conditions, not at a lone
+# generate's speed, so its ms are not BM6's p50s (on the development VM,
+# the first version's control: lockstep p50s 4.8-6.0 ms against 3.5-4.2
+# alternating with two OpenMP threads, 3.3-4.0 against 3.5-3.8 with
+# one). The two threads are a difference of their own. With each side
+# kept to one thread, the same row on both sides (--ab on-demand
 # on-demand) gave, on the 2-core development VM (--smoke-cpu,
 # smoke-olmoe, 12 pairs of 8 tokens), x_ab 1.00 (0.99-1.01) alternating
 # and 0.94 (0.90-0.96) in lockstep, side A faster in all 12 lockstep
 # pairs, and 1.02-1.03 in three later runs: each thread that calls into
 # torch's CPU kernels has an OpenMP team of its own, and the waiting
 # side's team spins on the cores the running side needs (with
-# OMP_NUM_THREADS=1 1.01 and later 1.02-1.03, with OMP_WAIT_POLICY=PASSIVE
-# 0.99 (0.79-1.09): part of the bias, not all of it, cause not found).
-# So the threads swap sides every two pairs (side 0 first, then side 1,
-# in each thread: a four-pair cycle), which turns a thread's bias into
-# spread that the interval covers, and one warm-up pair, not counted,
-# gives each thread its first generate (the first counted pair had read
-# 0.68 in two of three runs). With both, the same VM gave the control
-# 1.02 (0.98-1.02), 1.03 (1.01-1.03) and 0.99 (0.98-1.01) in lockstep
-# (docs/results.md, stop 49): a lockstep A/B is read against its
-# control, not against 1.00. --ab-control runs that control (ROW_B against
-# ROW_B) in the same lease before the A/B, in the block's ab.control;
-# whether the H200 host shows a bias of its own is for it to say there.
+# OMP_NUM_THREADS=1 1.01 and later 1.02-1.03, with
+# OMP_WAIT_POLICY=PASSIVE 0.99 (0.79-1.09): part of the bias, not all of
+# it, cause not found). So the threads swap sides every two pairs (side
+# 0 first, then side 1, in each thread: a four-pair cycle), which turns
+# a thread's bias into spread that the interval covers, and one warm-up
+# pair, not counted, gives each thread its first generate (the first
+# counted pair had read 0.68 in two of three runs). With both, the same
+# VM gave the control 1.02 (0.98-1.02), 1.03 (1.01-1.03) and 0.99
+# (0.98-1.01) in lockstep (docs/results.md, stop 49): a lockstep A/B is
+# read against its control, not against 1.00. --ab-control runs that
+# control (ROW_B against ROW_B) in the same lease before the A/B, in the
+# block's ab.control; whether the H200 host shows a bias of its own is
+# for it to say there.
 
 
 class _OtherSideFailed(RuntimeError):
