@@ -139,8 +139,12 @@ def median_ci(ratios, level: float = 0.95) -> list | None:
 # (0.98-1.01) in lockstep (docs/results.md, stop 49): a lockstep A/B is
 # read against its control, not against 1.00. --ab-control runs that
 # control (ROW_B against ROW_B) in the same lease before the A/B, in the
-# block's ab.control; whether the H200 host shows a bias of its own is
-# for it to say there.
+# block's ab.control. On the H200 (runs 173-174, OLMoE and Qwen3 at
+# batch 1 and a quarter cached) handoffs_with_copies read 0.98-1.00 on
+# every side, control included, and lockstep decode pairs spread over
+# 0.6-2.0 where alternating ones spread 0.97-1.05 (OLMoE): each side's
+# copies run on into the other's step, so there alternating pairs are
+# the estimator and lockstep is tight only for the synced prefill.
 
 
 class _OtherSideFailed(RuntimeError):
