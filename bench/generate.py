@@ -5,7 +5,7 @@
         [--prompt-tokens 32] [--ttft-tokens 512] [--accelerate-tokens 4] [--vocab 32000]
         [--mpl-capacity memory|slots] [--budget-s 540] [--repeats 1] [--paired 0] [--paired-tokens 32]
         [--park-resident-experts] [--trace-in TRACE.json [--trace-from 1]] [--profile DIR [--profile-tokens 16]]
-        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-lockstep 0] [--ab-control] [--ab-share S]]
+        [--ab ROW_A ROW_B [--ab-pairs 8] [--ab-lockstep 0] [--ab-control] [--ab-swap] [--ab-share S]]
         [--json PATH] [--plot PATH.png]
     python bench/generate.py --smoke-cpu [--trace-in TRACE.json] [--json PATH]
 
@@ -216,7 +216,11 @@ run in lockstep, a token each in turn, in "lockstep": the same figures,
 the same of the two prefills (prefill_pairs_ms, prefill_x_ab, ...) and
 handoffs_with_copies (Note [Lockstep pairs]). --ab-control runs the
 same pairs first with ROW_B on both sides, into "control": the
-estimators' own bias, beside the A/B.
+estimators' own bias, beside the A/B. --ab-swap runs the A/B again
+with the rows on the other copies (ROW_B on the model, ROW_A on the
+twin), into "swapped" (its pairs [B, A] as run), and "pooled" has both
+A/Bs' pairs as [A, B] and their figures: a difference between the
+model and its twin falls on each row in half of the pairs.
 
 --smoke-cpu: tiny Qwen3-MoE, OLMoE and Mixtral configs (4 layers, 8 experts,
 top-2, hidden 64) in float32 on the CPU, a few tokens, every row that can run
@@ -383,6 +387,10 @@ def main(argv=None) -> int:
                         help="before --ab's A/B, the same pairs with ROW_B on both sides (the model and the twin): "
                              "what the estimators give two sides doing the same work, in the block's "
                              "ab.control")
+    parser.add_argument("--ab-swap", action="store_true",
+                        help="after --ab's A/B, the same pairs with the rows on the other copies (ROW_B on the "
+                             "model, ROW_A on the twin), in the block's ab.swapped, and both A/Bs' pairs "
+                             "together in ab.pooled (Note [Two rows side by side] in bench/generate_ab.py)")
     parser.add_argument("--ab-share", type=float, default=None,
                         help="the cache share of --ab's rows (default: the first of --shares)")
     parser.add_argument("--park-resident-experts", action="store_true",
@@ -486,8 +494,8 @@ def main(argv=None) -> int:
                                                         "warmup_tokens", "prompt_tokens", "ttft_tokens",
                                                         "accelerate_tokens", "vocab", "mpl_capacity", "budget_s",
                                                         "timer_sync", "repeats", "paired", "paired_tokens",
-                                                        "ab", "ab_pairs", "ab_lockstep", "ab_control", "ab_share",
-                                                        "trace_in", "trace_from", "profile",
+                                                        "ab", "ab_pairs", "ab_lockstep", "ab_control", "ab_swap",
+                                                        "ab_share", "trace_in", "trace_from", "profile",
                                                         "profile_tokens")},
               "transformers": transformers.__version__,
               "notes": [f"vocab reduced to {args.vocab} (the real models' are 50304 and 151936)",

@@ -47,7 +47,17 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # confidence. Runs 168-169's pairs give [0.944, 1.053] (OLMoE) and [0.863,
 # 1.219] (Qwen3), each 96.1 %. --ab-control first runs the same pairs
 # with ROW_B on both sides (the model and the twin restored between), so
-# the estimators' own bias and spread come from the same lease.
+# the estimators' own bias and spread come from the same lease. Side A is
+# always the model and side B the twin, so a difference between the two
+# copies (where their weights and buffers sit, what ran on each last) is
+# in every pair; the control reads it, and on the H200 it read 1.005
+# (OLMoE) and 1.011 (Qwen3) in runs 173-174, as large as Qwen3's gate
+# against on-demand. --ab-swap removes it: after the A/B, both copies are
+# restored (and parked again) and the same pairs run with ROW_B on the
+# model and ROW_A on the twin ("swapped"); "pooled" takes the pairs of
+# both as [A, B], so each row runs on each copy in half of them and the
+# copies' difference moves half the pairs up and half down, which the
+# median of the ratios does not follow.
 
 
 def _at_most(n: int, k: int) -> float:
@@ -395,6 +405,25 @@ def _empty_figures() -> dict:
             "copies": None, "hit_rates": None, "lockstep": None}
 
 
+def _pooled(ab: dict, swapped: dict) -> dict:
+    """--ab-swap's pooled figures: the A/B's pairs and the swapped run's
+    (run as [B, A], taken as [A, B]) together, alternating and, where both
+    ran them, lockstep."""
+    def both(x: dict, y: dict) -> list:
+        return [list(p) for p in x["pairs_ms"]] + [[b, a] for a, b in y["pairs_ms"]]
+
+    out = {"pairs_ms": both(ab, swapped)}
+    out.update(_pair_figures(out["pairs_ms"]))
+    out["tokens_equal"] = ab["tokens_equal"] is True and swapped["tokens_equal"] is True
+    out["lockstep"] = None
+    if ab.get("lockstep") and swapped.get("lockstep"):
+        lock = {"pairs_ms": both(ab["lockstep"], swapped["lockstep"])}
+        lock.update(_pair_figures(lock["pairs_ms"]))
+        lock["tokens_equal"] = ab["lockstep"]["tokens_equal"] is True and swapped["lockstep"]["tokens_equal"] is True
+        out["lockstep"] = lock
+    return out
+
+
 def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     """Note [Two rows side by side]: the A/B of --ab's rows at `share` on this
     block, after --ab-control's B/B; null figures with the reason where it
@@ -402,7 +431,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     args = block.args
     a, b = ab_rows(args.ab)
     out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], **_empty_figures(),
-           "control": None, "parked_resident_experts": None, "reason": None}
+           "control": None, "swapped": None, "pooled": None, "parked_resident_experts": None, "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
         return out
@@ -429,16 +458,25 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         if args.park_resident_experts:  # as the engine rows do (Note [Parked resident experts])
             block.state.park(host)
         out["parked_resident_experts"] = block.state.parked is not None
-        if args.ab_control:
-            out["control"] = {"rows": [b, b], **_empty_figures()}
-            twin_state = ModelState(twin)
-            _side_by_side(block, twin, (b, b), budget, trace, host, out["control"], "--ab-control")
-            block.phase = "--ab-control restore"  # both copies back to resident, to be offloaded again
+        twin_state = ModelState(twin) if args.ab_control or args.ab_swap else None
+
+        def restore(what: str) -> None:  # both copies back to resident, to be offloaded again
+            block.phase = f"{what} restore"
             block.state.restore()
             twin_state.restore()
             if args.park_resident_experts:
                 block.state.park(host)
+
+        if args.ab_control:
+            out["control"] = {"rows": [b, b], **_empty_figures()}
+            _side_by_side(block, twin, (b, b), budget, trace, host, out["control"], "--ab-control")
+            restore("--ab-control")
         _side_by_side(block, twin, (a, b), budget, trace, host, out, "--ab")
+        if args.ab_swap:
+            restore("--ab")
+            out["swapped"] = {"rows": [b, a], **_empty_figures()}
+            _side_by_side(block, twin, (b, a), budget, trace, host, out["swapped"], "--ab-swap")
+            out["pooled"] = _pooled(out, out["swapped"])
     except Exception as exc:  # noqa: BLE001 - the A/B reports why it failed; the block goes on
         out["reason"] = f"failed in {block.phase}: {type(exc).__name__}: {str(exc)[:300]}"
         clear_exception_frames(exc)  # its frames hold the caches: gone before the restore
@@ -450,7 +488,8 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         if block.cuda:
             block.torch.cuda.empty_cache()
     reason = f" ({out['reason']})" if out["reason"] else ""
-    for res, how in ((out["control"], " (control)"), (out, "")):
+    for res, how in ((out["control"], " (control)"), (out, ""), (out["swapped"], " (swapped copies)"),
+                     (out["pooled"], " (pooled with the swapped copies)")):
         if res is None:
             continue
         rows = res.get("rows", [a, b])

@@ -327,6 +327,63 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
     assert "--ab-lockstep needs --timer-sync stream" in capsys.readouterr().err
 
 
+def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkeypatch):
+    # Note [Two rows side by side]: --ab-swap runs the A/B again with ROW_B
+    # on the model and ROW_A on the twin; "pooled" holds both runs' pairs
+    # as [A, B], so a difference between the copies falls on each row in
+    # half of them. The model comes back bit-equal, parked or not.
+    import statistics
+
+    from bench import generate_ab
+
+    made = []
+
+    class Recording(generate_ab.EngineMode):
+        def __init__(self, model, budget, row, *a, **kw):
+            made.append((model, row))
+            super().__init__(model, budget, row, *a, **kw)
+
+    monkeypatch.setattr(generate_ab, "EngineMode", Recording)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "3",
+                  "--ab-lockstep", "1", "--ab-swap")
+    (block,) = report["blocks"]
+    ab = block["ab"]
+    assert ab["reason"] is None and report["config"]["ab_swap"] is True and ab["control"] is None
+    # The A/B: gate on the model, on-demand on the twin; then the other way.
+    assert [row for _, row in made] == ["gate", "on-demand", "on-demand", "gate"]
+    assert made[0][0] is made[2][0] and made[1][0] is made[3][0] and made[0][0] is not made[1][0]
+    swapped, pooled = ab["swapped"], ab["pooled"]
+    assert swapped["rows"] == ["on-demand", "gate"] and swapped["tokens_equal"] is True
+    assert len(swapped["pairs_ms"]) == 3 and len(swapped["copies"]) == 2
+    want = [list(p) for p in ab["pairs_ms"]] + [[g, o] for o, g in swapped["pairs_ms"]]
+    assert pooled["pairs_ms"] == want and len(want) == 6
+    assert pooled["x_ab"] == pytest.approx(statistics.median(g / o for g, o in want))
+    assert pooled["a_faster"] == sum(g < o for g, o in want) and pooled["x_ab_ci"] is not None
+    assert pooled["tokens_equal"] is True
+    lock = pooled["lockstep"]
+    assert lock["pairs_ms"] == [list(p) for p in ab["lockstep"]["pairs_ms"]] + [
+        [g, o] for o, g in swapped["lockstep"]["pairs_ms"]]
+    assert len(lock["pairs_ms"]) == 2 and lock["tokens_equal"] is True
+    assert block["restore_check"] is True
+    # Parked: restored and parked again between the A/B and its swap.
+    made.clear()
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1",
+                  "--park-resident-experts", "--ab-control", "--ab-swap")
+    (block,) = report["blocks"]
+    ab = block["ab"]
+    assert ab["reason"] is None and ab["parked_resident_experts"] is True
+    assert [row for _, row in made] == ["on-demand", "on-demand", "gate", "on-demand", "on-demand", "gate"]
+    assert ab["control"]["tokens_equal"] is True and ab["swapped"]["tokens_equal"] is True
+    assert len(ab["pooled"]["pairs_ms"]) == 2 and ab["pooled"]["lockstep"] is None
+    assert block["restore_check"] is True
+    # Without --ab-swap neither is written.
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1")
+    assert report["blocks"][0]["ab"]["swapped"] is None and report["blocks"][0]["ab"]["pooled"] is None
+
+
 class _FakeMode:
     """An engine row's mode as lockstep uses it: its handle's stats and
     new_sequence."""
