@@ -73,13 +73,20 @@ def test_parts_and_lockstep_pick_their_pairs_and_swapped_ones_turn_round(tmp_pat
     ('{"blocks": 3}', "not a BM6 result"),
     ('{"blocks": []}', "no block with an --ab"),
     ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": []}}]}', "no pairs"),
-    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, -2.0]]}}]}', "two positive ms"),
-    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[true, 2.0]]}}]}', "two positive ms"),
-    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, 2.0, 3.0]]}}]}', "two positive ms"),
-    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, "2"]]}}]}', "two positive ms"),
+    ('{"blocks": [{"ab": {"model": ["x"], "batch": 1, "share": 0.25, "rows": ["gate", "on-demand"], '
+     '"pairs_ms": [[1.0, 2.0]]}}]}', "no model, batch and share"),
+    ('{"blocks": [{"ab": {"model": "x", "batch": true, "share": 0.25, "rows": ["gate", "on-demand"], '
+     '"pairs_ms": [[1.0, 2.0]]}}]}', "no model, batch and share"),
+    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, -2.0]]}}]}', "two positive, finite ms"),
+    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[true, 2.0]]}}]}', "two positive, finite ms"),
+    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, 2.0, 3.0]]}}]}', "two positive, finite ms"),
+    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, "2"]]}}]}', "two positive, finite ms"),
+    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[Infinity, 2.0]]}}]}', "two positive, finite ms"),
+    ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[NaN, 2.0]]}}]}', "two positive, finite ms"),
     ('{"blocks": [{"ab": {"rows": "gate", "pairs_ms": [[1.0, 2.0]]}}]}', "no rows"),
     ('{"blocks": [{"ab": {"rows": ["gate", "on-demand"], "pairs_ms": [[1.0, 2.0]], "swapped": null}}]}',
      "not in this file"),
+    ('{"config": 3, "blocks": []}', "not a BM6 result"),
 ])
 def test_a_malformed_result_gets_a_clear_error_naming_it(tmp_path, capsys, content, message):
     tool = load_tool("ab_pool")

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 
@@ -42,9 +43,9 @@ def _pairs_of(part: dict, lockstep: bool, where: str) -> list:
         raise ValueError(f"{where}: no pairs")
     for p in pairs:
         ok = isinstance(p, list) and len(p) == 2 and all(
-            isinstance(x, (int, float)) and not isinstance(x, bool) and x > 0 for x in p)
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x > 0 for x in p)
         if not ok:
-            raise ValueError(f"{where}: a pair is not two positive ms figures: {p!r}")
+            raise ValueError(f"{where}: a pair is not two positive, finite ms figures: {p!r}")
     return [list(map(float, p)) for p in pairs]
 
 
@@ -78,7 +79,12 @@ def load(path: str, part: str = "ab", lockstep: bool = False) -> list[dict]:
         rows = src.get("rows") if part == "control" else ab.get("rows")  # the control's are [B, B]
         if not (isinstance(rows, list) and len(rows) == 2 and all(isinstance(r, str) for r in rows)):
             raise ValueError(f"{where}: no rows [A, B]")
-        out.append({"key": (ab.get("model"), ab.get("batch"), ab.get("share"), tuple(rows)),
+        model, batch, share = ab.get("model"), ab.get("batch"), ab.get("share")
+        cell = (isinstance(model, str) and isinstance(batch, int) and not isinstance(batch, bool)
+                and isinstance(share, (int, float)) and not isinstance(share, bool))
+        if not cell:
+            raise ValueError(f"{where}: no model, batch and share ({model!r}, {batch!r}, {share!r})")
+        out.append({"key": (model, batch, share, tuple(rows)),
                     "pairs": pairs, "paired_tokens": tokens, "file": path})
     if not out:
         raise ValueError(f"{path}: no block with an --ab")
