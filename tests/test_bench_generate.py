@@ -378,6 +378,27 @@ def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkey
     assert ab["control"]["tokens_equal"] is True and ab["swapped"]["tokens_equal"] is True
     assert len(ab["pooled"]["pairs_ms"]) == 2 and ab["pooled"]["lockstep"] is None
     assert block["restore_check"] is True
+    # A swap that fails keeps the A/B's figures, says where it failed and
+    # still restores the model.
+    made.clear()
+
+    class FailingOnTheSwap(Recording):
+        def __init__(self, model, budget, row, *a, **kw):
+            if len(made) == 2:
+                raise RuntimeError("no room for the swapped cache")
+            super().__init__(model, budget, row, *a, **kw)
+
+    monkeypatch.setattr(generate_ab, "EngineMode", FailingOnTheSwap)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "2",
+                  "--ab-swap")
+    (block,) = report["blocks"]
+    ab = block["ab"]
+    assert ab["reason"] == "failed in --ab-swap setup: RuntimeError: no room for the swapped cache"
+    assert len(ab["pairs_ms"]) == 2 and ab["tokens_equal"] is True and ab["x_ab"] is not None
+    assert ab["swapped"]["pairs_ms"] == [] and ab["pooled"] is None
+    assert block["restore_check"] is True
+    monkeypatch.setattr(generate_ab, "EngineMode", Recording)
     # Without --ab-swap neither is written.
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "1")
