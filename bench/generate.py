@@ -479,6 +479,8 @@ def main(argv=None) -> int:
             args.ab_share = args.shares[0]
         if not 0 < args.ab_share <= 1:
             parser.error(f"--ab-share must be in (0, 1], got {args.ab_share}")
+    elif args.ab_control or args.ab_swap or args.ab_lockstep or args.ab_share is not None:
+        parser.error("--ab-control, --ab-swap, --ab-lockstep and --ab-share go with --ab ROW_A ROW_B")
     if args.paired < 0 or args.paired_tokens < 2:
         parser.error("--paired must be >= 0 and --paired-tokens >= 2")
     if args.profile_tokens < 2:

@@ -508,7 +508,8 @@ def test_ab_says_why_it_did_not_run_and_refuses_bad_rows(tmp_path):
     assert block["ab"]["x_ab"] is None and block["restore_check"] is True
     for bad in (["--ab", "torch-by-hand", "gate", "--paired", "1"],
                 ["--ab", "gate", "on-demand"], ["--ab", "gate", "on-demand", "--paired", "1", "--ab-pairs", "0"],
-                ["--ab", "gate", "on-demand", "--paired", "1", "--ab-share", "1.5"]):
+                ["--ab", "gate", "on-demand", "--paired", "1", "--ab-share", "1.5"],
+                ["--ab-swap"], ["--ab-control"], ["--ab-lockstep", "2"], ["--ab-share", "0.5"]):
         with pytest.raises(SystemExit):
             generate.main(["--smoke-cpu", *bad])
 
