@@ -28,6 +28,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from bench.common import write_json  # noqa: E402
 from bench.generate_ab import _pair_figures  # noqa: E402
 
 PARTS = ("ab", "control", "swapped", "pooled")
@@ -137,8 +138,7 @@ def main(argv=None) -> int:
             print(_line(f"{r['file']} (paired tokens {r['paired_tokens']})", r, a))
         print(_line("pooled", g["pooled"], a))
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report, f, indent=1)
+        write_json(args.json, report)
     return 0
 
 
