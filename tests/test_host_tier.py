@@ -12,6 +12,7 @@ import threading
 
 import numpy as np
 import pytest
+from conftest import wait_until
 
 import prefetch
 from prefetch.errors import CopyFailedError, DiskReadError, InvalidArgumentError
@@ -332,6 +333,10 @@ def test_speculative_copies_from_the_host_tier_stay_under_the_cap(tmp_path, poll
         for tid in tids:
             handle.register_disk(tid, [(0, tid * size, size, 0)], total_bytes=size)
         handle.prefetch_tensors(list(tids), priority=1)
+        # Every copy issued before the first acquire: an acquire that found a
+        # tensor still on its way from the file would make its copy urgent
+        # (not a lane copy), and on a slow machine that could take all eight.
+        assert wait_until(lambda: handle.fault_counts()["copies"] == len(tids), timeout=60)
         for tid in tids:
             assert np.array_equal(read_slot(handle, tid, size), data[tid * size:(tid + 1) * size])
         counts = handle.fault_counts()
