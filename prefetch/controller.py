@@ -68,12 +68,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
-        self.predictor = predictor
-        self._late_predict = bool(getattr(predictor, "reads_routing", False))
-        # A predictor whose host guesses are sorted, distinct, in-range int64
-        # arrays (the oracle's, made once from its trace) says so: they skip
-        # _distinct's pass.
-        self._distinct_guesses = bool(getattr(predictor, "distinct_guesses", False))
+        self.predictor = predictor  # and what it says of itself: the setter below
         self.routers = routers or []
         self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
         self.device = device
@@ -140,6 +135,27 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self._copies_at_step = None  # copies asked of the engine when this step began
         self._idle_steps = 0  # consecutive steps that asked for no copy
         self.nothing_fetched = False  # the last two steps asked for no copy: the predictor probes
+
+    @property
+    def predictor(self):
+        """The route-ahead predictor (prefetch/predictors.py), or None.
+        Assigning one also takes what it says of itself."""
+        return self._predictor
+
+    @predictor.setter
+    def predictor(self, predictor) -> None:
+        self._predictor = predictor
+        self._late_predict = bool(getattr(predictor, "reads_routing", False))
+        # A predictor that says its observe does nothing (`observes = False`)
+        # is not called with each routing (Note [Routings nobody reads] in
+        # prefetch/sync_free.py).
+        self._observes = predictor is not None and (self._late_predict or bool(getattr(predictor, "observes", True)))
+        # A predictor whose host guesses are sorted, distinct, in-range int64
+        # arrays (the oracle's, made once from its trace) says so: they skip
+        # _distinct's pass.
+        self._distinct_guesses = bool(getattr(predictor, "distinct_guesses", False))
+        # Host guesses (the sync-free path makes them at each layer's pin).
+        self._host_guesses = bool(getattr(predictor, "host_guesses", False))
 
     @property
     def trace(self):
@@ -256,7 +272,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         if self.sync_free:  # a synced step's reads (Note [Which path a step takes])
             self._seen[layer, experts] = True
         hints = None
-        if self.predictor is not None:
+        if self._observes:
             hints = self.predictor.observe(self, step, layer, experts)
             if self._late_predict and self._predicts_now():
                 guesses = self._host_predict(step, layer, None)

@@ -21,6 +21,12 @@ A predictor whose guesses depend on this layer's routing sets
 ``reads_routing = True``: its `predict` then runs after `observe` and
 returns host sequences only.
 
+A predictor whose `observe` does nothing (returns None and keeps nothing)
+sets ``observes = False``: the controller then does not call it, and a
+sync-free decode step with no trace to record and no guess to score reads
+its routings back without a pass over the layers (Note [Routings nobody
+reads] in prefetch/sync_free.py).
+
 A predictor whose guesses are host data (``host_guesses = True``) may also
 offer `plan(controller, step, layer, experts, predict)`: the guesses and
 hints of `predict` then `observe` in one go, hints as flat keys and times,
@@ -48,6 +54,8 @@ class NextLayerGatePredictor:
     input), for d = 1..distance: hidden states change slowly across layers, so
     the next router's choice on this layer's input is a good guess. The
     guess stays on the device until the routing's own read-back."""
+
+    observes = False  # observe does nothing: the controller skips it
 
     def __init__(self, distance: int = 1, extra_per_token: int = 0):
         if distance < 1:

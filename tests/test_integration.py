@@ -171,6 +171,56 @@ def test_sync_free_warms_the_cache_and_then_hits():
         ctl.close()
 
 
+class _CountingGate(NextLayerGatePredictor):
+    """The next-layer gate, counting the controller's observe calls."""
+
+    def __init__(self, observes: bool):
+        super().__init__()
+        self.observes = observes
+        self.observed = 0
+
+    def observe(self, controller, step, layer, experts):
+        self.observed += 1
+        return None
+
+
+def test_a_predictor_that_does_not_observe_is_not_called_and_the_trace_is_still_recorded():
+    # Note [Routings nobody reads]: a predictor with observes = False is
+    # never given the routings, on either path, and a sync-free step with
+    # no guess to score records its trace without observe: the same trace
+    # as a predictor that observes, and the same tokens. A predictor
+    # assigned after construction is taken with what it says of itself.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    ids = torch.randint(0, cfg.vocab_size, (1, 6), generator=torch.Generator().manual_seed(4))
+    seq_ref, _ = greedy(ref, ids, steps=6)
+    traces = {}
+    for observes in (False, True, "assigned"):
+        model = copy.deepcopy(ref)
+        gate = _CountingGate(observes is not False)
+        ctl = offload_moe_experts(model, device_budget_bytes=3 * (per + 512), backend="host",
+                                  predictor=None if observes == "assigned" else gate, record_trace=True,
+                                  preload=False)
+        try:
+            if observes == "assigned":
+                ctl.predictor = gate
+            seq, _ = greedy(model, ids, steps=6)
+            ctl.flush()
+            assert torch.equal(seq, seq_ref)
+            assert ctl.sync_free_steps > 0  # the sync-free path ran (and the synced one: the prefill)
+            routed_layers = sum(1 for step in ctl.trace.steps for experts in step if experts)
+            assert routed_layers == 6 * cfg.num_hidden_layers
+            if observes is False:
+                assert gate.observed == 0
+            else:
+                assert gate.observed == routed_layers  # every layer of every step, either path
+            traces[observes] = ctl.trace.steps
+        finally:
+            ctl.close()
+    assert traces[False] == traces[True] == traces["assigned"]
+
+
 def test_prefill_reads_the_next_layer_ahead():
     # Note [Prefill read-ahead]: with no predictor, a prompt's call, routed
     # to every expert of its layer, queues the next layer's experts; the
