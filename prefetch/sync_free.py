@@ -567,14 +567,16 @@ class SyncFreeDecode:
     # score. The next-layer gate guesses on synced steps only (its guesses
     # ride on their routing sync) and its observe does nothing, so on a
     # sync-free step of the gate with no trace and no guess left to score
-    # that pass did nothing, at a few microseconds a layer: 186-192 us a
-    # step on the development VM for a 48-layer model (read_routings 390-420
-    # us with the gate against 200-225 with no predictor, tiny
-    # Qwen3-MoE shapes, 64 sync-free steps), the one thing the gate's
-    # sync-free decode did that on-demand's did not. A predictor says
-    # `observes = False` when its observe does nothing; then with no guess
-    # pending the pass runs only to record the trace, which it does
-    # without observe's other work.
+    # that pass did nothing, at about 4 us a layer: read_routings took
+    # 408-424 us a step with the gate against 200-222 with no predictor on
+    # the development VM (tools/layer_overhead.py --layers 48 --share 0.5
+    # --tokens 32, a 48-layer tiny OLMoE, 31 sync-free steps), the one thing
+    # the gate's sync-free decode did that on-demand's did not. A predictor
+    # says `observes = False` when its observe does nothing; then with no
+    # guess pending the pass runs only to record the trace, which it does
+    # without observe's other work. After: 194-207 us with the gate, 200-226
+    # with none; with --record-trace (BM6's engine rows record) 294-322 us
+    # against 407-449 before (stop 51 in docs/results.md).
 
     def flush(self) -> None:
         """Reads every routing noted on the sync-free path and not read yet,

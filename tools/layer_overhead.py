@@ -2,10 +2,12 @@
 transformers `generate` (diagnostic; CPU or GPU).
 
     python tools/layer_overhead.py [--share 1.0] [--tokens 64] [--rounds 3]
-        [--predictor none|oracle] [--policy lru|next-use] [--batch 1] [--json OUT]
+        [--predictor none|gate|oracle] [--record-trace] [--layers 16]
+        [--policy lru|next-use] [--batch 1] [--json OUT]
 
 The CPU proxy this project's host-work changes were profiled with: a tiny
-16-layer OLMoE (hidden 64, 64 experts, top-8, `batched_mm`), random fp32
+16-layer OLMoE (hidden 64, 64 experts, top-8, `batched_mm`; --layers 48
+gives Qwen3-30B-A3B's count of MoE layers), random fp32
 weights, on the host backend (CUDA with --cuda). Every MoE layer's experts
 call goes through transformers' experts-implementation interface, so the
 tool times, per layer call, the whole call (ours included, for the
@@ -15,7 +17,9 @@ Alternating rounds give the resident and the offloaded model's ms per
 token; then one more offloaded generate times the controller's per-step and
 per-layer methods (us per call). The budget is --share of every expert's
 bytes; with --predictor oracle the routing the untouched model would make
-is recorded first and replayed. The figures of a noisy 2-core machine are
+is recorded first and replayed; --predictor gate is the next-layer gate;
+--record-trace records the offloaded model's routing (as BM6's engine rows
+do). The figures of a noisy 2-core machine are
 ratios to compare within one run, not targets.
 """
 from __future__ import annotations
@@ -34,8 +38,8 @@ _TIMED = ("read_routings", "choose_path", "pin_layer", "_pin_all", "note_routing
           "release_held", "begin_layer", "exchange")
 
 
-def build(torch, transformers, device):
-    cfg = transformers.OlmoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=16, num_attention_heads=4,
+def build(torch, transformers, device, layers: int = 16):
+    cfg = transformers.OlmoeConfig(vocab_size=256, hidden_size=64, num_hidden_layers=layers, num_attention_heads=4,
                                    num_key_value_heads=4, intermediate_size=32, num_experts=64,
                                    num_experts_per_tok=8, max_position_embeddings=512)
     torch.manual_seed(0)
@@ -48,27 +52,29 @@ def main(argv=None) -> int:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--predictor", choices=["none", "oracle"], default="none")
+    parser.add_argument("--predictor", choices=["none", "gate", "oracle"], default="none")
+    parser.add_argument("--record-trace", action="store_true", help="the offloaded model records its routing")
+    parser.add_argument("--layers", type=int, default=16, help="MoE layers of the tiny model")
     parser.add_argument("--policy", choices=["lru", "next-use"], default="lru")
     parser.add_argument("--cuda", action="store_true", help="the CUDA backend on GPU 0")
     parser.add_argument("--json", default=None)
     args = parser.parse_args(argv)
-    if not 0 < args.share <= 4 or args.tokens < 2 or args.rounds < 1 or args.batch < 1:
-        parser.error("need 0 < --share <= 4, --tokens >= 2, --rounds >= 1, --batch >= 1")
+    if not 0 < args.share <= 4 or args.tokens < 2 or args.rounds < 1 or args.batch < 1 or not 1 <= args.layers <= 256:
+        parser.error("need 0 < --share <= 4, --tokens >= 2, --rounds >= 1, --batch >= 1, 1 <= --layers <= 256")
 
     import torch
     import transformers
     import transformers.integrations.moe as moe
 
     from prefetch.hf import find_hf_moe_blocks
-    from prefetch.integration import OraclePredictor, offload_moe_experts
+    from prefetch.integration import NextLayerGatePredictor, OraclePredictor, offload_moe_experts
 
     if args.cuda and not torch.cuda.is_available():
         print("--cuda: no CUDA device: not measured", file=sys.stderr)
         return 2
     device = "cuda" if args.cuda else "cpu"
     torch.set_num_threads(1)
-    ref = build(torch, transformers, device)
+    ref = build(torch, transformers, device, args.layers)
     _, experts, _ = find_hf_moe_blocks(ref)[0]
     per = (experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()) * experts.gate_up_proj.element_size()
     total = per * ref.config.num_hidden_layers * ref.config.num_experts
@@ -92,9 +98,12 @@ def main(argv=None) -> int:
         gen(recorder, args.tokens)
         rec.close()
         predictor = OraclePredictor(rec.trace)
+    elif args.predictor == "gate":
+        predictor = NextLayerGatePredictor()
     model = copy.deepcopy(ref)
     ctl = offload_moe_experts(model, device_budget_bytes=int(args.share * total), backend=backend, progress=False,
-                              predictor=predictor, handle_options={"eviction_policy": args.policy})
+                              predictor=predictor, handle_options={"eviction_policy": args.policy},
+                              record_trace=args.record_trace)
     # Time the prefetch wrapper of batched_mm (the whole call) and the
     # transformers implementation it calls (inside it).
     acc = {"outer": 0, "inner": 0, "n": 0}
