@@ -59,6 +59,23 @@ from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, d
 # copies' difference moves half the pairs up and half down, which the
 # median of the ratios does not follow.
 
+# -- Note [Where a pair's time went]
+# Qwen3-30B-A3B's A/B pairs in runs 169 and 174 ran whole generates at
+# one of two speeds, about 57 and about 109 ms a token, on one side of a
+# pair or on both (docs/results.md, stop 51), and a pair split that way
+# bounds nothing. Each alternating pair also keeps `pairs_detail`: per
+# side, as the pair's ms ([A, B]), the generate's wall ms, the host's
+# steal ms in it (/proc/stat, None where not counted), the CUDA caching
+# allocator's retries in it (Note [Allocator retries]; None on the CPU),
+# and for an engine row the change in its counters over the generate:
+# host_ms, engine_ms and sync_ms (the controller's host work, its engine
+# calls, its waits for the routing read-back), calls (layer calls),
+# copies, zero_copy_reads and misses. A slow generate whose sync_ms grew
+# waited on the device; one whose host_ms or engine_ms grew, or with
+# steal, was slowed on the host; one with neither, between the offloaded
+# layers (attention, the lm head, transformers' own host work). The
+# counters are read between generates, outside the timed ones.
+
 
 def _at_most(n: int, k: int) -> float:
     """P(Binomial(n, 1/2) <= k): the chance that at most k of n pairs fall
@@ -377,7 +394,8 @@ def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict,
             mode.new_sequence()
         block.phase = f"{what} pairs"
         want = block.reference[:, :tokens]
-        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, want)
+        out["pairs_detail"] = []
+        out["pairs_ms"], equal = alternate_p50s(block, sides, args.ab_pairs, tokens, want, out["pairs_detail"])
         out.update(_pair_figures(out["pairs_ms"]))
         out["tokens_equal"] = equal
         if args.ab_lockstep:
@@ -401,8 +419,8 @@ def _side_by_side(block: Block, twin, rows, budget: int, trace, host, out: dict,
 
 
 def _empty_figures() -> dict:
-    return {"pairs_ms": [], "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None, "tokens_equal": None,
-            "copies": None, "hit_rates": None, "lockstep": None}
+    return {"pairs_ms": [], "pairs_detail": None, "x_ab": None, "x_ab_ci": None, "a_faster": None, "sign_p": None,
+            "tokens_equal": None, "copies": None, "hit_rates": None, "lockstep": None}
 
 
 def _pooled(ab: dict, swapped: dict) -> dict:
@@ -413,6 +431,8 @@ def _pooled(ab: dict, swapped: dict) -> dict:
         return [list(p) for p in x["pairs_ms"]] + [[b, a] for a, b in y["pairs_ms"]]
 
     out = {"pairs_ms": both(ab, swapped)}
+    if ab.get("pairs_detail") is not None and swapped.get("pairs_detail") is not None:
+        out["pairs_detail"] = both({"pairs_ms": ab["pairs_detail"]}, {"pairs_ms": swapped["pairs_detail"]})
     out.update(_pair_figures(out["pairs_ms"]))
     out["tokens_equal"] = ab["tokens_equal"] is True and swapped["tokens_equal"] is True
     out["lockstep"] = None

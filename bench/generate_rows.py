@@ -229,23 +229,56 @@ def drop_twin(block: Block, reason: str) -> None:
         block.torch.cuda.empty_cache()
 
 
-def alternate_p50s(block: Block, sides, pairs: int, tokens: int, want=None) -> tuple[list, bool]:
+# Counters of an engine row whose change over one generate says where its
+# time went (Note [Where a pair's time went]).
+_DETAIL_COUNTERS = ("host_s", "engine_s", "sync_s", "calls", "copies", "zero_copy_reads", "misses")
+
+
+def _generate_detail(block: Block, mode, before: dict, steal, retries0, wall_ms: float) -> dict:
+    """One generate's figures for `pairs_detail`: its wall ms, host steal
+    ms and allocator retries (None where not known), and the change of
+    each of _DETAIL_COUNTERS its mode counts (seconds as ms)."""
+    retries = alloc_retries(block)
+    out = {"wall_ms": wall_ms, "steal_ms": steal,
+           "alloc_retries": None if retries0 is None or retries is None else retries - retries0}
+    after = mode.counters() if mode is not None else {}
+    for key in _DETAIL_COUNTERS:
+        a, b = before.get(key), after.get(key)
+        if a is None or b is None:
+            continue
+        name = key.removesuffix("_s") + "_ms" if key.endswith("_s") else key
+        out[name] = (b - a) * 1e3 if key.endswith("_s") else b - a
+    return out
+
+
+def alternate_p50s(block: Block, sides, pairs: int, tokens: int, want=None,
+                   detail: list | None = None) -> tuple[list, bool]:
     """Pairs of generates of `tokens` on the two `sides` ((model, its mode
     or None) each), the first side first in even pairs and second in odd
     ones; a side's mode starts a new sequence after each of its generates.
     Returns ([first p50, second p50] (ms) per pair, whether every generate's
-    ids equal `want` (True when `want` is None))."""
+    ids equal `want` (True when `want` is None)). `detail`: a list to append
+    [first side's, second side's] _generate_detail to, per pair (Note
+    [Where a pair's time went])."""
     out, equal = [], True
     for i in range(pairs):
-        got = [None, None]
+        got, about = [None, None], [None, None]
         for j in ((0, 1) if i % 2 == 0 else (1, 0)):
             model, mode = sides[j]
+            if detail is not None:
+                before = mode.counters() if mode is not None else {}
+                retries0, s0, t0 = alloc_retries(block), host_steal_s(), time.perf_counter()
             ids, got[j] = decode_p50(block, model, tokens)
+            if detail is not None:
+                about[j] = _generate_detail(block, mode, before, steal_ms(s0), retries0,
+                                            (time.perf_counter() - t0) * 1e3)
             if mode is not None:
                 mode.new_sequence()
             if want is not None:
                 equal = equal and bool(block.torch.equal(ids, want))
         out.append(got)
+        if detail is not None:
+            detail.append(about)
     return out, equal
 
 

@@ -255,6 +255,19 @@ def test_ab_runs_two_engine_rows_side_by_side(tmp_path):
     assert ab["x_ab"] == pytest.approx(statistics.median(a / b for a, b in pairs))
     assert ab["a_faster"] == sum(a < b for a, b in pairs) and 0 < ab["sign_p"] <= 1
     assert ab["x_ab_ci"] is None  # 3 pairs bound the median at 75 % at most
+    # Note [Where a pair's time went]: per pair and side, the generate's
+    # wall time (longer than its decode p50 step) and its engine counters'
+    # change: each side's layer calls are the generate's forwards times the
+    # model's MoE layers, and they sum to the row's host time's calls.
+    detail = ab["pairs_detail"]
+    layers = 4  # smoke-olmoe
+    assert len(detail) == 3 and all(len(d) == 2 for d in detail)
+    for pair, about in zip(pairs, detail):
+        for p50, d in zip(pair, about):
+            assert d["wall_ms"] > p50 and d["alloc_retries"] is None  # the CPU has no CUDA allocator
+            assert d["calls"] == 3 * layers  # a prompt and two decode steps
+            assert d["host_ms"] > 0 and d["engine_ms"] > 0 and d["sync_ms"] >= 0
+            assert d["copies"] >= 0 and d["misses"] >= 0
     assert len(ab["copies"]) == 2 and all(isinstance(c, int) and c >= 0 for c in ab["copies"])
     assert len(ab["hit_rates"]) == 2 and all(0 <= h <= 1 for h in ab["hit_rates"])
     assert ab["parked_resident_experts"] is False
@@ -358,6 +371,10 @@ def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkey
     assert len(swapped["pairs_ms"]) == 3 and len(swapped["copies"]) == 2
     want = [list(p) for p in ab["pairs_ms"]] + [[g, o] for o, g in swapped["pairs_ms"]]
     assert pooled["pairs_ms"] == want and len(want) == 6
+    # Each pair's details are turned round with its ms.
+    assert pooled["pairs_detail"] == [list(d) for d in ab["pairs_detail"]] + [
+        [g, o] for o, g in swapped["pairs_detail"]]
+    assert all(d["wall_ms"] > ms for pair, about in zip(want, pooled["pairs_detail"]) for ms, d in zip(pair, about))
     assert pooled["x_ab"] == pytest.approx(statistics.median(g / o for g, o in want))
     assert pooled["a_faster"] == sum(g < o for g, o in want) and pooled["x_ab_ci"] is not None
     assert pooled["tokens_equal"] is True
