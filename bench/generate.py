@@ -209,7 +209,9 @@ distribution-free confidence interval, [low, high, coverage >= 95 %];
 null under 6 pairs), a_faster and sign_p (pairs with A faster; the
 two-sided sign test's p), tokens_equal,
 copies and hit_rates (each side's engine copies and hit rate over its
-generates),
+generates), pairs_detail (per pair and side: the generate's wall ms,
+host steal, allocator retries, and its engine counters' change: Note
+[Where a pair's time went]),
 parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
 bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
 run in lockstep, a token each in turn, in "lockstep": the same figures,
