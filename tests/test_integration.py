@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import CountingHandle, wait_drained
+from conftest import ENGINE_CALLS, CountingHandle, wait_drained
 from torch import nn
 
 import prefetch
@@ -219,6 +219,93 @@ def test_a_predictor_that_does_not_observe_is_not_called_and_the_trace_is_still_
         finally:
             ctl.close()
     assert traces[False] == traces[True] == traces["assigned"]
+
+
+class _RecordingHandle:
+    """Wraps a PrefetchHandle and logs every engine call an offloaded layer
+    makes (conftest.ENGINE_CALLS): (name, args, kwargs), arrays as lists."""
+
+    def __init__(self, handle, log: list):
+        self.real = handle
+        self.log = log
+
+    def __getattr__(self, name):
+        attr = getattr(self.real, name)
+        if not (callable(attr) and name in ENGINE_CALLS):
+            return attr
+
+        def plain(x):
+            return np.asarray(x).tolist() if isinstance(x, np.ndarray) else x
+
+        def logged(*a, **k):
+            self.log.append((name, [plain(x) for x in a], {key: plain(v) for key, v in k.items()}))
+            return attr(*a, **k)
+
+        return logged
+
+
+def _decode_calls(ref, ids, count, per, steps, gate):
+    """Decodes `ids` on a copy of `ref` offloaded with a cache of `count`
+    experts, the engine drained after every step (so that the two runs
+    compared see the same cache), and with the next-layer gate from the
+    first decode step on when `gate`. Returns (the engine calls of each
+    decode step, whether each ran sync-free, the tokens, the controller's
+    predicted_total)."""
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=count * (per + 512), backend="host", preload=False)
+    log, marks = [], []
+
+    class EachStep(transformers.LogitsProcessor):
+        def __call__(self, input_ids, scores):  # after each forward: the prompt's, then each decode step's
+            ctl.flush()
+            wait_drained(ctl.handle.real)
+            if gate and ctl.predictor is None:
+                ctl.predictor = NextLayerGatePredictor()
+            marks.append((len(log), ctl.sync_free_active))
+            return scores
+
+    try:
+        ctl.handle = _RecordingHandle(ctl.handle, log)
+        seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
+                             pad_token_id=0, logits_processor=transformers.LogitsProcessorList([EachStep()]))
+        calls = [log[i:j] for (i, _), (j, _) in zip(marks, marks[1:])]
+        return calls, [free for _, free in marks[1:]], seq, ctl.predicted_total
+    finally:
+        ctl.close()
+
+
+def test_the_gate_decodes_a_sync_free_step_as_on_demand_does():
+    # Note [Routings nobody reads]: the next-layer gate guesses on synced
+    # steps only (its guesses ride on their routing read-back), so a
+    # sync-free step of the gate makes on-demand's engine calls, argument
+    # for argument, from the same cache. Both offloads here make the same
+    # calls up to the prompt's logits; the gate is set from then on.
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(ref)
+    every = num_experts * cfg.num_hidden_layers
+    ids = torch.randint(0, cfg.vocab_size, (1, 40), generator=torch.Generator().manual_seed(2))
+    # A cache of every expert, a prompt that reads them all: every decode
+    # step runs sync-free, and each makes the same calls on both sides.
+    od_calls, od_free, od_seq, _ = _decode_calls(ref, ids, every, per, 8, gate=False)
+    gate_calls, gate_free, gate_seq, _ = _decode_calls(ref, ids, every, per, 8, gate=True)
+    assert torch.equal(od_seq, gate_seq)
+    assert od_free == gate_free == [True] * 7
+    assert all(calls for calls in od_calls)
+    assert gate_calls == od_calls
+    # Two experts fewer: some decode steps run synced, and on those the gate
+    # is live (it sends guesses that on-demand does not), so the equality
+    # above is not a gate that never ran.
+    od_calls, od_free, od_seq, _ = _decode_calls(ref, ids, every - 2, per, 8, gate=False)
+    gate_calls, gate_free, gate_seq, predicted = _decode_calls(ref, ids, every - 2, per, 8, gate=True)
+    assert torch.equal(od_seq, gate_seq) and od_free == gate_free
+    synced = [i for i, free in enumerate(gate_free) if not free]
+    assert synced and predicted > 0
+    for i in synced:
+        assert not any(k.get("prefetch") is not None for name, _, k in od_calls[i] if name == "step")
+        assert any(k.get("prefetch") is not None for name, _, k in gate_calls[i] if name == "step")
+    first = synced[0]
+    assert gate_calls[:first] == od_calls[:first]  # the sync-free steps before the gate first guessed
 
 
 def test_prefill_reads_the_next_layer_ahead():
