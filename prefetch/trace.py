@@ -31,6 +31,23 @@ class RoutingTrace:
         self.steps[step][layer] = sorted(experts.tolist() if isinstance(experts, np.ndarray)
                                          else [int(e) for e in experts])
 
+    def add_routed(self, keys, routed: np.ndarray) -> None:
+        """For each (step, layer) of `keys` (each layer at most once),
+        records the experts set in row `layer` of `routed`, a [num_layers,
+        num_experts] bool table: `add` for many layers in one numpy pass
+        (Note [Routings nobody reads] in prefetch/sync_free.py)."""
+        layers = [layer for _, layer in keys]
+        rows, experts = np.nonzero(routed[layers])
+        counts = np.bincount(rows, minlength=len(layers)).tolist()
+        flat = experts.tolist()  # sorted within each row
+        pos = 0
+        steps = self.steps
+        for (step, layer), n in zip(keys, counts):
+            while len(steps) <= step:
+                steps.append([[] for _ in range(self.num_layers)])
+            steps[step][layer] = flat[pos:pos + n]
+            pos += n
+
     def experts(self, step: int, layer: int) -> list[int] | None:
         if step >= len(self.steps) or layer >= self.num_layers:
             return None

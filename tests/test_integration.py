@@ -1039,6 +1039,22 @@ def test_a_trace_file_loads_sorted_and_an_empty_layer_is_allowed(tmp_path):
     assert RoutingTrace.load(str(path)).steps == trace.steps
 
 
+def test_a_trace_records_a_table_of_layers_as_add_does():
+    # add_routed: many layers of a [layers, experts] bool table in one pass,
+    # over two steps, with an empty row and a layer of the later step read
+    # before one of the earlier (as a sync-free read may hold them).
+    routed = np.zeros((3, 6), dtype=bool)
+    routed[0, [5, 1]] = True
+    routed[2, [0, 2, 3]] = True
+    keys = [(1, 2), (0, 0), (1, 1)]
+    fast, slow = RoutingTrace(3, 6), RoutingTrace(3, 6)
+    fast.add_routed(keys, routed)
+    for step, layer in keys:
+        slow.add(step, layer, np.flatnonzero(routed[layer]))
+    assert fast.steps == slow.steps == [[[1, 5], [], []], [[], [], [0, 2, 3]]]
+    assert all(type(e) is int for step in fast.steps for layer in step for e in layer)
+
+
 def test_trace_predictor_learns_from_past_requests():
     cfg = family_configs()["mixtral"]
     model = build(cfg)
