@@ -576,8 +576,8 @@ class SyncFreeDecode:
     # with none; with --record-trace (BM6's engine rows record) 294-322 us
     # against 407-449 before (stop 51 in docs/results.md). The trace then
     # takes the step's rows in one numpy pass (RoutingTrace.add_routed):
-    # 75 us a step at the median against 110 for a per-layer `add`, timed
-    # around the call in the same process, alternating.
+    # 63 us a step at the median against 103 for a per-layer `add`
+    # (docs/results/stop51/trace_record_cost.py).
 
     def flush(self) -> None:
         """Reads every routing noted on the sync-free path and not read yet,
