@@ -430,7 +430,7 @@ def _pooled(ab: dict, swapped: dict) -> dict:
     def both(x: dict, y: dict) -> list:
         return [list(p) for p in x["pairs_ms"]] + [[b, a] for a, b in y["pairs_ms"]]
 
-    out = {"pairs_ms": both(ab, swapped)}
+    out = {"pairs_ms": both(ab, swapped), "pairs_detail": None}
     if ab.get("pairs_detail") is not None and swapped.get("pairs_detail") is not None:
         out["pairs_detail"] = both({"pairs_ms": ab["pairs_detail"]}, {"pairs_ms": swapped["pairs_detail"]})
     out.update(_pair_figures(out["pairs_ms"]))
