@@ -427,17 +427,17 @@ def _pooled(ab: dict, swapped: dict) -> dict:
     """--ab-swap's pooled figures: the A/B's pairs and the swapped run's
     (run as [B, A], taken as [A, B]) together, alternating and, where both
     ran them, lockstep."""
-    def both(x: dict, y: dict) -> list:
-        return [list(p) for p in x["pairs_ms"]] + [[b, a] for a, b in y["pairs_ms"]]
+    def both(x: list, y: list) -> list:  # pairs as run, then swapped ones turned round
+        return [list(p) for p in x] + [[b, a] for a, b in y]
 
-    out = {"pairs_ms": both(ab, swapped), "pairs_detail": None}
+    out = {"pairs_ms": both(ab["pairs_ms"], swapped["pairs_ms"]), "pairs_detail": None}
     if ab.get("pairs_detail") is not None and swapped.get("pairs_detail") is not None:
-        out["pairs_detail"] = both({"pairs_ms": ab["pairs_detail"]}, {"pairs_ms": swapped["pairs_detail"]})
+        out["pairs_detail"] = both(ab["pairs_detail"], swapped["pairs_detail"])
     out.update(_pair_figures(out["pairs_ms"]))
     out["tokens_equal"] = ab["tokens_equal"] is True and swapped["tokens_equal"] is True
     out["lockstep"] = None
     if ab.get("lockstep") and swapped.get("lockstep"):
-        lock = {"pairs_ms": both(ab["lockstep"], swapped["lockstep"])}
+        lock = {"pairs_ms": both(ab["lockstep"]["pairs_ms"], swapped["lockstep"]["pairs_ms"])}
         lock.update(_pair_figures(lock["pairs_ms"]))
         lock["tokens_equal"] = ab["lockstep"]["tokens_equal"] is True and swapped["lockstep"]["tokens_equal"] is True
         out["lockstep"] = lock

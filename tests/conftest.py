@@ -88,14 +88,22 @@ def make_handle():
 ENGINE_CALLS = ("step", "release", "acquire", "acquire_slots", "prefetch_tensors", "hint_next_use", "cancel")
 
 
+def _as_logged(x):
+    """An engine call's argument as the call saw it: arrays copied to lists
+    (a buffer the caller reuses would change under a kept reference)."""
+    return np.asarray(x).tolist() if isinstance(x, np.ndarray) else x
+
+
 class CountingHandle:
     """Wraps a PrefetchHandle and counts the calls an offloaded layer makes
     into the engine: `calls["step"]`, `calls["release"]`, and every other
-    crossing of ENGINE_CALLS under "other"."""
+    crossing of ENGINE_CALLS under "other". Given `log`, also appends each
+    such call to it as (name, args, kwargs), arrays as lists."""
 
-    def __init__(self, handle):
+    def __init__(self, handle, log: list | None = None):
         self.real = handle
         self.calls = {"step": 0, "release": 0, "other": 0}
+        self.log = log
 
     def __getattr__(self, name):
         attr = getattr(self.real, name)
@@ -104,6 +112,8 @@ class CountingHandle:
 
             def counted(*a, **k):
                 self.calls[key] += 1
+                if self.log is not None:
+                    self.log.append((name, [_as_logged(x) for x in a], {n: _as_logged(v) for n, v in k.items()}))
                 return attr(*a, **k)
 
             return counted

@@ -13,7 +13,7 @@ import time
 import numpy as np
 import pytest
 import torch
-from conftest import ENGINE_CALLS, CountingHandle, wait_drained
+from conftest import CountingHandle, wait_drained
 from torch import nn
 
 import prefetch
@@ -221,29 +221,6 @@ def test_a_predictor_that_does_not_observe_is_not_called_and_the_trace_is_still_
     assert traces[False] == traces[True] == traces["assigned"]
 
 
-class _RecordingHandle:
-    """Wraps a PrefetchHandle and logs every engine call an offloaded layer
-    makes (conftest.ENGINE_CALLS): (name, args, kwargs), arrays as lists."""
-
-    def __init__(self, handle, log: list):
-        self.real = handle
-        self.log = log
-
-    def __getattr__(self, name):
-        attr = getattr(self.real, name)
-        if not (callable(attr) and name in ENGINE_CALLS):
-            return attr
-
-        def plain(x):
-            return np.asarray(x).tolist() if isinstance(x, np.ndarray) else x
-
-        def logged(*a, **k):
-            self.log.append((name, [plain(x) for x in a], {key: plain(v) for key, v in k.items()}))
-            return attr(*a, **k)
-
-        return logged
-
-
 def _decode_calls(ref, ids, count, per, steps, gate):
     """Decodes `ids` on a copy of `ref` offloaded with a cache of `count`
     experts, the engine drained after every step (so that the two runs
@@ -265,7 +242,7 @@ def _decode_calls(ref, ids, count, per, steps, gate):
             return scores
 
     try:
-        ctl.handle = _RecordingHandle(ctl.handle, log)
+        ctl.handle = CountingHandle(ctl.handle, log)
         seq = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps, do_sample=False,
                              pad_token_id=0, logits_processor=transformers.LogitsProcessorList([EachStep()]))
         calls = [log[i:j] for (i, _), (j, _) in zip(marks, marks[1:])]
