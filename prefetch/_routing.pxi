@@ -10,17 +10,21 @@ from libc.string cimport memmove, memset
 @cython.boundscheck(False)
 @cython.wraparound(False)
 def read_routed(list routings, const int64_t[::1] host, int64_t num_experts, uint8_t[::1] routed,
-                const uint8_t[::1] pinned, const uint8_t[::1] owned, const int64_t[::1] ids):
+                const uint8_t[::1] pinned, const uint8_t[::1] owned, const int64_t[::1] ids,
+                uint8_t[::1] seen=None):
     """One read of a step's routings: `routings` is the list of (layer,
     step, tensor, count) that `host` (every count's expert ids, in order)
     came from; `routed`, `pinned`, `owned` and `ids` are flat [layers x
     experts] tables (entry layer * num_experts + expert; owned None: all).
     Sets `routed` to the routed (layer, expert) pairs and returns (ids of
     the routed pairs owned here, ids of those of them not pinned, hits,
-    misses), in table order. An id or layer out of range raises ValueError
-    before anything is written."""
+    misses, misses of pairs set in `seen`), in table order. `seen` (None:
+    not kept, the last count 0): the pairs read before, which then gets
+    this read's routed pairs too, owned here or not. An id or layer out of
+    range raises ValueError before anything is written."""
     cdef Py_ssize_t n = routed.shape[0]
-    if pinned.shape[0] != n or ids.shape[0] != n or (owned is not None and owned.shape[0] != n):
+    if (pinned.shape[0] != n or ids.shape[0] != n or (owned is not None and owned.shape[0] != n)
+            or (seen is not None and seen.shape[0] != n)):
         raise ValueError("read_routed: tables of different sizes")
     cdef Py_ssize_t pos = 0, count, base, i, j
     for r in routings:
@@ -42,12 +46,17 @@ def read_routed(list routings, const int64_t[::1] host, int64_t num_experts, uin
         for j in range(pos, pos + count):
             routed[base + host[j]] = 1
         pos += count
-    cdef Py_ssize_t n_use = 0, n_miss = 0
+    cdef Py_ssize_t n_use = 0, n_miss = 0, n_again = 0
     for i in range(n):
-        if routed[i] and (owned is None or owned[i]):
-            n_use += 1
-            if not pinned[i]:
-                n_miss += 1
+        if routed[i]:
+            if owned is None or owned[i]:
+                n_use += 1
+                if not pinned[i]:
+                    n_miss += 1
+                    if seen is not None and seen[i]:
+                        n_again += 1
+            if seen is not None:
+                seen[i] = 1
     use = np.empty(n_use, dtype=np.int64)
     fetch = np.empty(n_miss, dtype=np.int64)
     cdef int64_t[::1] use_v = use
@@ -60,7 +69,7 @@ def read_routed(list routings, const int64_t[::1] host, int64_t num_experts, uin
             if not pinned[i]:
                 fetch_v[f] = ids[i]
                 f += 1
-    return use, fetch, n_use - n_miss, n_miss
+    return use, fetch, n_use - n_miss, n_miss, n_again
 
 
 @cython.boundscheck(False)

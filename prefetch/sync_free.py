@@ -147,6 +147,7 @@ class SyncFreeDecode:
         # sync-free step's miss of a pair never read before is one no path
         # avoids, and does not fail a try (Note [Which path a step takes]).
         self._seen = np.zeros((self.num_layers, num_experts), dtype=bool)
+        self._seen_u8 = self._seen.reshape(-1).view(np.uint8)
         self._step_missed_again = None  # of the last sync-free step: misses of pairs read before
         # Note [Steady pins]: every layer's ids this rank owns, row by row, and
         # where one call pins them all; _steady: this step's pins are all held.
@@ -529,19 +530,17 @@ class SyncFreeDecode:
         # in one C pass (prefetch/_routing.pxi). Each layer's pinned row is
         # still the one its routing saw (pin_layer reads the routings before
         # rewriting a row). Expert parallel: this rank's reads only.
-        use, fetch, hits, misses = read_routed(routings, host, self.num_experts, self._routed_u8,
-                                               self._pinned_u8, None if self._owns_all else self._owned_u8,
-                                               self._all_ids_flat)
+        # The same pass counts the misses of pairs read before and adds
+        # this read's pairs to _seen.
+        use, fetch, hits, misses, again = read_routed(routings, host, self.num_experts, self._routed_u8,
+                                                      self._pinned_u8, None if self._owns_all else self._owned_u8,
+                                                      self._all_ids_flat, self._seen_u8)
         self._last_misses = misses
         self.pinned_hits += hits
         self.zero_copy_reads += misses
         if hits + misses:
             self._step_missed = misses / (hits + misses)
-            missed = self._routed & ~self._pinned
-            if not self._owns_all:
-                missed &= self._owned
-            self._step_missed_again = int(np.count_nonzero(missed & self._seen)) / (hits + misses)
-        self._seen |= self._routed
+            self._step_missed_again = again / (hits + misses)
         extra = []
         if self._observes or self._pending:
             routed = self._routed

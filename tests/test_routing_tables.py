@@ -39,16 +39,27 @@ def test_read_routed_matches_numpy(seed, all_owned):
     host = rng.integers(0, EXPERTS, sum(counts)).astype(np.int64)
     routings = [(layer, 7, None, c) for layer, c in zip(layers, counts)]
     routed_tab = np.ones((LAYERS, EXPERTS), dtype=bool)  # stale bits from a last read must go
-    use, fetch, hits, misses = read_routed(routings, host, EXPERTS, routed_tab.reshape(-1).view(np.uint8),
-                                           pinned.reshape(-1).view(np.uint8),
-                                           None if all_owned else owned.reshape(-1).view(np.uint8),
-                                           ids.reshape(-1))
+    seen = rng.random((LAYERS, EXPERTS)) < 0.5
+    seen_before = seen.copy()
+    use, fetch, hits, misses, again = read_routed(routings, host, EXPERTS, routed_tab.reshape(-1).view(np.uint8),
+                                                  pinned.reshape(-1).view(np.uint8),
+                                                  None if all_owned else owned.reshape(-1).view(np.uint8),
+                                                  ids.reshape(-1), seen.reshape(-1).view(np.uint8))
     ref = np.zeros((LAYERS, EXPERTS), dtype=bool)
     ref[np.repeat(layers, counts), host] = True
     mine = ref & owned
     assert np.array_equal(routed_tab, ref)
     assert np.array_equal(use, ids[mine]) and np.array_equal(fetch, ids[mine & ~pinned])
     assert (hits, misses) == (int((mine & pinned).sum()), int((mine & ~pinned).sum()))
+    # The misses of pairs read before; then every routed pair is seen, owned here or not.
+    assert again == int((mine & ~pinned & seen_before).sum())
+    assert np.array_equal(seen, seen_before | ref)
+    # Without a seen table: the same answers, the last count 0.
+    again_routed = np.ones((LAYERS, EXPERTS), dtype=bool)
+    got = read_routed(routings, host, EXPERTS, again_routed.reshape(-1).view(np.uint8),
+                      pinned.reshape(-1).view(np.uint8), None if all_owned else owned.reshape(-1).view(np.uint8),
+                      ids.reshape(-1))
+    assert np.array_equal(got[0], use) and np.array_equal(got[1], fetch) and got[2:] == (hits, misses, 0)
 
 
 @pytest.mark.parametrize("routings,host,match", [
@@ -63,10 +74,20 @@ def test_read_routed_refuses_out_of_range_and_writes_nothing(routings, host, mat
     _, pinned, owned, ids = tables(0)
     routed = np.zeros(LAYERS * EXPERTS, dtype=np.uint8)
     routed[3] = 1
+    seen = np.zeros(LAYERS * EXPERTS, dtype=np.uint8)
     with pytest.raises(ValueError, match=match):
         read_routed(routings, np.array(host, dtype=np.int64), EXPERTS, routed, pinned.reshape(-1).view(np.uint8),
-                    None, ids.reshape(-1))
-    assert routed.sum() == 1 and routed[3] == 1
+                    None, ids.reshape(-1), seen)
+    assert routed.sum() == 1 and routed[3] == 1 and not seen.any()
+
+
+def test_read_routed_refuses_a_seen_table_of_another_size():
+    _, pinned, _, ids = tables(0)
+    routed = np.zeros(LAYERS * EXPERTS, dtype=np.uint8)
+    with pytest.raises(ValueError, match="different sizes"):
+        read_routed([(0, 0, None, 1)], np.array([1], dtype=np.int64), EXPERTS, routed,
+                    pinned.reshape(-1).view(np.uint8), None, ids.reshape(-1), np.zeros(3, dtype=np.uint8))
+    assert not routed.any()
 
 
 def test_mark_pinned():
