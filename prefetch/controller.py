@@ -195,7 +195,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             if self._seen_layer0:
                 self.step += 1
             self._seen_layer0 = True
-            if self.predictor is not None:
+            if self._predictor is not None:
                 s = self.handle.stats()
                 self._count_waste(s)
                 if self.probe_when_nothing_fetched:
@@ -221,9 +221,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
     def predict(self, layer: int, hidden) -> dict:
         """The predictor's guesses made before the routing reaches the host
         (values may be device tensors)."""
-        if self.predictor is None or self._late_predict or not self._predicts_now():
+        if self._predictor is None or self._late_predict or not self._predicts_now():
             return {}
-        return self.predictor.predict(self, self.step, layer, hidden)
+        return self._predictor.predict(self, self.step, layer, hidden)
 
     def read_back(self, raw: dict, routing=None):
         """The layer's one device-to-host copy (Note [Read-back without a
@@ -273,7 +273,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             self._seen[layer, experts] = True
         hints = None
         if self._observes:
-            hints = self.predictor.observe(self, step, layer, experts)
+            hints = self._predictor.observe(self, step, layer, experts)
             if self._late_predict and self._predicts_now():
                 guesses = self._host_predict(step, layer, None)
         self._expect(step, layer, guesses)
@@ -308,8 +308,8 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         prefetch/predictors.py) gives both at once, its hints already as
         tensor ids. Returns (guesses, hints) for `exchange`."""
         step = self.step
-        predicts = self.predictor is not None and not self._late_predict and self._predicts_now()
-        plan = getattr(self.predictor, "plan", None)
+        predicts = self._predictor is not None and not self._late_predict and self._predicts_now()
+        plan = getattr(self._predictor, "plan", None)
         if plan is not None and self.local is None:
             got = plan(self, step, layer, experts, predicts)
             if got is not None:
@@ -359,7 +359,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         layer's later pieces. Decode calls route to far fewer experts (8
         rows of top-8 over 64 experts: about 63 %) and never read ahead."""
         nxt = layer + 1
-        if (self.predictor is not None or nxt >= self.num_layers or self.read_ahead_slots < 2 * self.num_experts
+        if (self._predictor is not None or nxt >= self.num_layers or self.read_ahead_slots < 2 * self.num_experts
                 or experts.shape[0] < 0.9 * self.num_experts or nxt in guesses):
             return guesses
         self.read_aheads += 1
@@ -369,7 +369,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         """The predictor's host guesses as {layer: sorted distinct experts}
         (taken as they are from a predictor that says they already are:
         distinct_guesses)."""
-        guesses = self.predictor.predict(self, step, layer, hidden)
+        guesses = self._predictor.predict(self, step, layer, hidden)
         if self._distinct_guesses:
             return guesses
         return {t: _distinct(g, self.num_experts) for t, g in guesses.items()}
@@ -478,7 +478,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         """Whether the predictor's `guesses` for this layer are not to be
         sent (speculation paused: Note [Speculation by its precision]); the
         layer then counts as paused."""
-        if guesses and self.predictor is not None and self.speculation_paused:
+        if guesses and self._predictor is not None and self.speculation_paused:
             self.speculation_paused_layers += 1
             return True
         return False
@@ -663,7 +663,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         docs/results.md. A predictor that guesses from the hidden state on
         the device (the next-layer gate) keeps the single call: its guesses
         are read back with the routing, before the acquire."""
-        p = self.predictor
+        p = self._predictor
         return p is None or self._late_predict or bool(getattr(p, "host_guesses", False))
 
     def route_and_acquire(self, layer: int, hidden, experts, *, stream=None,
@@ -770,7 +770,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         deferred, self._deferred = self._deferred, None
         if deferred is None:
             return
-        if self.predictor is None and self._trace is None and not self._pending:
+        if self._predictor is None and self._trace is None and not self._pending:
             # Nothing to score, record, guess or hint: the next acquire goes
             # alone, the same engine call (on-demand's speculate phase took
             # 3.7-4.3 us a layer on the H200 host: BM5's host proxy, run 114).
@@ -789,8 +789,8 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         predictor file the finished request (the sync-free path's last
         routings are read first: they belong to it)."""
         self.flush()
-        if hasattr(self.predictor, "end_request"):
-            self.predictor.end_request()
+        if hasattr(self._predictor, "end_request"):
+            self._predictor.end_request()
         self.step = 0
         self._seen_layer0 = False
         self._pending.clear()

@@ -72,7 +72,7 @@ class HostStepPlan:
         (the same stream), or layer 0 with a predictor that knows steps."""
         if layer:
             return self._plan_step is not None and stream == self._held_stream
-        return (getattr(self.predictor, "step_reads", None) is not None and self.local is None
+        return (getattr(self._predictor, "step_reads", None) is not None and self.local is None
                 and self.cache_slots > 0 and self.handle.num_devices == 1)
 
     def _route_planned(self, layer: int, experts, stream, timeout: float, first: int | None):
@@ -132,7 +132,7 @@ class HostStepPlan:
             stale = [self.ids(t, g) for t, g in self._queued_guess.items()]
             self._queued_guess.clear()
             self._cancel_queued(np.concatenate(stale), stream)
-        start = getattr(self.predictor, "start_hints", None)
+        start = getattr(self._predictor, "start_hints", None)
         if start is not None:  # a request's first step: its first reads (Note [Hints at a request's start])
             self._late_hints.extend(start(self, self.step))
         hint_ids, hint_when, had_hints = self._plan_hint_arrays()
@@ -224,7 +224,7 @@ class HostStepPlan:
         else:
             for _, layer, routed, _ in planned:
                 self._score(step, layer, routed)
-        got = self.predictor.observe_step(self, step, self._plan_now[1])
+        got = self._predictor.observe_step(self, step, self._plan_now[1])
         if got is not None:
             self._plan_hints = (take_ids(self._flat_table(), got[0]), got[1])
 
@@ -234,7 +234,7 @@ class HostStepPlan:
         layers route), and the predictor has `observe_step`; else None."""
         plan = self._plan_now
         if (plan is None or not self._plan_kept or len(planned) != self.num_layers or planned[0][0] != plan[0]
-                or not hasattr(self.predictor, "observe_step")):
+                or not hasattr(self._predictor, "observe_step")):
             return None
         return plan[0]
 

@@ -323,7 +323,7 @@ class SyncFreeDecode:
         host-routed path (Note [Host-routed step pins] in
         prefetch/step_plan.py), whose room also keeps a layer's worth of
         slots for experts the pins do not cover."""
-        reads_of = getattr(self.predictor, "step_reads", None)
+        reads_of = getattr(self._predictor, "step_reads", None)
         owns_all = self.local is None if host else self._owns_all
         if reads_of is None or not owns_all or not self.cache_slots or self.speculation_paused:
             return None
@@ -386,7 +386,7 @@ class SyncFreeDecode:
         since (an eviction by a copy that ran after it) is read from host
         memory on the steady step, and that miss puts the next step back
         on the layer-by-layer path."""
-        reads = getattr(self.predictor, "step_reads", None)
+        reads = getattr(self._predictor, "step_reads", None)
         flat = reads(self.step, self.num_layers, self.num_experts) if reads is not None else None
         if flat is None:
             return False
