@@ -139,11 +139,49 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
     @property
     def predictor(self):
         """The route-ahead predictor (prefetch/predictors.py), or None.
-        Assigning one also takes what it says of itself."""
+        Assigning one also takes what it says of itself, and first settles
+        what the one it replaces left pending (Note [A predictor
+        replaced])."""
         return self._predictor
+
+    def _settle_predictor(self) -> None:
+        """Note [A predictor replaced]
+        The predictor's work trails the routing it is about: a host-routed
+        layer's scoring, trace and guesses wait in `_deferred` for
+        `speculate` (Note [Speculation after launch]), a step plan's layers
+        in `_planned` until the next step's first layer (Note [Host-routed
+        step pins]), a sync-free step's routings until the next read
+        (`read_routings`). Whatever is pending when another predictor is
+        assigned was the old one's to do, and the new one cannot do it: the
+        next-layer gate given a deferred layer has no hidden state to run
+        its router on (it raised AttributeError from `report()`, and the
+        layer was lost from the trace), and an oracle given another's plan
+        scores a step it never planned, against its own trace (IndexError
+        from `report()`, `new_sequence()` and `close()`). So assigning a
+        different predictor first flushes, with the old one: every routing
+        is scored, recorded and observed, and its last guesses and uses
+        reach the engine. The new one then starts on its own record: the
+        guesses still filed (the old one's, for layers not routed yet) are
+        not scored against it, a plan's half-done step is no longer taken
+        as followed, and the recent precision and wasted copies that pause
+        speculation (Note [Speculation by its precision], Note [Speculation
+        by what its copies waste]) start again from nothing, so a good
+        predictor is not held back for a bad one's guesses. Guesses already
+        queued in the engine stay queued and are dropped as ever when their
+        layer is acquired (`exchange`); hints already made stay too (the
+        engine keeps those it was sent)."""
+        self.flush()
+        self._pending.clear()
+        self._plan_filed = None
+        self._plan_kept = False
+        self._recent_hits = self._recent_guessed = 0.0
+        self._recent_prefetched = self._recent_wasted = 0.0
+        self._paused_predicts = 0
 
     @predictor.setter
     def predictor(self, predictor) -> None:
+        if "_predictor" in self.__dict__ and predictor is not self._predictor:
+            self._settle_predictor()  # Note [A predictor replaced]
         self._predictor = predictor
         self._late_predict = bool(getattr(predictor, "reads_routing", False))
         # A predictor that says its observe does nothing (`observes = False`)
@@ -512,23 +550,26 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         # Every guess for this layer still queued is dropped; a right one is
         # then acquired at band 0 in the same call (queued again and issued
         # by this thread), as a queued guess would have been upgraded.
-        stale = self._queued_guess.pop(layer, None)
-        cancel = self.ids(layer, stale) if stale is not None else None
         prefetch = None
         band = 1
         extra = None
-        for target, guess in guesses.items():
+        queued = []
+        for target, guess in guesses.items():  # the guesses' ids before anything is recorded
             if not guess.shape[0]:
                 continue
             distance = (target - layer) % self.num_layers or self.num_layers
-            self._queued_guess[target] = guess
             ids = self.ids(target, guess)
+            queued.append((target, guess))
             if prefetch is None or distance < band:
                 if prefetch is not None:
                     extra = [*(extra or ()), (prefetch, band)]
                 prefetch, band = ids, min(_MAX_BAND, distance)
             else:
                 extra = [*(extra or ()), (ids, min(_MAX_BAND, distance))]
+        stale = self._queued_guess.pop(layer, None)
+        cancel = self.ids(layer, stale) if stale is not None else None
+        for target, guess in queued:
+            self._queued_guess[target] = guess
         hint_ids, hint_when = self._hint_arrays(hints)
         if self._held is not None and stream is not self._held_stream and stream != self._held_stream:
             self.release_held()  # another stream now: its own release
@@ -912,14 +953,24 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         }
 
     def close(self) -> None:
-        if self._routings:
-            self.read_routings()  # the trace stays complete; nothing more is prefetched
-        if self._planned:
-            self._observe_planned()
-        self._use = self._fetch = None
-        self._held = None
-        self._unsent = None  # nothing more is prefetched
-        deferred, self._deferred = self._deferred, None
-        if deferred is not None:  # scored and recorded; nothing more is prefetched
-            self.observe(*deferred, {})
-        self.handle.close()
+        """Scores and records what is pending (nothing more is prefetched),
+        then closes the engine handle, which frees its cache; the handle is
+        closed even when the pending work raises (a predictor's error goes
+        on to the caller)."""
+        try:
+            if self._routings:
+                self.read_routings()  # the trace stays complete; nothing more is prefetched
+            if self._planned:
+                self._observe_planned()
+            self._unsent = None  # nothing more is prefetched
+            deferred, self._deferred = self._deferred, None
+            if deferred is not None:  # scored and recorded; nothing more is prefetched
+                self.observe(*deferred, {})
+        finally:
+            self._use = self._fetch = None
+            self._held = None
+            self._unsent = None
+            self._deferred = None
+            self._routings = []
+            self._planned = []
+            self.handle.close()
