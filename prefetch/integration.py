@@ -334,6 +334,10 @@ def _offload_generic(generic, handle, predictor, record_trace) -> OffloadControl
     """offload_moe_experts for a model of OffloadedMoEBlocks: one controller,
     each block attached; a block whose expert does not fit in the budget is
     refused before any block changes."""
+    counts = [block.num_experts for block in generic]
+    if len(set(counts)) > 1:
+        raise NotImplementedError(f"MoE layers with different numbers of experts are not supported (experts per "
+                                  f"layer: {counts})")
     small = [layer for layer, block in enumerate(generic) if block.capacity(handle.budget_bytes(0)) < 1]
     if small:
         raise ValueError(f"device_budget_bytes={handle.budget_bytes(0)} is smaller than one expert of MoE "

@@ -90,6 +90,10 @@ class TracePredictor:
     def __init__(self, distance: int = 2, max_experts: int | None = None, history: int = 256):
         if distance < 1:
             raise ValueError("distance must be >= 1")
+        if max_experts is not None and max_experts < 1:
+            raise ValueError(f"max_experts must be None (twice top_k) or >= 1, got {max_experts!r}")
+        if history < 1:
+            raise ValueError(f"history must be >= 1 (past requests kept), got {history!r}")
         self.distance = distance
         self.max_experts = max_experts
         self.history = history
@@ -380,6 +384,11 @@ class OraclePredictor:
         self._primed = False
 
     def predict(self, controller, step, layer, hidden):
+        if self.trace.num_experts > controller.num_experts:
+            # The controller takes these guesses as they are (distinct_guesses):
+            # an id past the model's experts has no tensor id.
+            raise ValueError(f"OraclePredictor: its trace has {self.trace.num_experts} experts a layer, the model "
+                             f"{controller.num_experts}: a trace recorded on another model")
         out = {}
         hints = self._sends_hints(controller)
         if hints and not self._primed:
