@@ -184,7 +184,10 @@ cdef object _hint_times(object when, size_t n, str name, str ids):
         return np.full(n, _INT64_MAX, dtype=np.int64)
     if isinstance(when, (int, np.integer)) and type(when) is not _PY_BOOL:
         return np.full(n, operator.index(when), dtype=np.int64)
-    times = as_id_array(when)
+    try:
+        times = as_id_array(when)
+    except TypeError as exc:  # its message is about ids: say which argument this is
+        raise TypeError(str(exc).replace("tensor ids", name)) from None
     if <size_t>times.shape[0] != n:
         raise InvalidArgumentError(f"{name} has {times.shape[0]} times for {n} {ids}")
     return times

@@ -696,8 +696,12 @@ def test_next_use_bad_hints_change_nothing(make_handle, rng):
         h.hint_next_use([3, 2], [1, 2, 3])
     with pytest.raises(TypeError):
         h.hint_next_use([3], 50, now=True)
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="^when must be integers, got float"):
         h.hint_next_use([3], [1.5])
+    with pytest.raises(TypeError, match="^when must be a list, .* got float"):
+        h.hint_next_use([3], 5.0)
+    with pytest.raises(TypeError, match="^hint_when must be a list, .* got float"):
+        h.step(hint_ids=[3], hint_when=5.0)
     assert h.resident() == order
     assert h.hint_clock() == 1
     # The clock did not move either: hints at 1 are still valid.
