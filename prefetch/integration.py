@@ -195,7 +195,7 @@ def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placemen
         )
     if hf_blocks and generic:
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
-    if sync_free not in (None, True, False):
+    if sync_free is not None and not isinstance(sync_free, (bool, np.bool_)):  # 1 == True: not by ==
         raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
     if sync_free and generic:
         raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
@@ -283,7 +283,7 @@ def offload_moe_experts(
     its first use anyway, and none is ever evicted), and not from a
     checkpoint's files through a host tier. False: the cache starts
     empty."""
-    if preload not in (None, True, False):
+    if preload is not None and not isinstance(preload, (bool, np.bool_)):
         raise TypeError(f"preload must be True, False or None, not {preload!r}")
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]

@@ -416,8 +416,9 @@ def test_sync_free_clears_hints_none_of_which_are_this_ranks():
 def test_sync_free_option():
     cfg = family_configs()["qwen3_moe"]
     model = build(cfg, experts_implementation="batched_mm")
-    with pytest.raises(TypeError, match="sync_free"):
-        offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free="yes")
+    for bad in ("yes", 1, 0.0):  # 1 == True: refused all the same
+        with pytest.raises(TypeError, match="sync_free"):
+            offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", sync_free=bad)
     with pytest.raises(ValueError, match="OffloadedMoEBlock"):
         from prefetch.integration import OffloadedMoEBlock
         router = torch.nn.Linear(8, 4, bias=False)
@@ -745,8 +746,9 @@ def test_preload_fills_the_cache_before_the_first_token():
         finally:
             ctl.close()
     untouched = copy.deepcopy(ref)
-    with pytest.raises(TypeError, match="preload"):
-        offload_moe_experts(untouched, device_budget_bytes=1 << 20, backend="host", preload="yes")
+    for bad in ("yes", 1, 0.0):
+        with pytest.raises(TypeError, match="preload"):
+            offload_moe_experts(untouched, device_budget_bytes=1 << 20, backend="host", preload=bad)
     assert offloaded_experts(untouched) == []
     assert torch.equal(greedy(untouched, ids, steps=4)[0], seq_ref)
 
