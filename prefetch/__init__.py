@@ -3,7 +3,8 @@
 ``PrefetchHandle`` is the C++ engine (registry, per-device caches, priority
 queue, copy workers); ``ExpertPrefetcher`` maps (layer, expert) pairs onto it.
 ``DiskReader`` reads byte ranges of files with O_DIRECT into caller-owned
-buffers (standalone: the engine does not read from disk yet).
+buffers (the engine's host tier reads experts left on disk itself, through
+the same system-call layer, `src_cpp/disk_io.*`).
 """
 from prefetch._disk import DiskReader, aligned_empty
 from prefetch._engine import (

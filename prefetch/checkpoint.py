@@ -20,9 +20,9 @@ A location also keeps the file's size and modification time at indexing:
 `read_tensor` refuses a file that changed since (replaced, truncated) and a
 short read, rather than returning other bytes.
 
-This is the first part of the disk tier (issue #15): the index a
-disk-backed registration will read from. The engine does not read from disk
-yet.
+The disk tier (issue #15) registers experts from this index: the engine's
+host tier reads the extents it gives (`register_disk`, Note [Host tier] in
+src_cpp/archer_prefetch_handle.h).
 """
 from __future__ import annotations
 

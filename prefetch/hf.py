@@ -107,8 +107,8 @@ def find_hf_moe_blocks(model):
         ctl = already[0].__dict__[_OFFLOAD_ATTR].controller
         raise ValueError(
             f"this model's experts are already offloaded by prefetch ({len(already)} MoE layers, controller "
-            f"{ctl!r}); offload a model once. To change the budget or predictor, close the controller "
-            "(controller.close()) and offload a freshly built or loaded model")
+            f"{ctl!r}); offload a model once. To change the predictor, assign controller.predictor; to change "
+            "the budget, close the controller (controller.close()) and offload a freshly built or loaded model")
     found = []
     for module in model.modules():
         experts = getattr(module, "experts", None)
