@@ -57,6 +57,23 @@ class _TensorHints:
         self.when = when
 
 
+def check_predictor(predictor) -> None:
+    """TypeError unless `predictor` is None or a predictor object: one with
+    `predict` and `observe` methods (prefetch/predictors.py). A class
+    where an instance belongs, or a name such as "oracle", would otherwise
+    fail only at the first forward, deep inside it."""
+    if predictor is None:
+        return
+    if isinstance(predictor, type):
+        raise TypeError(f"predictor must be a predictor object, got the class {predictor.__name__}: pass an instance, "
+                        f"e.g. {predictor.__name__}(...)")
+    missing = [m for m in ("predict", "observe") if not callable(getattr(predictor, m, None))]
+    if missing:
+        raise TypeError(f"predictor must be None or an object with predict and observe methods (prefetch.predictors: "
+                        f"NextLayerGatePredictor, OraclePredictor, TracePredictor), got {type(predictor).__name__} "
+                        f"{predictor!r} without {' and '.join(missing)}")
+
+
 class OffloadController(SyncFreeDecode, HostStepPlan):
     """Owns the engine, the (layer, expert) mapping, the predictor and the
     accounting for one offloaded model."""
@@ -180,6 +197,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
 
     @predictor.setter
     def predictor(self, predictor) -> None:
+        check_predictor(predictor)
         if "_predictor" in self.__dict__ and predictor is not self._predictor:
             self._settle_predictor()  # Note [A predictor replaced]
         self._predictor = predictor

@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from prefetch._engine import SLOT_ALIGNMENT, PrefetchHandle
-from prefetch.controller import OffloadController
+from prefetch.controller import OffloadController, check_predictor
 from prefetch.expert_prefetcher import expert_layout
 from prefetch.hf import HostExperts, find_hf_moe_blocks, install_experts_backend, offload_hf_model, offloaded_experts
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
@@ -285,6 +285,7 @@ def offload_moe_experts(
     empty."""
     if preload is not None and not isinstance(preload, (bool, np.bool_)):
         raise TypeError(f"preload must be True, False or None, not {preload!r}")
+    check_predictor(predictor)  # before the model or an engine is touched
     hf_blocks = find_hf_moe_blocks(model)
     generic = [m for m in model.modules() if isinstance(m, OffloadedMoEBlock)]
     _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts,

@@ -296,3 +296,27 @@ def test_trace_predictor_keeps_at_most_history_requests():
         predictor.observe(Shape, 0, 0, np.array([i % 4]))
         predictor.end_request()
     assert len(predictor.past) == 3
+
+
+@pytest.mark.parametrize("bad,match", [
+    ("oracle", "got str 'oracle' without predict and observe"),
+    (NextLayerGatePredictor, "got the class NextLayerGatePredictor: pass an instance"),
+    (object(), "without predict and observe"),
+])
+def test_something_that_is_not_a_predictor_is_refused_before_anything_changes(bad, match):
+    model = Blocks()
+    x = inputs(1)[0]
+    with pytest.raises(TypeError, match=match):
+        offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False, predictor=bad)
+    assert all(block.controller is None and block._experts_cpu is not None for block in model.blocks)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False,
+                              predictor=NextLayerGatePredictor())
+    try:
+        gate = ctl.predictor
+        with pytest.raises(TypeError, match=match):
+            ctl.predictor = bad
+        assert ctl.predictor is gate
+        with torch.no_grad():
+            model(x)
+    finally:
+        ctl.close()
