@@ -53,9 +53,11 @@ Reported per run: step latency p50/p90, stall (p50 - compute-only p50), hit
 rate, bytes moved, achieved GB/s, prediction precision/recall, and the IO
 floor: Belady-minimum bytes for this routing and cache size over raw H2D
 bandwidth measured in the same run (before and after each model's runs, the
-faster of the two). Runs past --budget-s are reported null. With
+faster of the two). Runs past --budget-s are reported null, and so is a
+share that holds less than one expert a device. With
 --repeats: p50_ms and p90_ms are the medians of the rounds' (p50_runs_ms,
-p90_runs_ms), and
+p90_runs_ms; all-resident's are those of the faster of its first run and
+the one after the policies, the compute-only step), and
 x_adjacent the median of each round's p50 over its all-resident p50
 (resident_runs_ms): the host's speed drifts over a block; x_adjacent_best
 the fastest round's p50 over the fastest all-resident round's (Note [Best
@@ -296,6 +298,14 @@ def main(argv=None) -> int:
         parser.error("--profile-steps must be >= 1")
     if args.oracle_distance < 1:
         parser.error("--oracle-distance must be >= 1")
+    if args.steps < 1 or args.warmup < 0 or args.pool < 1 or args.train < 0:
+        parser.error("need --steps >= 1, --warmup >= 0, --pool >= 1 and --train >= 0")
+    if not 1 <= args.devices <= 16:
+        parser.error("--devices must be in 1..16")
+    if any(b < 1 for b in args.batches):
+        parser.error("--batches must be >= 1 each")
+    if any(not 0 < s <= 1 for s in args.shares):
+        parser.error("--shares must be in (0, 1] each (a share of all the experts' bytes)")
     if not args.smoke_cpu:
         # Below the layer count a guess's target comes later in this step or
         # earlier in the next one, and the controller files (scores, hints)
@@ -315,6 +325,14 @@ def main(argv=None) -> int:
 
     if args.smoke_cpu:
         return smoke_cpu(torch, args)
+    from prefetch.integration import RoutingTrace, belady_misses
+
+    forced_trace = None
+    if args.trace_in:  # an untrusted file: read and checked before anything runs
+        try:
+            forced_trace = RoutingTrace.load(args.trace_in)
+        except (OSError, ValueError) as exc:
+            parser.error(f"--trace-in: {exc}")
     found = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if found < args.devices:
         print(f"BM5 needs {args.devices} CUDA device(s), found {found}: not measured", file=sys.stderr)
@@ -322,9 +340,6 @@ def main(argv=None) -> int:
         if args.json:
             write_json(args.json, report)
         return 1
-    from prefetch.integration import RoutingTrace, belady_misses
-
-    forced_trace = RoutingTrace.load(args.trace_in) if args.trace_in else None
     if forced_trace is not None:
         for name in args.models:
             spec = MODELS[name]
@@ -362,6 +377,16 @@ def main(argv=None) -> int:
             batch_rows = []
             for share in args.shares:
                 budget = int(share * total) // dec.slot_bytes * dec.slot_bytes
+                if min(dec.device_budgets(budget)) < dec.slot_bytes:
+                    # Not one expert a device: no policy can run, and Belady's floor has no cache.
+                    print(f"  {name} b{batch} {share:.0%}: under one expert a device: not measured", file=sys.stderr)
+                    rows.extend({"model": name, "batch": batch, "cache_share": share, "policy": policy,
+                                 "devices": args.devices, "budget_gib": budget / 2**30, "p50_ms": None,
+                                 "p90_ms": None, "io_floor_ms": None, "floor_ms": None,
+                                 "belady_bytes_per_step_each": None,
+                                 "note": "not measured: the share holds less than one expert a device"}
+                                for policy in args.policies)
+                    continue
                 # IO floor: per device, Belady's fewest loads for its layers
                 # and its cache over its raw bandwidth; the devices' links
                 # run in parallel, so the slowest one bounds the step.

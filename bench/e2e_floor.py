@@ -9,7 +9,7 @@ import sys
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import percentile  # noqa: E402
+from bench.common import percentile, round_floor_ratio  # noqa: E402
 
 
 def io_floor(belady_bytes_each, raw_each) -> float:
@@ -20,14 +20,22 @@ def io_floor(belady_bytes_each, raw_each) -> float:
 
 def settle_raw(model_rows, raw_first, raw_second):
     """Sets each device's raw bandwidth to the faster of its two
-    measurements and recomputes the IO floor, floor and x-floor."""
+    measurements and recomputes the IO floor, floor and x-floor, the
+    rounds' own floors included (x_floor_runs, x_floor_adjacent: each round
+    against max(its resident run, this IO floor), as the row reports it)."""
     best = [max(a, b) for a, b in zip(raw_first, raw_second)]
     for row in model_rows:
+        if row.get("belady_bytes_per_step_each") is None:  # a share under one expert: not measured
+            continue
         row["raw_h2d_gbps_runs_each"] = [list(raw_first), list(raw_second)]
         row["raw_h2d_gbps_each"] = best
         row["raw_h2d_gbps"] = sum(best)
         row["io_floor_ms"] = io_floor(row["belady_bytes_per_step_each"], best) * 1e3
         set_floor(row)
+        if row.get("x_floor_runs"):
+            row["x_floor_runs"] = [round_floor_ratio(p50, resident, row["io_floor_ms"])
+                                   for p50, resident in zip(row["p50_runs_ms"], row["resident_runs_ms"])]
+            row["x_floor_adjacent"] = statistics.median(row["x_floor_runs"])
 
 
 def set_floor(row):

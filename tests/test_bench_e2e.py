@@ -61,6 +61,23 @@ def test_io_floor_uses_the_faster_raw_measurement_per_device():
     assert rows[0]["raw_h2d_gbps_runs_each"] == [[50.0, 20.0], [45.0, 40.0]]
 
 
+def test_the_rounds_own_floors_take_the_settled_io_floor():
+    # Each round was compared with the IO floor of the first raw reading
+    # (record_round); the settled floor is lower when the second reading is
+    # faster, and the rounds' ratios must use the floor the row reports
+    # (run 162's gpt-oss oracle: 1.097 written, 1.100 against its own floor).
+    row = {"p50_runs_ms": [], "resident_runs_ms": [], "p50_ms": None, "p90_ms": None, "compute_only_ms": 20.0,
+           "belady_bytes_per_step_each": [3e9]}
+    for p50, resident in ((0.033, 0.020), (0.036, 0.021), (0.031, 0.019)):
+        e2e.record_round(row, [p50] * 5, {"hits": 0, "misses": 4, "bytes": 99}, compute_p50=0.020, floor_s=0.030,
+                         res_round=[resident] * 5, io_floor_s=0.030)  # 3 GB at 100 GB/s
+    assert row["x_floor_adjacent"] == 33 / 30
+    e2e.settle_raw([row], [100.0], [120.0])  # the second reading faster: 25 ms
+    assert row["io_floor_ms"] == 25.0
+    assert row["x_floor_runs"] == [33 / 25, 36 / 25, 31 / 25] and row["x_floor_adjacent"] == 33 / 25
+    assert row["over_floor"] == row["p50_ms"] / 25.0
+
+
 def test_experts_use_the_whole_pool_whatever_the_devices():
     # Runs 8 and 9 took the pool size from the per-device list of pools (its
     # length is the device count), so every expert used pool entry 0.
@@ -437,3 +454,45 @@ def test_engine_calls_with_resident_weights_compute_the_resident_step():
     assert all(torch.equal(g, w) for g, w in zip(got, want))
     assert stats["hits"] > 0 and stats["bytes"] > 0  # the engine did its part
     assert {"acquire.route_l0", "acquire.route", "acquire.gather"} <= set(timers)
+
+
+def test_a_share_under_one_expert_is_reported_null_and_the_others_run(monkeypatch, tmp_path):
+    # Belady's floor and every policy need one slot a device at least: a
+    # share under that was a ValueError that ended the run.
+    import json
+
+    _cpu_main_loop(monkeypatch)
+    out = tmp_path / "bm5.json"
+    assert e2e.main(["--models", "tiny", "--batches", "1", "--shares", "0.001", "0.5", "--policies", "all-resident",
+                     "on-demand", "--warmup", "1", "--steps", "2", "--pool", "4", "--train", "0",
+                     "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    tiny = [r for r in rows if r["cache_share"] == 0.001]
+    assert [r["policy"] for r in tiny] == ["all-resident", "on-demand"]
+    assert all(r["p50_ms"] is None and r["floor_ms"] is None and "less than one expert" in r["note"] for r in tiny)
+    assert all(r["p50_ms"] > 0 for r in rows if r["cache_share"] == 0.5)
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shares", "0"], "--shares must be in"),
+    (["--shares", "1.5"], "--shares must be in"),
+    (["--batches", "0"], "--batches must be >= 1"),
+    (["--devices", "0"], "--devices must be in 1..16"),
+    (["--steps", "0"], "--steps >= 1"),
+    (["--warmup", "-1"], "--warmup >= 0"),
+    (["--trace-in", "/nonexistent/trace.json"], "--trace-in: "),
+])
+def test_bad_arguments_get_a_usage_error(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(argv)
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_malformed_trace_in_gets_a_usage_error_before_anything_runs(tmp_path, capsys):
+    bad = tmp_path / "t.json"
+    bad.write_text('{"format": "prefetch-routing-trace/1", "num_layers": 2, "num_experts": 4, "steps": [[[9]]]}')
+    with pytest.raises(SystemExit) as exc:
+        e2e.main(["--trace-in", str(bad)])
+    assert exc.value.code == 2
+    assert "--trace-in: " in capsys.readouterr().err
