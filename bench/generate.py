@@ -465,6 +465,12 @@ def main(argv=None) -> int:
         parser.error("--new-tokens and --accelerate-tokens must be >= 2 (the decode figure excludes the prefill)")
     if args.repeats < 1:
         parser.error("--repeats must be >= 1")
+    if any(b < 1 for b in args.batches):
+        parser.error("--batches must be >= 1 each")
+    if any(not 0 < s <= 1 for s in args.shares):
+        parser.error("--shares must be in (0, 1] each (a share of all the experts' bytes)")
+    if args.warmup_tokens < 1 or args.prompt_tokens < 1 or args.ttft_tokens < 1 or args.vocab < 2:
+        parser.error("need --warmup-tokens, --prompt-tokens and --ttft-tokens >= 1 and --vocab >= 2")
     if args.ab is not None:
         try:
             ab_rows(args.ab)

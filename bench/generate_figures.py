@@ -62,7 +62,7 @@ def settle(block_rows, block: dict, info: dict):
     ttft_floor = None
     if res_ttft is not None:
         io = block["ttft_routed_experts"] * eb / (raw * 1e9) * 1e3 if raw and block["ttft_routed_experts"] else None
-        ttft_floor = max(res_ttft, io) if io is not None else res_ttft
+        ttft_floor = max(res_ttft, io) if io is not None else None  # the floor needs both: null, not resident
         block["ttft_io_floor_ms"] = io
     block["ttft_floor_ms"] = ttft_floor
     for r in block_rows:
@@ -86,7 +86,10 @@ def settle(block_rows, block: dict, info: dict):
             r["belady_loads"] = loads
             io_floor = loads * eb / (raw * 1e9) / decode_tokens * 1e3
         r["io_floor_ms"] = io_floor
-        floor = max(res_p50, io_floor) if res_p50 is not None and io_floor is not None else res_p50
+        # max(resident, IO floor): null where either is (without the link's
+        # bandwidth the floor is not known, and the resident alone would
+        # make over_floor a second x_resident).
+        floor = max(res_p50, io_floor) if res_p50 is not None and io_floor is not None else None
         r["floor_ms"] = floor
         r["over_floor"] = p50 / floor if p50 is not None and floor else None
     block.pop("routing", None)

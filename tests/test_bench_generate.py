@@ -1035,3 +1035,21 @@ def test_ab_median_ci_takes_the_order_statistics_of_the_binomial_law():
     assert median_ci([1, 2, 3, 4, 5]) is None and median_ci([]) is None
     # A lower level takes a narrower interval.
     assert median_ci(ratios, level=0.8)[:2] == [0.951, 1.017]
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--shares", "-0.5"], "--shares must be in (0, 1]"),
+    (["--shares", "0"], "--shares must be in (0, 1]"),
+    (["--shares", "1.5"], "--shares must be in (0, 1]"),
+    (["--batches", "0"], "--batches must be >= 1"),
+    (["--warmup-tokens", "0"], "--warmup-tokens"),
+    (["--prompt-tokens", "0"], "--prompt-tokens"),
+    (["--vocab", "1"], "--vocab >= 2"),
+])
+def test_bad_sizes_get_a_usage_error_before_any_row(argv, message, capsys):
+    # A share of -50 % ran the by-hand row with one slot and reported it
+    # as measured; a batch of 0 or a vocab of 1 ended in a torch traceback.
+    with pytest.raises(SystemExit) as exc:
+        generate.main(["--smoke-cpu", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
