@@ -29,6 +29,7 @@ a byte-exact check of every entry on every device.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -268,6 +269,24 @@ def format_table(report: dict) -> str:
     return "\n".join(lines)
 
 
+def check_args(parser, args) -> None:
+    """parser.error for a value no measurement can take: every size at least
+    a byte, a positive total, chunk, rep, lane and device count."""
+    for size in args.sizes_mib:
+        if not (math.isfinite(size) and int(size * MIB) >= 1):
+            parser.error(f"--sizes-mib must be positive and finite (at least a byte), got {size}")
+    if not (math.isfinite(args.total_mib) and args.total_mib > 0):
+        parser.error(f"--total-mib must be positive and finite, got {args.total_mib}")
+    if not (math.isfinite(args.chunk_mib) and int(args.chunk_mib * MIB) >= 1):
+        parser.error(f"--chunk-mib must be positive and finite (at least a byte), got {args.chunk_mib}")
+    if args.reps < 1:
+        parser.error(f"--reps must be at least 1, got {args.reps}")
+    if args.lanes < 1:
+        parser.error(f"--lanes must be at least 1, got {args.lanes}")
+    if args.devices < 1:
+        parser.error(f"--devices must be at least 1, got {args.devices}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes-mib", type=float, nargs="+", default=[1, 4, 9.4, 64])
@@ -279,6 +298,7 @@ def main(argv=None) -> int:
                         help="with N > 1: all N devices prefetch at once (aggregate vs sum of raw)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    check_args(parser, args)
     if args.devices > 1:
         return main_devices(args)
     rows = []

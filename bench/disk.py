@@ -55,6 +55,7 @@ row is null, with the reason.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import statistics
@@ -70,6 +71,7 @@ from bench.common import fmt, machine_info, write_json  # noqa: E402
 
 MIB = 1 << 20
 ALIGN = 4096  # buffers and ranges; a multiple of every O_DIRECT alignment seen
+SMOKE_REPS = 2  # --smoke-cpu's rounds: one in each order
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -399,13 +401,24 @@ def parse(argv):
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--json")
     parser.add_argument("--smoke-cpu", action="store_true",
-                        help="tiny files, one round, threads 1 and 2 (CI): checks the bench runs, measures nothing")
+                        help=f"tiny files, {SMOKE_REPS} rounds (one in each order), threads 1 and 2 (CI): checks "
+                             "the bench runs, measures nothing")
     args = parser.parse_args(argv)
     if args.smoke_cpu:
-        args.files, args.size_mib, args.range_mib, args.threads, args.reps = 2, 4, 1.5, [1, 2], 2
+        args.files, args.size_mib, args.range_mib, args.threads, args.reps = 2, 4, 1.5, [1, 2], SMOKE_REPS
+    if not math.isfinite(args.range_mib):
+        parser.error(f"--range-mib must be finite, got {args.range_mib}")
     args.range_bytes = -(-int(args.range_mib * MIB) // ALIGN) * ALIGN
     if min(args.files, args.size_mib, args.range_bytes, args.reps, *args.threads) < 1:
         parser.error("--files, --size-mib, --range-mib, --reps and --threads must be positive")
+    if len(set(args.threads)) != len(args.threads):
+        # Each count is one reader and one sample a round: a repeat would
+        # leave one reader unclosed and pair its samples with the wrong rounds.
+        parser.error(f"--threads counts must differ, got {' '.join(map(str, args.threads))}")
+    if not os.path.isdir(args.dir):
+        parser.error(f"--dir {args.dir}: no such directory")
+    if not os.access(args.dir, os.W_OK | os.X_OK):
+        parser.error(f"--dir {args.dir}: not writable")
     return args
 
 

@@ -45,6 +45,9 @@ Bytes are tiny (4 KiB per expert): this measures issuance, not copies.
 --thrash-mb N touches N MB of host memory between calls (outside the timed
 region), as a model's forward does between two MoE layers: the call then
 runs with cold caches, which is what it costs inside `generate`.
+When the requested backend is unavailable (--backend cuda without CUDA),
+every row is null (not measured, never zero), in the printout and the
+JSON, and the exit status is 1.
 """
 from __future__ import annotations
 
@@ -71,12 +74,21 @@ def main(argv=None) -> int:
                         help="MB of host memory touched between calls (cold caches, as inside a forward)")
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.layers < 1 or args.experts < 1 or args.top < 1 or args.iterations < 1:
+        parser.error("--layers, --experts, --top and --iterations must be positive")
+    if args.top > args.experts:
+        parser.error(f"--top {args.top} is more than --experts {args.experts} (routed experts are distinct)")
+    if args.thrash_mb < 0:
+        parser.error(f"--thrash-mb must be >= 0, got {args.thrash_mb}")
     import numpy as np
     import torch
 
     import prefetch
 
-    handle, ctl, stream = resident_handle(args, prefetch, np, torch, "cyclic")
+    try:
+        handle, ctl, stream = resident_handle(args, prefetch, np, torch, "cyclic")
+    except prefetch.BackendUnavailableError as exc:  # e.g. --backend cuda without a GPU
+        return not_measured(args, exc)
     cuda = stream is not None
     rng = np.random.default_rng(0)
     routes = [np.sort(rng.choice(args.experts, args.top, replace=False)).astype(np.int64)
@@ -153,6 +165,25 @@ def main(argv=None) -> int:
                                "thrash_mb": args.thrash_mb,
                                "hit_rate": hit_rate, "step_plan_pins_resident": pins_resident, "rows": rows})
     return 0
+
+
+ROWS = ("step", "exchange", "separate-calls", "pin-layer", "step-plan", "hints-one-time", "hints-clear")
+
+
+def not_measured(args, exc) -> int:
+    """The requested backend is unavailable: every row null (never zero), the
+    JSON written where it would be, exit status 1."""
+    print(f"engine path: could not measure on backend {args.backend!r}: {exc}", file=sys.stderr)
+    print(f"engine path per layer, {args.top} experts: not measured (backend {args.backend} unavailable):")
+    for name in ROWS:
+        print(f"  {name:15s} p50    null      p90    null")
+    if args.json:
+        write_json(args.json, {"bench": "engine_path", "machine": machine_info(), "backend": None,
+                               "requested_backend": args.backend, "error": str(exc),
+                               "top": args.top, "layers": args.layers, "experts": args.experts,
+                               "thrash_mb": args.thrash_mb, "hit_rate": None, "step_plan_pins_resident": None,
+                               "rows": {name: None for name in ROWS}})
+    return 1
 
 
 def _row(samples: list, per_what: str | None = None) -> dict:

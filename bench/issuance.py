@@ -173,8 +173,15 @@ def format_table(report: dict) -> str:
 
 
 def read_window(path: str) -> float:
-    with open(path) as f:
-        data = json.load(f)
+    """The positive 'window_us' of the JSON file at `path` (or a bare
+    number); SystemExit naming the file and the problem otherwise."""
+    try:
+        with open(path) as f:
+            data = json.load(f)
+    except OSError as exc:
+        raise SystemExit(f"{path}: cannot read ({exc.strerror or exc})") from exc
+    except (ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8
+        raise SystemExit(f"{path}: not valid JSON ({exc})") from exc
     value = data.get("window_us") if isinstance(data, dict) else data
     if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
         raise SystemExit(f"{path}: expected a positive 'window_us', got {value!r}")
@@ -278,7 +285,10 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.experts <= 0 or args.layers <= 0 or args.iterations <= 0 or args.warmup < 0:
         parser.error("experts, layers and iterations must be positive; warmup >= 0")
-    window_us = read_window(args.window_json) if args.window_json else args.window_us
+    try:
+        window_us = read_window(args.window_json) if args.window_json else args.window_us
+    except SystemExit as exc:
+        parser.error(f"--window-json {exc}")
     if not window_us > 0:
         parser.error("--window-us must be positive")
 

@@ -17,6 +17,7 @@ Needs CUDA; without it the figures are null.
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import statistics
 import sys
@@ -167,6 +168,12 @@ def main(argv=None) -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json")
     args = parser.parse_args(argv)
+    if args.matmul < 1 or args.steps < 1 or args.reps < 1:
+        parser.error(f"--matmul, --steps and --reps must be at least 1, got {args.matmul}, {args.steps}, {args.reps}")
+    if not (math.isfinite(args.entry_mib) and int(args.entry_mib * MIB) >= 1):
+        parser.error(f"--entry-mib must be positive and finite (at least a byte), got {args.entry_mib}")
+    if not (math.isfinite(args.copy_fraction) and args.copy_fraction > 0):
+        parser.error(f"--copy-fraction must be positive and finite, got {args.copy_fraction}")
     try:
         import torch
 

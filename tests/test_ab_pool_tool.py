@@ -3,6 +3,7 @@ runs pooled, per model, batch, share and rows."""
 from __future__ import annotations
 
 import json
+import re
 import statistics
 
 import pytest
@@ -99,3 +100,33 @@ def test_a_malformed_result_gets_a_clear_error_naming_it(tmp_path, capsys, conte
     with pytest.raises(SystemExit):  # the command line says so too, without a traceback
         tool.main([str(path), "--part", part])
     assert message.split()[0] in capsys.readouterr().err
+
+
+def test_all_ties_print_no_sign_test_p(tmp_path, capsys):
+    tool = load_tool("ab_pool")
+    f = _write(tmp_path / "a.json", _ab([[10.0, 10.0], [9.0, 9.0]]))
+    assert tool.pool([f])[0]["pooled"]["sign_p"] is None
+    assert tool.main([f]) == 0
+    out = capsys.readouterr().out
+    assert "pooled: 2 pairs" in out and "sign test p n/a" in out
+
+
+@pytest.mark.parametrize("part, flag", [("swapped", "--ab-swap?"), ("pooled", "--ab-swap?"),
+                                        ("control", "--ab-control?")])
+def test_a_missing_part_names_the_flag_that_writes_it(tmp_path, part, flag):
+    tool = load_tool("ab_pool")
+    f = _write(tmp_path / "a.json", _ab([[10.0, 11.0]]))
+    with pytest.raises(ValueError, match="not in this file") as err:
+        tool.load(f, part)
+    assert f"run without {flag})" in str(err.value)
+
+
+def test_the_part_flags_exist_in_generate(capsys):
+    tool = load_tool("ab_pool")
+    from bench import generate
+
+    with pytest.raises(SystemExit):
+        generate.main(["--help"])
+    options = set(re.findall(r"^\s+(--[a-z][a-z-]*)", capsys.readouterr().out, re.M))
+    assert set(tool.PART_FLAGS) == set(tool.PARTS) - {"ab"}
+    assert set(tool.PART_FLAGS.values()) <= options

@@ -1,8 +1,11 @@
 """bench/disk.py --smoke-cpu: the disk bench runs end to end on tiny files
 (raw preadv on one thread and on many, DiskReader at each thread count,
 the byte check), and reports
-the GPU row as null with its reason where there is no CUDA."""
+the GPU row as null with its reason where there is no CUDA; bad arguments
+(a repeated thread count, a missing --dir) are refused by the parser."""
 import json
+
+import pytest
 
 from bench import disk
 
@@ -30,3 +33,32 @@ def test_disk_bench_smoke(tmp_path, capsys):
     else:
         assert gpu["gbps"] is None and gpu["over_raw"] is None and gpu["reason"] == disk.gpu_reason()
     assert list(tmp_path.iterdir()) == [out]  # the bench's files are gone
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--threads", "1", "1", "--reps", "2"], "--threads counts must differ, got 1 1"),
+    (["--threads", "2", "1", "2"], "--threads counts must differ"),
+    (["--range-mib", "nan"], "--range-mib must be finite"),
+])
+def test_bad_arguments_are_refused_by_the_parser(tmp_path, capsys, args, message):
+    with pytest.raises(SystemExit) as exit_info:
+        disk.parse(["--dir", str(tmp_path), *args])
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+    assert list(tmp_path.iterdir()) == []  # nothing written
+
+
+def test_a_missing_dir_is_refused_by_the_parser(tmp_path, capsys):
+    missing = tmp_path / "nonexist"
+    with pytest.raises(SystemExit) as exit_info:
+        disk.main(["--smoke-cpu", "--dir", str(missing)])
+    assert exit_info.value.code == 2
+    assert f"--dir {missing}: no such directory" in capsys.readouterr().err
+
+
+def test_smoke_help_tells_its_real_round_count(capsys):
+    args = disk.parse(["--smoke-cpu"])
+    with pytest.raises(SystemExit):
+        disk.parse(["--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps the help
+    assert f"--smoke-cpu tiny files, {args.reps} rounds" in text and "one round," not in text

@@ -114,3 +114,22 @@ def test_table_explains_null_rows_and_the_window_line():
     assert "null: not measured on this machine" in table
     assert "crossover=[4.00, 400.00) us" in table
     assert "exposed: per-expert p50 >= W" in table
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "cannot read"),
+    ("{not json", "not valid JSON"),
+    (b"\xff\xfe", "not valid JSON"),
+    ('{"window_us": "wide"}', "expected a positive 'window_us'"),
+])
+def test_a_bad_window_json_is_refused_naming_the_file(tmp_path, capsys, content, message):
+    path = tmp_path / "w.json"
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    elif content is not None:
+        path.write_text(content)
+    with pytest.raises(SystemExit) as exit_info:
+        issuance.main(["--window-json", str(path), "--iterations", "1"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"--window-json {path}: {message}" in err and "Traceback" not in err

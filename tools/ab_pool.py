@@ -32,6 +32,8 @@ from bench.common import write_json  # noqa: E402
 from bench.generate_ab import _pair_figures  # noqa: E402
 
 PARTS = ("ab", "control", "swapped", "pooled")
+# bench/generate.py's flag that writes each part other than the A/B itself.
+PART_FLAGS = {"control": "--ab-control", "swapped": "--ab-swap", "pooled": "--ab-swap"}
 
 
 def _pairs_of(part: dict, lockstep: bool, where: str) -> list:
@@ -73,7 +75,7 @@ def load(path: str, part: str = "ab", lockstep: bool = False) -> list[dict]:
         where = f"{path}: block {i} ({ab.get('model')}), {part}"
         src = ab if part == "ab" else ab.get(part)
         if not isinstance(src, dict):
-            raise ValueError(f"{where}: not in this file (run without --ab-{part.replace('pooled', 'swap')}?)")
+            raise ValueError(f"{where}: not in this file (run without {PART_FLAGS[part]}?)")
         pairs = _pairs_of(src, lockstep, where)
         if part == "swapped":  # run as [B, A]
             pairs = [[b, a] for a, b in pairs]
@@ -114,9 +116,13 @@ def _ci(ci) -> str:
     return f"{ci[0]:.3f}-{ci[1]:.3f} at {100 * ci[2]:.1f} %" if ci else "null (too few pairs)"
 
 
+def _p(p) -> str:
+    return "n/a (every pair a tie)" if p is None else f"{p:.3g}"
+
+
 def _line(label: str, fig: dict, a: str) -> str:
     return (f"  {label}: {fig['pairs']} pairs, x_ab {fig['x_ab']:.3f} ({_ci(fig['x_ab_ci'])}), "
-            f"{a} faster in {fig['a_faster']}, sign test p {fig['sign_p']:.3g}")
+            f"{a} faster in {fig['a_faster']}, sign test p {_p(fig['sign_p'])}")
 
 
 def main(argv=None) -> int:
