@@ -87,6 +87,17 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         int64_t last_batch_end_ns
 
 
+cdef extern from "disk_io.h" namespace "prefetch" nogil:
+    cdef cppclass CDiskFileInfo "prefetch::DiskFileInfo":
+        string path
+        bool direct
+        size_t alignment
+        uint64_t size
+        int64_t mtime_ns
+        uint64_t inode
+        uint64_t device
+
+
 cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
     const int64_t kMaxTensorId
 
@@ -163,6 +174,7 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
             int64_t id, const void* host_ptr, size_t bytes, int device
         ) except +prefetch_raise_py_error
         int32_t OpenFile(const string& path) except +prefetch_raise_py_error
+        CDiskFileInfo FileInfo(int32_t file) except +prefetch_raise_py_error
         void RegisterDisk(
             int64_t id, const CDiskExtent* extents, size_t n,
             size_t total_bytes, int device

@@ -201,6 +201,21 @@ cdef class _HandleBase:
             index = self._c.OpenFile(cpath)
         return index
 
+    def file_info(self, file):
+        """The file `file` (from ``open_file``) as it was opened: a dict of
+        path, direct (O_DIRECT or buffered), alignment (1 when buffered),
+        size, mtime_ns, inode, device. Check a file against what you
+        expect here, after ``open_file``: a file replaced between a
+        ``stat`` and the open would pass a check made before it."""
+        self._check_open()
+        cdef int32_t f = _int_option("file", file, 0, (1 << 31) - 1)
+        cdef CDiskFileInfo info
+        with nogil:
+            info = self._c.FileInfo(f)
+        return {"path": os.fsdecode(bytes(info.path)), "direct": info.direct,
+                "alignment": info.alignment, "size": info.size, "mtime_ns": info.mtime_ns,
+                "inode": info.inode, "device": info.device}
+
     def register_disk(self, tensor_id, extents, *, total_bytes=None, device=0):
         """Registers `tensor_id` as bytes read from files (Note [Host tier]):
         `extents` is a list of ``(file, file_offset, nbytes, tensor_offset)``

@@ -209,6 +209,11 @@ class ArcherPrefetchHandle {
   // Note [Host tier]: opens `path` for the disk tier (O_DIRECT per the
   // options) and returns its index; a missing file throws kIoError.
   int32_t OpenFile(const std::string& path) EXCLUDES(mu_);
+  // The file `file` as OpenFile found it (size, mtime, inode, ...): what a
+  // caller checks a file against, after opening it, not before (a file
+  // replaced between a stat and the open would pass). kInvalidArgument for
+  // an index OpenFile did not return.
+  DiskFileInfo FileInfo(int32_t file) const EXCLUDES(mu_);
   // Registers `id` as `total_bytes` read from `extents` (bytes no extent
   // covers are zero). Throws kInvalidArgument without a host tier, for an
   // unknown file, an extent past its file's size (at open) or the tensor,

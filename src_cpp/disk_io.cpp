@@ -27,10 +27,14 @@ int64_t MtimeNs(const struct stat& st) {
          st.st_mtim.tv_nsec;
 }
 
+// O_NONBLOCK: opening a FIFO (or a device) named as a file must not block
+// before the S_ISREG check can refuse it (a FIFO's open waits for a writer,
+// with the GIL released: it hung the caller for good). OpenDiskFile clears
+// the flag on the regular file it keeps.
 int OpenRetrying(const std::string& path, int flags) {
   int fd;
   do {
-    fd = ::open(path.c_str(), flags);
+    fd = ::open(path.c_str(), flags | O_NONBLOCK);
   } while (fd < 0 && errno == EINTR);
   return fd;
 }
@@ -156,6 +160,11 @@ DiskSpan AlignedSpan(const std::string& path, uint64_t offset, uint64_t length,
 
 void OpenDiskFile(const std::string& path, bool direct, bool refuse_direct,
                   DiskFile* out) {
+  // open(2) reads the path up to its first NUL: "a\0b" would open "a".
+  if (path.empty() || path.find('\0') != std::string::npos) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "a file path must be non-empty, without NUL bytes");
+  }
   int err = 0;
   if (direct) {
     if (refuse_direct) {
@@ -183,6 +192,12 @@ void OpenDiskFile(const std::string& path, bool direct, bool refuse_direct,
   if (!S_ISREG(st.st_mode)) {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         path + ": not a regular file");
+  }
+  const int flags = ::fcntl(out->fd, F_GETFL);
+  if (flags < 0 || ::fcntl(out->fd, F_SETFL, flags & ~O_NONBLOCK) != 0) {
+    err = errno;
+    throw PrefetchError(ErrorKind::kIoError,
+                        path + ": fcntl failed: " + ErrnoText(err), err);
   }
   DiskFileInfo& info = out->info;
   info.path = path;

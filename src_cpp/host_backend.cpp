@@ -1,4 +1,5 @@
 #include <algorithm>
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <chrono>
@@ -14,6 +15,11 @@ namespace {
 constexpr size_t kHostAlignmentBytes = 256;  // matches the cache slot alignment
 
 void* AlignedAlloc(size_t bytes, const char* what) {
+  if (bytes > SIZE_MAX - kHostAlignmentBytes) {  // the rounding below would wrap
+    throw PrefetchError(ErrorKind::kOutOfMemory,
+                        std::string("could not allocate ") +
+                            std::to_string(bytes) + " bytes of " + what);
+  }
   size_t rounded = (bytes + kHostAlignmentBytes - 1) / kHostAlignmentBytes *
                    kHostAlignmentBytes;
   if (rounded == 0) rounded = kHostAlignmentBytes;

@@ -127,6 +127,18 @@ int32_t ArcherPrefetchHandle::OpenFile(const std::string& path) {
   return static_cast<int32_t>(files_.size() - 1);
 }
 
+DiskFileInfo ArcherPrefetchHandle::FileInfo(int32_t file) const {
+  CheckNotForked();
+  MutexGuard lk(mu_);
+  CheckUsableLocked();
+  if (file < 0 || static_cast<size_t>(file) >= files_.size()) {
+    throw PrefetchError(ErrorKind::kInvalidArgument,
+                        "file " + std::to_string(file) +
+                            " is not one OpenFile returned");
+  }
+  return files_[static_cast<size_t>(file)]->info;
+}
+
 void ArcherPrefetchHandle::RegisterDisk(int64_t id, const DiskExtent* extents,
                                         size_t n, size_t total_bytes,
                                         int device) {

@@ -30,10 +30,14 @@ void ArcherPrefetchHandle::CheckRegistrationLocked(int64_t id, size_t bytes,
                         IdText(id) + ": cannot register an empty tensor");
   }
   const size_t budget = devices_[device]->cache->budget_bytes();
-  if (AlignSlot(bytes) > budget) {
+  // `bytes > budget` first: AlignSlot of a size within 255 bytes of 2**64
+  // wraps to 0, and such a tensor passed this check and was given a 0-byte
+  // slot (a memset of 2**64 bytes followed).
+  if (bytes > budget || AlignSlot(bytes) > budget) {
+    const size_t need = bytes > budget ? bytes : AlignSlot(bytes);
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         IdText(id) + " needs " +
-                            std::to_string(AlignSlot(bytes)) +
+                            std::to_string(need) +
                             " bytes of cache but device " +
                             std::to_string(device) + " has a budget of " +
                             std::to_string(budget));

@@ -187,6 +187,69 @@ def test_missing_files_and_bad_registrations_are_refused(tmp_path, data_file):
             handle.register_disk(0, [(f, 0, 100, 0)])
 
 
+def test_sizes_near_2_64_are_refused_not_wrapped(data_file):
+    # AlignSlot of a size within 255 bytes of 2**64 wrapped to 0: such a
+    # tensor passed the budget check with a 0-byte slot, and its first copy
+    # zero-filled 2**64 bytes (a segfault).
+    path, _ = data_file
+    with prefetch.PrefetchHandle(device_budget_bytes=MIB, backend="host", host_budget_bytes=MIB) as handle:
+        f = handle.open_file(path)
+        for total in (2**64 - 1, 2**64 - 200, 2**64 - 256):
+            with pytest.raises(InvalidArgumentError, match=f"needs {total} bytes of cache"):
+                handle.register_disk(1, [(f, 0, 100, 0)], total_bytes=total)
+            with pytest.raises(InvalidArgumentError, match=f"needs {total} bytes of cache"):
+                handle.register_parts(2, [(np.ones(10, np.uint8), 0)], total_bytes=total)
+        assert handle.stats()["registered"] == 0
+
+
+def test_open_file_refuses_a_path_with_a_nul_and_a_fifo(tmp_path, data_file):
+    # open(2) stops at a NUL: "a\0b" opened "a" and served its bytes. A
+    # FIFO's open waited for a writer, with the GIL released (run in a
+    # child, so a hang fails the test instead of stopping the suite).
+    import subprocess
+    import sys
+
+    path, _ = data_file
+    with prefetch.PrefetchHandle(device_budget_bytes=MIB, backend="host", host_budget_bytes=MIB) as handle:
+        with pytest.raises(InvalidArgumentError, match="without NUL bytes"):
+            handle.open_file(str(path) + "\0.other")
+        with pytest.raises(InvalidArgumentError, match="without NUL bytes"):
+            handle.open_file("")
+    fifo = tmp_path / "f.bin"
+    os.mkfifo(fifo)
+    code = f"""
+import prefetch
+from prefetch.errors import InvalidArgumentError
+for make in (lambda: prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", host_budget_bytes=1 << 20),
+             lambda: prefetch.DiskReader()):
+    with make() as h:
+        try:
+            (h.open_file if hasattr(h, "open_file") else h.open)({str(fifo)!r})
+        except InvalidArgumentError as e:
+            print("refused:", e)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.count("not a regular file") == 2, done.stdout
+
+
+def test_file_info_tells_the_file_as_opened(data_file):
+    path, data = data_file
+    with prefetch.PrefetchHandle(device_budget_bytes=MIB, backend="host", host_budget_bytes=MIB) as handle:
+        f = handle.open_file(path)
+        info = handle.file_info(f)
+        st = os.stat(path)
+        assert info["path"] == str(path) and info["size"] == data.nbytes == st.st_size
+        assert info["mtime_ns"] == st.st_mtime_ns and info["inode"] == st.st_ino
+        with pytest.raises(InvalidArgumentError, match="not one OpenFile returned"):
+            handle.file_info(f + 1)
+        with pytest.raises(TypeError):
+            handle.file_info(True)
+    with pytest.raises(prefetch.HandleClosedError):
+        handle.file_info(f)
+
+
 def test_unregister_frees_the_host_slot(data_file):
     path, data = data_file
     with prefetch.PrefetchHandle(device_budget_bytes=2 * MIB, backend="host", host_budget_bytes=2 * MIB) as handle:
