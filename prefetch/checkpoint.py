@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat as stat_module
 import struct
 from dataclasses import dataclass
 
@@ -84,29 +85,66 @@ def _json(raw: bytes, where: str, what: str):
         raise CheckpointError(f"{where}: {what}: {err}") from None
 
 
+def _show(value, limit: int = 200) -> str:
+    """repr(value) for an error message, cut to `limit` characters; a
+    header's integers can be too long for Python to print at all."""
+    try:
+        text = repr(value)
+    except ValueError:  # an int past sys.get_int_max_str_digits
+        return f"<a {type(value).__name__} with an integer too long to print>"
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
+def _open_regular(path: str, what: str):
+    """`path` opened for reading as a binary file object, refused unless it
+    is a regular file. Opened with O_NONBLOCK (cleared after the check): a
+    FIFO named *.safetensors would otherwise block the open until a writer
+    came, for good."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    except OSError as err:
+        raise CheckpointError(f"{path}: {what}: {err}") from err
+    try:
+        if not stat_module.S_ISREG(os.fstat(fd).st_mode):
+            raise CheckpointError(f"{path}: {what}: not a regular file")
+        os.set_blocking(fd, True)
+        return os.fdopen(fd, "rb")
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _entry(path: str, name, entry, data_start: int, data_len: int, stat) -> TensorLocation:
-    where = f"{path}: tensor {name!r}"
+    where = f"{path}: tensor {_show(name)}"
     if not isinstance(entry, dict) or set(entry) != _ENTRY_KEYS:
         raise CheckpointError(f"{where}: expected exactly the fields dtype, shape, data_offsets")
     dtype, shape, offsets = entry["dtype"], entry["shape"], entry["data_offsets"]
-    if dtype not in DTYPE_BYTES:
-        raise CheckpointError(f"{where}: unknown dtype {dtype!r} (known: {', '.join(DTYPE_BYTES)})")
+    if not isinstance(dtype, str) or dtype not in DTYPE_BYTES:  # a list or object is not hashable
+        raise CheckpointError(f"{where}: unknown dtype {_show(dtype)} (known: {', '.join(DTYPE_BYTES)})")
     if not isinstance(shape, list) or not all(_is_int(d) and d >= 0 for d in shape):
-        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {shape!r}")
+        raise CheckpointError(f"{where}: shape must be a list of non-negative integers, got {_show(shape)}")
     if (not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_int(o) for o in offsets)
             or not 0 <= offsets[0] <= offsets[1] <= data_len):
-        raise CheckpointError(f"{where}: data_offsets {offsets!r} are not [begin, end] with 0 <= begin <= end "
+        raise CheckpointError(f"{where}: data_offsets {_show(offsets)} are not [begin, end] with 0 <= begin <= end "
                               f"<= {data_len} (the data's length)")
+    span = offsets[1] - offsets[0]
     nbytes = DTYPE_BYTES[dtype]
-    for d in shape:
-        nbytes *= d
-    if nbytes != offsets[1] - offsets[0]:
-        raise CheckpointError(f"{where}: shape {shape} of {dtype} is {nbytes} bytes, data_offsets span "
-                              f"{offsets[1] - offsets[0]}")
+    if 0 in shape:
+        nbytes = 0
+    else:
+        # Stop once past the span: a product of huge dimensions took time
+        # quadratic in their digits (a 4 MB header of 1000 dims, 72 s).
+        for d in shape:
+            nbytes *= d
+            if nbytes > span:
+                break
+    if nbytes != span:
+        size = f"{nbytes} bytes" if nbytes <= span else "more bytes than that"
+        raise CheckpointError(f"{where}: data_offsets span {span} bytes; shape {_show(shape)} of {dtype} is {size}")
     return TensorLocation(path, data_start + offsets[0], nbytes, dtype, tuple(shape), stat.st_size,
                           stat.st_mtime_ns)
 
@@ -116,7 +154,7 @@ def read_safetensors_header(path) -> dict:
     checked (Note [Safetensors headers are untrusted])."""
     path = os.fspath(path)
     try:
-        with open(path, "rb") as f:
+        with _open_regular(path, "cannot read") as f:
             stat = os.fstat(f.fileno())
             head = f.read(8)
             if len(head) < 8:
@@ -149,7 +187,7 @@ def read_safetensors_header(path) -> dict:
 def _shard_path(folder: str, name) -> str:
     if (not isinstance(name, str) or not name or name in (".", "..") or "/" in name or "\\" in name
             or "\0" in name):
-        raise CheckpointError(f"{folder}/{INDEX_FILE}: shard {name!r} is not a plain file name in the folder")
+        raise CheckpointError(f"{folder}/{INDEX_FILE}: shard {_show(name)} is not a plain file name in the folder")
     path = os.path.join(folder, name)
     if not os.path.isfile(path):
         raise CheckpointError(f"{folder}: shard {name!r} named by {INDEX_FILE} is missing")
@@ -162,10 +200,12 @@ def index_checkpoint(folder) -> dict:
     file in it. A tensor in two shards, or mapped to a shard that lacks it,
     is an error."""
     folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"{folder}: not a checkpoint folder (no such directory)")
     index = os.path.join(folder, INDEX_FILE)
-    if os.path.exists(index):
+    if os.path.lexists(index):  # a dangling link is an index that cannot be read, not no index
         try:
-            with open(index, "rb") as f:
+            with _open_regular(index, "not a readable JSON index") as f:
                 raw = f.read()
         except OSError as err:
             raise CheckpointError(f"{index}: not a readable JSON index: {err}") from None
@@ -178,7 +218,8 @@ def index_checkpoint(folder) -> dict:
             if not (isinstance(name, str) and name in shards):
                 shards[name] = _shard_path(folder, name)
     else:
-        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors"))
+        names = sorted(n for n in os.listdir(folder) if n.endswith(".safetensors")
+                       and os.path.isfile(os.path.join(folder, n)))
         if not names:
             raise CheckpointError(f"{folder}: no {INDEX_FILE} and no *.safetensors file")
         shards = {name: os.path.join(folder, name) for name in names}

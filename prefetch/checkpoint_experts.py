@@ -136,7 +136,6 @@ def register_from_disk(prefetcher, handle, checkpoint, block_names, chosen, gate
     tensor is checked as for fill_from_checkpoint, and every shard against
     the index (size, mtime) as it is opened: from then on the engine checks
     it at every read. `devices[layer]`: the engine device of that layer."""
-    import os
 
     index = checkpoint if isinstance(checkpoint, dict) else index_checkpoint(checkpoint)
     experts = expert_locations(index, block_names, chosen, gate_up_shape, down_shape, dtype)
@@ -145,9 +144,13 @@ def register_from_disk(prefetcher, handle, checkpoint, block_names, chosen, gate
     for layer, e, (gate, up, down) in experts:
         for loc in (gate, up, down):
             if loc.path not in files:
-                st = os.stat(loc.path)
-                _check_unchanged(loc, st.st_size, st.st_mtime_ns)
-                files[loc.path] = handle.open_file(loc.path)
+                # Opened first, then checked: the engine reads the file it
+                # opened, and a shard replaced between a stat and the open
+                # would have passed a check made before it.
+                f = handle.open_file(loc.path)
+                info = handle.file_info(f)
+                _check_unchanged(loc, info["size"], info["mtime_ns"])
+                files[loc.path] = f
         extents = [(files[loc.path], loc.offset, loc.nbytes, at)
                    for loc, at in ((gate, 0), (up, gate.nbytes), (down, down_offset)) if loc.nbytes]
         prefetcher.register_disk(layer, e, extents, layout, device=devices[layer])

@@ -90,7 +90,12 @@ GOOD = {"dtype": "F32", "shape": [4], "data_offsets": [0, 16]}
     ({"w": {**GOOD, "data_offsets": [8, 4]}}, None, "begin <= end"),
     ({"w": {**GOOD, "data_offsets": [-16, 0]}}, None, "begin <= end"),
     ({"w": {**GOOD, "data_offsets": [0, 1.5e1]}}, None, "begin <= end"),
-    ({"w": {**GOOD, "shape": [3]}}, None, "is 12 bytes, data_offsets span 16"),
+    ({"w": {**GOOD, "shape": [3]}}, None, r"data_offsets span 16 bytes; shape \[3\] of F32 is 12 bytes"),
+    ({"w": {**GOOD, "dtype": ["F32"]}}, None, r"unknown dtype \['F32'\]"),  # not hashable: was a TypeError
+    ({"w": {**GOOD, "dtype": {}}}, None, "unknown dtype {}"),
+    # Each under Python's 4300 digits, their product over: formatting it was a bare ValueError.
+    ({"w": {**GOOD, "shape": [10 ** 4000, 10 ** 4000]}}, None, "is more bytes than that"),
+    ({"w": {**GOOD, "shape": [10 ** 4000, 0]}}, None, "data_offsets span 16 bytes; .* is 0 bytes"),
     ({"w": GOOD, "v": {"dtype": "F32", "shape": [2], "data_offsets": [8, 16]}}, None, "overlap"),
     ({"w": GOOD, "__metadata__": {"format": 1}}, None, "__metadata__"),
 ])
@@ -194,3 +199,61 @@ def test_arbitrary_bytes_never_escape_as_anything_but_checkpoint_error(tmp_path,
         for loc in index.values():
             assert 8 <= loc.offset and loc.offset + loc.nbytes <= size
             assert read_tensor(loc).nbytes == loc.nbytes
+
+
+def test_a_huge_shape_is_refused_without_multiplying_it_out(tmp_path):
+    # The product of a header's dimensions was taken in full before the
+    # comparison with its span: 1000 dimensions of 4000 digits took 72 s.
+    import time
+
+    big = int("9" * 4000)
+    path = header_case(tmp_path, raw=json.dumps({"w": {**GOOD, "shape": [big] * 1000}}).encode())
+    t0 = time.perf_counter()
+    with pytest.raises(CheckpointError, match="more bytes than that"):
+        read_safetensors_header(path)
+    assert time.perf_counter() - t0 < 10  # about 0.3 s here; the old code would take minutes
+
+
+def _fifo(path):
+    os.mkfifo(path)
+    return path
+
+
+def _in_child(code: str, timeout: float = 60):
+    """Runs `code` in a child Python (a hang is then a failure, not a stuck
+    suite); returns its output."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=timeout,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+def test_a_fifo_is_refused_not_waited_on(tmp_path):
+    # open() of a FIFO waits for a writer: a *.safetensors FIFO in a
+    # checkpoint folder hung index_checkpoint for good.
+    fifo = _fifo(str(tmp_path / "a.safetensors"))
+    write_safetensors(tmp_path / "b.safetensors", {"w": np.zeros(4, np.float32)})
+    out = _in_child(f"""
+from prefetch.checkpoint import index_checkpoint, read_safetensors_header
+from prefetch.errors import CheckpointError
+try:
+    read_safetensors_header({fifo!r})
+except CheckpointError as e:
+    print("refused:", e)
+print(sorted(index_checkpoint({str(tmp_path)!r})))  # the FIFO is not a shard
+""")
+    assert "refused:" in out and "not a regular file" in out and "['w']" in out
+
+
+def test_an_index_that_cannot_be_read_is_not_taken_for_no_index(tmp_path):
+    write_safetensors(tmp_path / "b.safetensors", {"w": np.zeros(4, np.float32)})
+    os.symlink(tmp_path / "gone.json", tmp_path / INDEX_FILE)  # dangling: was ignored, the folder read without it
+    with pytest.raises(CheckpointError, match="not a readable JSON index"):
+        index_checkpoint(tmp_path)
+    with pytest.raises(CheckpointError, match="no such directory"):
+        index_checkpoint(tmp_path / "missing")
+    with pytest.raises(CheckpointError, match="no such directory"):
+        index_checkpoint(tmp_path / "b.safetensors")

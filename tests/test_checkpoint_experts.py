@@ -244,3 +244,61 @@ def test_experts_left_on_disk_on_the_gpu(tmp_path):
         assert s["host_tier_evictions"] > 0 and s["host_tier_used_bytes"] <= 4 * stage
     finally:
         ctl.close()
+
+
+def test_a_shard_replaced_before_the_engine_opens_it_is_refused(tmp_path):
+    # register_from_disk checked each shard with os.stat and then opened it:
+    # a shard replaced between the two passed, and the engine (which checks
+    # against the file it opened) served bytes the index never described.
+    # Now the opened file itself is checked. The replacement is made inside
+    # open_file, the moment the race needed.
+    import json
+    import struct
+    import time
+
+    import numpy as np
+
+    from prefetch.checkpoint_experts import register_from_disk
+    from prefetch.errors import CheckpointError
+    from prefetch.expert_prefetcher import ExpertPrefetcher, expert_layout
+
+    inter, hidden = 4, 8
+    names = ("gate_proj", "up_proj", "down_proj")
+
+    def shard(path, fill):
+        header, blobs, pos = {}, [], 0
+        for name, shape in zip(names, ([inter, hidden], [inter, hidden], [hidden, inter])):
+            data = np.full(shape, fill, np.float32).tobytes()
+            header[f"model.layers.0.mlp.experts.0.{name}.weight"] = {"dtype": "F32", "shape": shape,
+                                                                      "data_offsets": [pos, pos + len(data)]}
+            blobs.append(data)
+            pos += len(data)
+        head = json.dumps(header).encode()
+        path.write_bytes(struct.pack("<Q", len(head)) + head + b"".join(blobs))
+
+    path = tmp_path / "model.safetensors"
+    shard(path, 1.0)
+    index = index_checkpoint(tmp_path)
+    time.sleep(0.01)  # the replacement gets another mtime
+
+    handle = prefetch.PrefetchHandle(device_budget_bytes=1 << 16, backend="host", host_budget_bytes=1 << 16)
+
+    class Racing:  # the handle, with the shard replaced as it is opened
+        def open_file(self, p):
+            new = tmp_path / "new.safetensors"
+            shard(new, 7.0)
+            os.replace(new, p)
+            return handle.open_file(p)
+
+        def __getattr__(self, name):
+            return getattr(handle, name)
+
+    layout = expert_layout({"gate_up": torch.empty(2 * inter, hidden), "down": torch.empty(hidden, inter)})
+    prefetcher = ExpertPrefetcher(handle)
+    try:
+        with pytest.raises(CheckpointError, match="changed since the checkpoint was indexed"):
+            register_from_disk(prefetcher, Racing(), index, ["model.layers.0.mlp"], [[0]], (2 * inter, hidden),
+                               (hidden, inter), torch.float32, layout, [0])
+        assert handle.stats()["registered"] == 0
+    finally:
+        handle.close()

@@ -997,6 +997,11 @@ _HEADER = {"format": "prefetch-routing-trace/1", "num_layers": 2, "num_experts":
     (json.dumps({**_HEADER, "steps": [[[0], [None]]]}).encode(), "integers, got None"),
     (json.dumps({**_HEADER, "steps": [[[0], [-1]]]}).encode(), "step 0, layer 1: expert index out of range 0..3"),
     (json.dumps({**_HEADER, "steps": [[[0], [2, 1, 2]]]}).encode(), "listed twice"),
+    # A repeated key: json keeps the last one, so the file said two things.
+    (b'{"format": "prefetch-routing-trace/1", "num_layers": 2, "num_experts": 4, "steps": [[[0], [1]]], '
+     b'"steps": []}', "the key 'steps' is repeated"),
+    (b'{"format": "other", "format": "prefetch-routing-trace/1", "num_layers": 2, "num_experts": 4, "steps": []}',
+     "the key 'format' is repeated"),
 ])
 def test_a_malformed_trace_file_gets_a_clear_error(tmp_path, content, message):
     """A trace is an untrusted file: every way of breaking the format is a
@@ -1006,6 +1011,20 @@ def test_a_malformed_trace_file_gets_a_clear_error(tmp_path, content, message):
     path.write_bytes(content)
     with pytest.raises(ValueError, match=message):
         RoutingTrace.load(str(path))
+
+
+def test_a_trace_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    fifo = tmp_path / "trace.json"
+    os.mkfifo(fifo)
+    code = ("from prefetch.trace import RoutingTrace\n"
+            f"try:\n    RoutingTrace.load({str(fifo)!r})\nexcept ValueError as e:\n    print(e)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
+                          cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert done.returncode == 0 and "not a regular file" in done.stdout, done.stderr
 
 
 def test_a_trace_file_loads_sorted_and_an_empty_layer_is_allowed(tmp_path):
