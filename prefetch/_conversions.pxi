@@ -6,6 +6,7 @@
 cdef object _PY_BOOL = builtins.bool
 cdef object _INT64 = np.dtype(np.int64)
 cdef object _INT64_MAX = np.iinfo(np.int64).max
+cdef object _UINT64_MAX = (1 << 64) - 1
 
 
 cdef inline bint _is_torch_tensor(object obj):

@@ -232,17 +232,17 @@ cdef class _HandleBase:
             if len(item) != 4:
                 raise InvalidArgumentError(
                     "each extent is (file, file_offset, nbytes, tensor_offset)")
-            values = [operator.index(v) for v in item]
-            if min(values) < 0:
-                raise InvalidArgumentError("extent fields must be >= 0")
+            values = [_int_option(name, v, 0, _UINT64_MAX)
+                      for name, v in zip(("file", "file_offset", "nbytes", "tensor_offset"), item)]
             if values[0] > 2**31 - 1:
                 raise InvalidArgumentError(f"no file {values[0]}")
             x.file, x.file_offset, x.bytes, x.tensor_offset = values
             cext.push_back(x)
             end = max(end, values[3] + values[2])
-        total = end if total_bytes is None else operator.index(total_bytes)
-        if total < 0:
-            raise InvalidArgumentError("total_bytes must be >= 0")
+        total = (end if total_bytes is None
+                 else _int_option("total_bytes", total_bytes, 0, _UINT64_MAX))
+        if total > _UINT64_MAX:
+            raise InvalidArgumentError(f"the extents end past 2**64 bytes ({total})")
         cdef size_t ctotal = total
         cdef int dev = operator.index(device)
         with nogil:

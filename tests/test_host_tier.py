@@ -199,6 +199,18 @@ def test_sizes_near_2_64_are_refused_not_wrapped(data_file):
                 handle.register_disk(1, [(f, 0, 100, 0)], total_bytes=total)
             with pytest.raises(InvalidArgumentError, match=f"needs {total} bytes of cache"):
                 handle.register_parts(2, [(np.ones(10, np.uint8), 0)], total_bytes=total)
+        # Fields past 2**64 or of the wrong kind: the error names the field (an OverflowError and
+        # a bool taken as 1 before).
+        with pytest.raises(InvalidArgumentError, match="nbytes must be in 0..18446744073709551615"):
+            handle.register_disk(1, [(f, 0, 2**64, 0)])
+        with pytest.raises(InvalidArgumentError, match="file_offset must be in"):
+            handle.register_disk(1, [(f, -1, 100, 0)])
+        with pytest.raises(TypeError, match="tensor_offset must be an int, got a bool"):
+            handle.register_disk(1, [(f, 0, 100, True)])
+        with pytest.raises(InvalidArgumentError, match="the extents end past 2\\*\\*64"):
+            handle.register_disk(1, [(f, 0, 100, 2**64 - 5)])
+        with pytest.raises(InvalidArgumentError, match="total_bytes must be in"):
+            handle.register_disk(1, [(f, 0, 100, 0)], total_bytes=2**64)
         assert handle.stats()["registered"] == 0
 
 
