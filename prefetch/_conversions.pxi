@@ -7,6 +7,7 @@ cdef object _PY_BOOL = builtins.bool
 cdef object _INT64 = np.dtype(np.int64)
 cdef object _INT64_MAX = np.iinfo(np.int64).max
 cdef object _UINT64_MAX = (1 << 64) - 1
+cdef double _MAX_TIMEOUT_S = 1e9  # about 31 years (_as_timeout)
 
 
 cdef inline bint _is_torch_tensor(object obj):
@@ -165,9 +166,17 @@ cdef uintptr_t _stream_handle(object stream) except? 0:
 
 
 cdef double _as_timeout(object timeout) except? -1.0:
+    """Seconds, as a double; a finite timeout past about 31 years is taken as
+    that (the engine's nanosecond deadline overflowed past 9.2e9 s, and a
+    wait meant as 'forever', such as 1e10 or sys.float_info.max, timed out
+    at once). Negative, NaN and infinite values go on to the engine, which
+    refuses them."""
     if type(timeout) is _PY_BOOL:
         raise TypeError("timeout must be a number of seconds")
-    return float(timeout)
+    cdef double t = float(timeout)
+    if t > _MAX_TIMEOUT_S and t != INFINITY:
+        return _MAX_TIMEOUT_S
+    return t
 
 
 cdef int64_t _as_clock(object now) except? -1:

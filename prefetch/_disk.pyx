@@ -22,6 +22,7 @@ cimport cython
 from libc.stdint cimport int64_t, uint64_t, uintptr_t
 from libcpp cimport bool as cbool
 from libcpp.memory cimport unique_ptr
+from posix.unistd cimport getpid
 from libcpp.string cimport string
 
 from prefetch._errors cimport prefetch_raise_py_error, prefetch_set_error_type
@@ -189,9 +190,12 @@ cdef class DiskReader:
     cdef dict _buffers  # ticket -> (out, its array): alive while a read may write
     cdef readonly int threads
     cdef readonly bint direct_io
+    cdef long _pid  # the reader's process: Note [A handle in a forked child] (_handle_base.pxi)
 
     def __init__(self, threads=4, direct_io=True, *, faults=None):
         cdef CDiskFaultOptions options
+        if self._reader and self._pid != getpid():  # inherited by a forked child: left unfreed
+            self._reader.release()
         if self._reader:  # __init__ again: the old reader stops first
             with nogil:
                 self._reader.reset()
@@ -214,6 +218,7 @@ cdef class DiskReader:
         cdef cbool direct = self.direct_io
         with nogil:
             self._reader.reset(new CDiskReader(n, direct, options))
+        self._pid = getpid()
 
     cdef CDiskReader* _get(self) except NULL:
         if not self._reader:
@@ -222,7 +227,12 @@ cdef class DiskReader:
 
     def __dealloc__(self):
         # Close waits for reads in progress, before the buffers are released.
-        if self._reader:
+        # In a forked child the reader is left unfreed: its threads live in
+        # the parent only, and destroying it waited on them for good (Note
+        # [A handle in a forked child] in _handle_base.pxi).
+        if self._reader and self._pid != getpid():
+            self._reader.release()
+        elif self._reader:
             with nogil:
                 self._reader.reset()
 

@@ -23,6 +23,8 @@ from libcpp.pair cimport pair
 from libcpp.string cimport string
 from libcpp.utility cimport move
 from libcpp.vector cimport vector
+from libc.math cimport INFINITY
+from posix.unistd cimport getpid
 
 from prefetch._engine cimport (
     CArcherPrefetchHandle,
@@ -222,6 +224,7 @@ cdef class PrefetchHandle(_HandleBase):
         options.debug_issue_delay_ns = int(debug_issue_delay_us * 1000)
         self._owner.reset(new CArcherPrefetchHandle(options, move(cbackend)))
         self._c = self._owner.get()
+        self._pid = getpid()
         self._arenas = arenas
         self._external = {}
         self.backend = name
@@ -445,8 +448,10 @@ cdef class PrefetchHandle(_HandleBase):
         on the GPU: that stream waits, the CPU does not. Without one, the CPU
         waits until the bytes have arrived. The host backend has no streams:
         a stream there raises ValueError (and nothing is pinned). Raises
-        TimeoutError after ``timeout`` seconds, with nothing left pinned.
-        Views stay valid until release."""
+        TimeoutError after ``timeout`` seconds (one past about 31 years is
+        taken as that: a wait meant as forever), with nothing left pinned.
+        The ids are copied before the wait: the caller's array may change
+        meanwhile. Views stay valid until release."""
         self._check_open()
         cdef const int64_t[::1] ids = as_id_array(tensor_ids)
         cdef size_t n = ids.shape[0]
@@ -485,10 +490,17 @@ cdef class PrefetchHandle(_HandleBase):
         cdef size_t n = ids.shape[0]
         cdef vector[uintptr_t] streams = self._streams(stream, False)
         cdef double ctimeout = _as_timeout(timeout)
+        # Note [Ids copied for a wait]: the engine looks the ids up again
+        # each time the wait wakes, without the GIL; the caller's array
+        # (taken without a copy) could change meanwhile from another
+        # thread (a reused routing buffer), and an id that turned unknown
+        # crashed the process. The wait reads this copy instead.
+        cdef vector[int64_t] own
+        own.assign(&ids[0], &ids[0] + n)
         slots.resize(n)
         with nogil:
             self._c.Acquire(
-                &ids[0], n, streams.data(), ctimeout, slots.data()
+                own.data(), n, streams.data(), ctimeout, slots.data()
             )
         return 0
 
@@ -507,7 +519,8 @@ cdef class PrefetchHandle(_HandleBase):
         argument is checked before anything changes (unknown ids,
         releases without an acquire, bad hints, an acquire that can never
         fit: nothing happens); after that a failing acquire (timeout,
-        copy error) leaves the release, cancel and hints done. Returns the
+        copy error) leaves the release, cancel, hints, pins and uses done
+        (release the pins), and the prefetches not queued. Returns the
         (n, 2) int64 array of (offset, device) for ``acquire``.
 
         ``pin`` (with ``pin_into``, a writable int64 array of the same
@@ -544,14 +557,23 @@ cdef class PrefetchHandle(_HandleBase):
         if now is not None:
             args.now = _as_clock(now)
             args.set_now = True
+        # Note [Ids copied for a wait]: the acquire's and the prefetches' ids
+        # are read again after the wait (and with the lock dropped): copies.
+        cdef vector[int64_t] own_acq, own_pre
         if acquire is not None:
             _acq = _step_ids(acquire, &args.acquire_ids, &args.n_acquire)
+            if args.n_acquire > 0:
+                own_acq.assign(args.acquire_ids, args.acquire_ids + args.n_acquire)
+                args.acquire_ids = own_acq.data()
         out = np.empty((args.n_acquire, 2), dtype=np.int64)
         if args.n_acquire > 0:
             slots.resize(args.n_acquire)
             args.slots = slots.data()
         if prefetch is not None:
             _pre = _step_ids(prefetch, &args.prefetch_ids, &args.n_prefetch)
+            if args.n_prefetch > 0:
+                own_pre.assign(args.prefetch_ids, args.prefetch_ids + args.n_prefetch)
+                args.prefetch_ids = own_pre.data()
         if pin is not None:
             pin_ids = as_id_array(pin)
             pin_out = _pin_offsets(pin_into, pin_ids.shape[0])

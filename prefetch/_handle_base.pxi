@@ -19,6 +19,7 @@ cdef class _HandleBase:
     cdef readonly str eviction_policy
     cdef readonly int num_devices
     cdef bint _closed
+    cdef long _pid  # the process that made the engine (Note [A handle in a forked child])
 
     def __cinit__(self, *args, **kwargs):
         # Fields only: __init__ (whose signature help() and inspect show)
@@ -36,9 +37,22 @@ cdef class _HandleBase:
             )
 
     def __dealloc__(self):
-        # Trivial on purpose: the unique_ptr's destructor runs Close(), which
-        # is bounded and idempotent.
-        pass
+        # The unique_ptr's destructor runs Close(), which is bounded and
+        # idempotent; except in a forked child.
+        #
+        # Note [A handle in a forked child]
+        # A child made by fork() has the parent's memory but none of its
+        # threads. Every engine call there raises (CheckNotForked) and Close
+        # touches nothing, yet destroying the engine still destroyed its
+        # members, and glibc's pthread_cond_destroy waits for the waiters
+        # it has recorded on a condition variable: the parent's copy
+        # workers, idle on theirs, which do not exist in the child. So a
+        # child that let the handle go (del, the end of a scope, a normal
+        # exit) hung for good; a pre-fork server's workers would hang at
+        # shutdown. In a child the engine is left unfreed instead: its
+        # memory goes with the process.
+        if self._owner and self._pid != getpid():
+            self._owner.release()
 
     cdef vector[uintptr_t] _streams(self, object stream, bint for_release):
         # One handle per device: _device_streams in _handle_calls.pxi.
@@ -168,7 +182,7 @@ cdef class _HandleBase:
         last_batch_end_ns.
 
         With no unregister: enqueued + on_demand == copies + copy_errors +
-        cancelled + queue_depth."""
+        cancelled + declined + queue_depth."""
         self._check_open()
         cdef CStats s
         with nogil:

@@ -465,6 +465,7 @@ void ArcherPrefetchHandle::HintLocked(const int64_t* ids, const int64_t* when,
 }
 
 int64_t ArcherPrefetchHandle::HintClock() const {
+  CheckNotForked();  // as every other call: the lock may be held by a parent's thread
   MutexGuard lk(mu_);
   return hint_clock_;
 }

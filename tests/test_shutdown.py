@@ -126,3 +126,103 @@ def test_use_in_a_forked_child_raises_instead_of_hanging():
     )
     assert proc.returncode == 0, (proc.stdout, proc.stderr)
     assert "child exit 0" in proc.stdout
+
+
+def test_a_forked_child_that_lets_its_handles_go_exits():
+    # Note [A handle in a forked child]: destroying an inherited engine (or
+    # DiskReader) in the child waited on condition variables whose waiters,
+    # the parent's worker threads, do not exist there: `del`, the end of a
+    # scope and a normal exit hung the child for good. hint_clock() in the
+    # child also read the engine without the fork check.
+    proc, _ = run(
+        """
+        h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host")
+        h.register(0, b"x" * 100)
+        h.acquire([0], timeout=5)
+        h.release([0])
+        r = prefetch.DiskReader(threads=2)
+        kept = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                h.hint_clock()
+                sys.exit(4)
+            except RuntimeError as exc:
+                if "forked child" not in str(exc):
+                    sys.exit(5)
+            h.close()
+            del h, r  # each freed here; `kept` at the interpreter's exit
+            sys.exit(0)  # a normal exit, not os._exit
+        _, status = os.waitpid(pid, 0)
+        code = os.waitstatus_to_exitcode(status)
+        print("child exit", code)
+        h.acquire([0], timeout=5)  # the parent's engine is untouched
+        h.release([0])
+        h.close()
+        kept.close()
+        r.close()
+        sys.exit(code)
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "child exit 0" in proc.stdout
+
+
+def test_the_ids_an_acquire_waits_for_are_its_own_copy():
+    # Note [Ids copied for a wait]: the engine looked the caller's array up
+    # again each time the wait woke, without the GIL; rewritten meanwhile
+    # (a reused routing buffer) to an unknown id, it crashed the process.
+    proc, _ = run(
+        """
+        h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", start_paused=True)
+        h.register(0, np.full(1000, 7, np.uint8))
+        ids = np.array([0], dtype=np.int64)
+        got = {}
+        def acquire():
+            got["views"] = h.acquire(ids, timeout=30)
+        t = threading.Thread(target=acquire)
+        t.start()
+        while not h.queued():  # the acquire's copy is queued: it waits
+            time.sleep(0.01)
+        ids[0] = 12345  # not registered
+        h.resume()
+        t.join()
+        print("bytes", int(got["views"][0].sum()))
+        h.release([0])
+        h.close()
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "bytes 7000" in proc.stdout
+
+
+def test_a_timeout_of_years_waits_instead_of_timing_out_at_once():
+    # The engine's nanosecond deadline overflowed past 9.2e9 s: a wait meant
+    # as forever (1e10 s, sys.float_info.max) timed out at once.
+    proc, _ = run(
+        """
+        h = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host", start_paused=True)
+        h.register(0, b"x" * 100)
+        outcome = {}
+        def acquire(timeout):
+            try:
+                h.acquire([0], timeout=timeout)
+                outcome[timeout] = "returned"
+            except Exception as exc:
+                outcome[timeout] = type(exc).__name__
+        threads = [threading.Thread(target=acquire, args=(t,)) for t in (1e10, sys.float_info.max)]
+        for t in threads:
+            t.start()
+        time.sleep(0.5)
+        print("waiting", sum(t.is_alive() for t in threads))
+        h.close()  # wakes them with HandleClosedError
+        for t in threads:
+            t.join()
+        print(sorted(outcome.values()))
+        """,
+        timeout=60,
+    )
+    assert proc.returncode == 0, (proc.stdout, proc.stderr)
+    assert "waiting 2" in proc.stdout and "['HandleClosedError', 'HandleClosedError']" in proc.stdout
