@@ -11,6 +11,8 @@ recorded covers it.
 """
 from __future__ import annotations
 
+import functools
+import threading
 import time
 
 import numpy as np
@@ -57,6 +59,16 @@ class _TensorHints:
         self.when = when
 
 
+def _serialized(method):
+    """The method runs under the controller's forward lock (Note [One
+    forward at a time] in prefetch/integration.py)."""
+    @functools.wraps(method)
+    def locked(self, *args, **kwargs):
+        with self.forward_lock:
+            return method(self, *args, **kwargs)
+    return locked
+
+
 def check_predictor(predictor) -> None:
     """TypeError unless `predictor` is None or a predictor object: one with
     `predict` and `observe` methods (prefetch/predictors.py). A class
@@ -81,6 +93,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
     def __init__(self, handle: PrefetchHandle, *, num_layers: int, num_experts: int, top_k: int,
                  predictor=None, routers=None, record_trace: bool = False, device=None, local=None):
         self.handle = handle
+        # Note [One forward at a time] (prefetch/integration.py): held by the
+        # offloaded model's forward and by this controller's public calls.
+        self.forward_lock = threading.RLock()
         self.prefetcher = ExpertPrefetcher(handle)
         self.num_layers = num_layers
         self.num_experts = num_experts
@@ -196,6 +211,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self._paused_predicts = 0
 
     @predictor.setter
+    @_serialized
     def predictor(self, predictor) -> None:
         check_predictor(predictor)
         if "_predictor" in self.__dict__ and predictor is not self._predictor:
@@ -214,6 +230,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self._host_guesses = bool(getattr(predictor, "host_guesses", False))
 
     @property
+    @_serialized
     def trace(self):
         """The recorded routing (RoutingTrace), or None without record_trace;
         routings still on their way back from the device are read first."""
@@ -843,6 +860,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         else:
             self._send_guesses(layer, guesses, hints)
 
+    @_serialized
     def new_sequence(self) -> None:
         """Call between requests: resets the step counter and lets a learning
         predictor file the finished request (the sync-free path's last
@@ -857,6 +875,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
 
     # -- reporting
 
+    @_serialized
     def preload(self, slots: int, *, only_if_all: bool = False) -> int:
         """Note [Preload]
         A cache starts empty, so the first tokens after offloading copy on
@@ -931,6 +950,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
                 torch.cuda.synchronize(self.handle.arena(d).device)
         return True
 
+    @_serialized
     def report(self) -> dict:
         """Hit rate, prediction precision and recall, bytes and copies moved,
         and the host time of the offloaded layers (us per layer: engine
@@ -970,6 +990,13 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
                                        else None),
         }
 
+    @_serialized
+    def flush(self) -> None:
+        super().flush()
+
+    flush.__doc__ = SyncFreeDecode.flush.__doc__
+
+    @_serialized
     def close(self) -> None:
         """Scores and records what is pending (nothing more is prefetched),
         then closes the engine handle, which frees its cache; the handle is

@@ -30,6 +30,8 @@ prefetch.predictors, prefetch.controller (OffloadController), prefetch.hf
 """
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import torch
 from torch import nn
@@ -316,9 +318,44 @@ def offload_moe_experts(
     except BaseException:
         handle.close()
         raise
+    _serialize_forwards(model, controller)
     if preload or (preload is None and host_budget_bytes is None):
         controller.preload(slots, only_if_all=preload is None)
     return controller
+
+
+def _serialize_forwards(model: nn.Module, controller: OffloadController) -> None:
+    """Note [One forward at a time]
+    An offloaded model's MoE layers share one controller, whose state runs
+    across the layers of a forward: the pins one layer's call holds until
+    the next layer's call releases them, each layer's slot map, the
+    routings read back at the next step's first layer. Two threads calling
+    the model at once interleaved those (a review, tiny OLMoE at 3 experts a
+    layer): one thread's pins were overwritten before their release and
+    stayed pinned for good, the other thread's acquires then waited out the
+    60 s timeout, and every later request failed the same way. So the
+    model's forward runs under the controller's lock (an RLock: a forward
+    may call the model again), as do the controller's public calls
+    (`report`, `trace`, `flush`, `new_sequence`, `preload`, `close`,
+    assigning `predictor`): concurrent `generate` calls on one offloaded
+    model take turns a forward (a token) at a time, each with its own
+    tokens; the controller's figures and any trace then mix the requests,
+    and a predictor that follows one request (the oracle) sees both. A
+    submodule called directly, not through the model's forward, is not
+    covered: call the model. For requests in parallel, offload a copy per
+    thread (they can share the packed host experts, `host_experts=`)."""
+    inner = model.forward
+    while getattr(inner, "_prefetch_lock", None) is not None:  # an earlier offload's (restored since): not nested
+        inner = inner.__wrapped__
+    lock = controller.forward_lock
+
+    @functools.wraps(inner)
+    def forward(*args, **kwargs):
+        with lock:
+            return inner(*args, **kwargs)
+
+    forward._prefetch_lock = lock
+    model.forward = forward
 
 
 def layer_handle_options(num_layers: int, handle_options: dict | None = None) -> dict:
