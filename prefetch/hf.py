@@ -751,4 +751,22 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
         experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
         experts.__dict__[_OFFLOAD_ATTR] = offload
+        if not experts.__dict__.get("_prefetch_state_hook"):
+            experts.register_state_dict_pre_hook(_refuse_empty_state)
+            experts.__dict__["_prefetch_state_hook"] = True
     return controller
+
+
+def _refuse_empty_state(module, prefix, keep_vars) -> None:
+    """Note [No state of offloaded experts]
+    An offloaded experts module keeps empty parameters (the weights live in
+    the engine's host copy and cache), so `model.save_pretrained` after
+    offloading wrote zero-size expert tensors without a word, and the
+    checkpoint failed only when loaded again (a review). Its state_dict is
+    refused instead, naming the way out; a module whose weights were put
+    back (BM6's restore) gives its state as ever."""
+    if _OFFLOAD_ATTR in module.__dict__ and module.gate_up_proj.numel() == 0:
+        where = prefix.rstrip(".") or "this module"
+        raise RuntimeError(f"{where}: its experts are offloaded by prefetch (their weights are in the engine, not in "
+                           "the module), so its state_dict would hold empty expert tensors: save or copy the model "
+                           "before offload_moe_experts, or use its checkpoint")

@@ -2106,3 +2106,23 @@ def test_an_offload_inside_inference_mode_generates_outside_it_too(device):
             assert torch.equal(inside, seq_ref) and torch.equal(outside, seq_ref)
         finally:
             ctl.close()
+
+
+def test_the_state_of_an_offloaded_model_is_refused_not_saved_empty(tmp_path):
+    # Note [No state of offloaded experts]: save_pretrained after offloading
+    # wrote zero-size expert tensors without a word (the checkpoint failed
+    # only when loaded again).
+    ref = build(family_configs()["olmoe"], experts_implementation="batched_mm")
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 22, backend="host", progress=False)
+    try:
+        with pytest.raises(RuntimeError, match=r"model\.layers\.0\.mlp\.experts: its experts are offloaded"):
+            model.state_dict()
+        with pytest.raises(RuntimeError, match="its experts are offloaded"):
+            model.save_pretrained(tmp_path / "saved")
+        assert not any((tmp_path / "saved").glob("*.safetensors"))
+        ids = torch.randint(0, ref.config.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+        assert torch.equal(greedy(model, ids)[0], greedy(ref, ids)[0])  # still serves
+    finally:
+        ctl.close()
+    assert set(ref.state_dict()) == set(copy.deepcopy(ref).state_dict())  # an untouched model is as ever
