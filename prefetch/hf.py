@@ -751,7 +751,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
         experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
         experts.__dict__[_OFFLOAD_ATTR] = offload
-        if not experts.__dict__.get("_prefetch_state_hook"):
+        if not experts.__dict__.get("_prefetch_state_hook") and hasattr(experts, "register_state_dict_pre_hook"):
             experts.register_state_dict_pre_hook(_refuse_empty_state)
             experts.__dict__["_prefetch_state_hook"] = True
     return controller
