@@ -67,9 +67,10 @@ class RoutingTrace:
     def load(cls, path: str) -> RoutingTrace:
         """Reads a trace file, an untrusted input: anything but the format
         (docs/trace_format.md) raises ValueError naming the problem."""
+        with _open_regular(path) as f:  # its own errors: a missing file, not a regular file
+            raw = f.read()
         try:
-            with _open_regular(path) as f:
-                data = json.loads(f.read().decode("utf-8"), object_pairs_hook=_no_repeated_keys)
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeated_keys)
         except _RepeatedKey as exc:  # the last one would win: the file says two things
             raise ValueError(f"{path}: not a prefetch routing trace (the key {exc.args[0]!r} is repeated)") from None
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors

@@ -1024,7 +1024,8 @@ def test_a_trace_that_is_a_fifo_is_refused_not_waited_on(tmp_path):
             f"try:\n    RoutingTrace.load({str(fifo)!r})\nexcept ValueError as e:\n    print(e)\n")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                           cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    assert done.returncode == 0 and "not a regular file" in done.stdout, done.stderr
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == f"{fifo}: not a prefetch routing trace (not a regular file)", done.stdout
 
 
 def test_a_trace_file_loads_sorted_and_an_empty_layer_is_allowed(tmp_path):
