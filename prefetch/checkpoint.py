@@ -28,13 +28,13 @@ from __future__ import annotations
 
 import json
 import os
-import stat as stat_module
 import struct
 from dataclasses import dataclass
 
 import numpy as np
 
 from prefetch.errors import CheckpointError
+from prefetch.untrusted_files import RepeatedKeyError, no_repeated_keys, open_regular
 
 __all__ = ["TensorLocation", "read_safetensors_header", "index_checkpoint", "read_tensor", "DTYPE_BYTES"]
 
@@ -65,22 +65,13 @@ class TensorLocation:
     file_mtime_ns: int
 
 
-def _no_repeats(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise CheckpointError(f"repeated key {key!r} in the JSON")
-        out[key] = value
-    return out
-
-
 def _json(raw: bytes, where: str, what: str):
     """`raw` as UTF-8 JSON without repeated keys; CheckpointError naming
     `where` (and `what` for bytes that are not JSON) otherwise."""
     try:
-        return json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeats)
-    except CheckpointError as err:
-        raise CheckpointError(f"{where}: {err}") from None
+        return json.loads(raw.decode("utf-8"), object_pairs_hook=no_repeated_keys)
+    except RepeatedKeyError as err:
+        raise CheckpointError(f"{where}: repeated key {err.key!r} in the JSON") from None
     except (UnicodeDecodeError, ValueError, RecursionError) as err:
         raise CheckpointError(f"{where}: {what}: {err}") from None
 
@@ -97,25 +88,6 @@ def _show(value, limit: int = 200) -> str:
 
 def _is_int(v) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
-
-
-def _open_regular(path: str, what: str):
-    """`path` opened for reading as a binary file object, refused unless it
-    is a regular file. Opened with O_NONBLOCK (cleared after the check): a
-    FIFO named *.safetensors would otherwise block the open until a writer
-    came, for good."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    except OSError as err:
-        raise CheckpointError(f"{path}: {what}: {err}") from err
-    try:
-        if not stat_module.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{path}: {what}: not a regular file")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
 
 
 def _entry(path: str, name, entry, data_start: int, data_len: int, stat) -> TensorLocation:
@@ -154,7 +126,7 @@ def read_safetensors_header(path) -> dict:
     checked (Note [Safetensors headers are untrusted])."""
     path = os.fspath(path)
     try:
-        with _open_regular(path, "cannot read") as f:
+        with open_regular(path) as f:  # a FIFO is refused, not waited on (an OSError: below)
             stat = os.fstat(f.fileno())
             head = f.read(8)
             if len(head) < 8:
@@ -205,7 +177,7 @@ def index_checkpoint(folder) -> dict:
     index = os.path.join(folder, INDEX_FILE)
     if os.path.lexists(index):  # a dangling link is an index that cannot be read, not no index
         try:
-            with _open_regular(index, "not a readable JSON index") as f:
+            with open_regular(index) as f:
                 raw = f.read()
         except OSError as err:
             raise CheckpointError(f"{index}: not a readable JSON index: {err}") from None

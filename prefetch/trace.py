@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import heapq
 import json
-import os
-import stat
 from dataclasses import dataclass, field
 
 import numpy as np
+
+from prefetch.untrusted_files import NotRegularFileError, RepeatedKeyError, no_repeated_keys, open_regular
 
 __all__ = ["RoutingTrace", "belady_misses"]
 
@@ -67,12 +67,16 @@ class RoutingTrace:
     def load(cls, path: str) -> RoutingTrace:
         """Reads a trace file, an untrusted input: anything but the format
         (docs/trace_format.md) raises ValueError naming the problem."""
-        with _open_regular(path) as f:  # its own errors: a missing file, not a regular file
+        try:
+            f = open_regular(path)  # a missing file raises its OSError
+        except NotRegularFileError:
+            raise ValueError(f"{path}: not a prefetch routing trace (not a regular file)") from None
+        with f:
             raw = f.read()
         try:
-            data = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_repeated_keys)
-        except _RepeatedKey as exc:  # the last one would win: the file says two things
-            raise ValueError(f"{path}: not a prefetch routing trace (the key {exc.args[0]!r} is repeated)") from None
+            data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_repeated_keys)
+        except RepeatedKeyError as exc:  # the last one would win: the file says two things
+            raise ValueError(f"{path}: not a prefetch routing trace (the key {exc.key!r} is repeated)") from None
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
             raise ValueError(f"{path}: not a prefetch routing trace (not JSON: {exc})") from None
         if not isinstance(data, dict):
@@ -105,34 +109,6 @@ class RoutingTrace:
                 layers.append(ordered)
             trace.steps.append(layers)
         return trace
-
-
-def _open_regular(path):
-    """`path` for reading, refused (ValueError) unless a regular file; opened
-    with O_NONBLOCK, cleared after the check, so that a FIFO does not block
-    the open for good. A missing file raises FileNotFoundError."""
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise ValueError(f"{path}: not a prefetch routing trace (not a regular file)")
-        os.set_blocking(fd, True)
-        return os.fdopen(fd, "rb")
-    except BaseException:
-        os.close(fd)
-        raise
-
-
-class _RepeatedKey(Exception):
-    pass
-
-
-def _no_repeated_keys(pairs):
-    out = {}
-    for key, value in pairs:
-        if key in out:
-            raise _RepeatedKey(key)
-        out[key] = value
-    return out
 
 
 def _count(data: dict, key: str, path: str) -> int:
