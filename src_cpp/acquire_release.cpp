@@ -113,9 +113,28 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
     if (a.n_acquire > 0) {
       AcquireLocked(a.acquire_ids, a.n_acquire, a.streams, a.timeout_s, a.slots, lk);
     }
+    if (a.n_prefetch > 0) QueueStepPrefetchesLocked(a);
   }
-  if (a.n_prefetch > 0) {
-    EnqueuePrefetchTensors(a.prefetch_ids, a.n_prefetch, a.prefetch_band);
+}
+
+// Note [A step's prefetches after its wait]
+// Step checks its prefetch ids with the rest, but an acquire that waits
+// drops the lock, and another thread may unregister a prefetch id
+// meanwhile. The prefetches are queued under the lock the acquire ends
+// with, so no other window is left; if one of them is gone by then, the
+// step fails as a failing acquire does: the acquire is undone (nothing of
+// it stays pinned), nothing is queued, and the release, cancel, hints,
+// pins and uses stay done.
+void ArcherPrefetchHandle::QueueStepPrefetchesLocked(const StepArgs& a) {
+  try {
+    EnqueuePrefetchLocked(a.prefetch_ids, a.n_prefetch, a.prefetch_band,
+                          Clock::now());
+  } catch (const PrefetchError& ex) {
+    if (a.n_acquire > 0) UnpinLocked(a.acquire_ids, a.n_acquire);
+    throw PrefetchError(ex.kind(),
+                        "step prefetch: " + std::string(ex.what()) +
+                            " any more: another thread unregistered it while "
+                            "this step's acquire waited; the acquire is undone");
   }
 }
 

@@ -305,6 +305,12 @@ void ArcherPrefetchHandle::EnqueuePrefetchTensors(const int64_t* ids, size_t n,
   CheckNotForked();
   MutexLock lk(mu_);
   CheckUsableLocked();
+  EnqueuePrefetchLocked(ids, n, priority, start);
+}
+
+void ArcherPrefetchHandle::EnqueuePrefetchLocked(const int64_t* ids, size_t n,
+                                                 int priority,
+                                                 Clock::time_point start) {
   ResolveIdsLocked(ids, n);  // all-or-nothing: throws before any change
   uint64_t enqueued = 0, upgraded = 0, touched = 0;
   uint64_t wake_mask = 0;

@@ -454,6 +454,11 @@ class ArcherPrefetchHandle {
                          bool owns_host) REQUIRES(mu_);
   // Validates and stores the entries in batch_scratch_.
   void ResolveIdsLocked(const int64_t* ids, size_t n) REQUIRES(mu_);
+  // EnqueuePrefetchTensors' work once its arguments are checked; `start`
+  // opens the batch's timing (stats_.last_batch_*). Throws kUnknownId
+  // before any change.
+  void EnqueuePrefetchLocked(const int64_t* ids, size_t n, int priority,
+                             Clock::time_point start) REQUIRES(mu_);
   void ForEachEntryLocked(void (*fn)(Entry*, void*), void* ctx) const
       REQUIRES(mu_);
   void UnpinLocked(const int64_t* ids, size_t n) REQUIRES(mu_);
@@ -468,6 +473,9 @@ class ArcherPrefetchHandle {
   void AcquireLocked(const int64_t* ids, size_t n, const uintptr_t* streams,
                      double timeout_s, SlotInfo* slots, MutexLock& lk)
       REQUIRES(mu_);
+  // Step's prefetches, queued under the lock its acquire ends with (Note
+  // [A step's prefetches after its wait]).
+  void QueueStepPrefetchesLocked(const StepArgs& a) REQUIRES(mu_);
   // Its steps (acquire_release.cpp says what each does).
   uint64_t PinAndQueueMissesLocked(const int64_t* ids, size_t n,
                                    uint64_t* error_seq) REQUIRES(mu_);

@@ -819,6 +819,43 @@ def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
     h.release([0])
 
 
+def test_step_whose_prefetch_id_goes_while_it_waits_undoes_its_acquire(make_handle, rng):
+    # Note [A step's prefetches after its wait]: the acquire waits with the
+    # lock dropped, and another thread unregisters a prefetch id meanwhile.
+    # The step raises, nothing of its acquire stays pinned, and its release
+    # stays done.
+    h = make_handle(device_budget_bytes=4 * SLOT)
+    register_random(h, rng, range(6))
+    h.acquire([1], timeout=10)
+    h.pause()
+    errors = []
+
+    def layer():
+        try:
+            h.step([0], release=[1], prefetch=[4, 5], timeout=30)
+        except Exception as exc:  # noqa: BLE001 - handed to the test thread
+            errors.append(exc)
+
+    t = threading.Thread(target=layer)
+    t.start()
+    # stats() takes the lock, which the step drops only in its wait.
+    assert wait_until(lambda: h.stats()["acquires"] == 2)
+    h.unregister(5)
+    h.resume()
+    t.join(30)
+    assert not t.is_alive()
+    assert len(errors) == 1 and isinstance(errors[0], KeyError), errors
+    assert "unregistered it while this step's acquire waited" in str(errors[0])
+    s = h.stats()
+    assert s["pinned_count"] == 0 and h.queued() == []
+    assert 4 not in h.resident()
+    h.unregister(0)  # not pinned
+    h.unregister(1)  # released by the step
+    where = h.step([2], prefetch=[4], timeout=10)  # the handle goes on
+    assert where.shape == (1, 2)
+    h.release([2])
+
+
 def test_step_pins_resident_ids_without_waiting_or_fetching(make_handle, rng):
     # Note [Pins without waiting]: resident ids are pinned and their offsets
     # written; the others get -1 and are neither fetched nor queued.
