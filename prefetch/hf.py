@@ -223,6 +223,8 @@ class ExpertsOffload:
         self.controller = controller
         self.layer = layer
         self.device = device
+        self.dtype = dtype
+        self._params = None  # the module's (empty) parameters, set by offload_hf_model
         self.last_layer = layer == controller.num_layers - 1
         handle = controller.handle
         itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -514,6 +516,23 @@ class ExpertsOffload:
         return slots
 
     def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
+        if self.layer == 0:  # a model.to(...) converts every layer: one look a forward
+            weight = self._params.get("gate_up_proj") if self._params is not None else None
+            if weight is not None and (weight.dtype is not self.dtype or weight.device != self.device):
+                raise self._converted(weight)
+        if hidden_states.requires_grad and torch.is_grad_enabled():
+            # Note [No backward through the cache]
+            return NoBackward.apply(hidden_states, functools.partial(
+                self._forward, fn, name, top_k_index=top_k_index, top_k_weights=top_k_weights))
+        return self._forward(fn, name, hidden_states, top_k_index, top_k_weights)
+
+    def _converted(self, weight) -> RuntimeError:
+        return RuntimeError(
+            f"MoE layer {self.layer}: the model was converted to {weight.dtype} on {weight.device} after "
+            f"offload_moe_experts, but its offloaded experts were packed as {self.dtype} for {self.device} and "
+            "stay so: convert or move the model (model.to(...)) before offloading it")
+
+    def _forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
         if self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows:
             ctl = self.controller
             if self.layer == 0:  # once a step: read the last step's routings, pick this one's path
@@ -654,6 +673,29 @@ class ExpertsOffload:
 _PER_PAIR = ("batched_mm", "grouped_mm")
 
 
+class NoBackward(torch.autograd.Function):
+    """Note [No backward through the cache]
+    An offloaded layer computes on cache slots that are released after the
+    layer and then hold other experts, and its experts' parameters are
+    empty. A backward through it read whatever the slots held by then: with
+    the model in training mode (or a plain forward outside torch.no_grad)
+    a backward gave every earlier parameter a wrong gradient and the
+    experts none, without a word (a review: 27 of the tiny OLMoE's
+    parameters). The forward still runs, without autograd, and its output
+    stands for a backward that raises, naming the way out."""
+
+    @staticmethod
+    def forward(ctx, hidden_states, compute):
+        return compute(hidden_states)
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("backward through MoE experts offloaded by prefetch is not supported: their weights are "
+                           "cache slots reused after each layer and get no gradient; train or fine-tune the model "
+                           "before offloading it, and run offloaded models under torch.no_grad() or "
+                           "torch.inference_mode()")
+
+
 def _weighted_sum(pairs, top_k_weights, dtype):
     """batched_mm's and grouped_mm's last two steps on the [tokens x k,
     hidden] expert outputs: weight each pair, sum over k, in the same ops
@@ -751,6 +793,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
         experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
         experts.__dict__[_OFFLOAD_ATTR] = offload
+        offload._params = experts._parameters  # a later model.to(...) shows in them
         if not experts.__dict__.get("_prefetch_state_hook") and hasattr(experts, "register_state_dict_pre_hook"):
             experts.register_state_dict_pre_hook(_refuse_empty_state)
             experts.__dict__["_prefetch_state_hook"] = True

@@ -39,7 +39,14 @@ from torch import nn
 from prefetch._engine import SLOT_ALIGNMENT, PrefetchHandle
 from prefetch.controller import OffloadController, check_predictor
 from prefetch.expert_prefetcher import expert_layout
-from prefetch.hf import HostExperts, find_hf_moe_blocks, install_experts_backend, offload_hf_model, offloaded_experts
+from prefetch.hf import (
+    HostExperts,
+    NoBackward,
+    find_hf_moe_blocks,
+    install_experts_backend,
+    offload_hf_model,
+    offloaded_experts,
+)
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.read_back import to_host
 from prefetch.trace import RoutingTrace, belady_misses
@@ -118,6 +125,11 @@ class OffloadedMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.controller is None:
             raise RuntimeError("OffloadedMoEBlock is not attached: call offload_moe_experts on the model")
+        if hidden_states.requires_grad and torch.is_grad_enabled():
+            return NoBackward.apply(hidden_states, self._forward)  # Note [No backward through the cache]
+        return self._forward(hidden_states)
+
+    def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         shape = hidden_states.shape
         h = hidden_states.reshape(-1, shape[-1])
         logits = self.router(h)

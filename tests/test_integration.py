@@ -798,6 +798,70 @@ def test_one_expert_larger_than_the_budget_is_refused_at_once():
     assert not offloaded_experts(model)
 
 
+@pytest.mark.parametrize("impl", ["eager", "grouped_mm"])
+def test_a_backward_through_offloaded_experts_raises_and_the_forward_still_runs(impl):
+    # Note [No backward through the cache]: a forward outside torch.no_grad
+    # gives the untouched model's logits; its backward raises instead of
+    # giving wrong gradients (the slots hold other experts by then).
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg, experts_implementation=impl)
+    model = copy.deepcopy(ref)
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 1) * (per + 512), backend="host",
+                              progress=False)
+    try:
+        ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
+        logits = model(ids).logits
+        assert logits.requires_grad
+        assert torch.equal(logits, ref(ids).logits)
+        with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
+            logits.sum().backward()
+        with torch.no_grad():
+            assert torch.equal(model(ids).logits, ref(ids).logits)
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
+def test_a_backward_through_a_generic_offloaded_block_raises():
+    torch.manual_seed(3)
+    layers_ref, layers_off = generic_layers(2, 4)
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
+    try:
+        x = torch.randn(3, 16, requires_grad=True)
+        a, b = x, x
+        for ref_layer, off_layer in zip(layers_ref, layers_off):
+            a = a + ref_layer(a)
+            b = b + off_layer(b)
+        assert torch.equal(a, b)
+        a.sum().backward()  # the reference trains
+        with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
+            b.sum().backward()
+    finally:
+        ctl.close()
+
+
+@pytest.mark.parametrize("convert", ["dtype", "half"])
+def test_converting_the_model_after_offloading_says_so(convert):
+    # The experts stay as packed (float32 here): a model converted after
+    # offloading used to fail inside the experts with a dtype mismatch that
+    # did not mention the offload.
+    cfg = family_configs()["qwen3_moe"]
+    model = build(cfg)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False)
+    try:
+        model.to(torch.float64) if convert == "dtype" else model.half()
+        ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
+        want = "float64" if convert == "dtype" else "float16"
+        with pytest.raises(RuntimeError, match=rf"converted to torch.{want} on cpu after offload_moe_experts, but "
+                                               r"its offloaded experts were packed as torch.float32"):
+            with torch.no_grad():
+                model(ids)
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
 def test_offloading_twice_says_so():
     model = build(family_configs()["olmoe"])
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host")
