@@ -90,6 +90,15 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
     """Owns the engine, the (layer, expert) mapping, the predictor and the
     accounting for one offloaded model."""
 
+    def __reduce_ex__(self, protocol):
+        # copy.copy, copy.deepcopy and pickle of a controller, or of a model
+        # whose experts it offloaded (each offloaded layer holds it): the
+        # engine's memory and threads cannot be copied, and a shallow copy
+        # would be a second controller on the same engine.
+        raise TypeError("a model offloaded by prefetch (and its OffloadController) cannot be copied or pickled: "
+                        "its experts live in the engine. Copy or save the model before offload_moe_experts and "
+                        "offload each copy (host_experts=controller.host_experts shares the packed experts)")
+
     def __init__(self, handle: PrefetchHandle, *, num_layers: int, num_experts: int, top_k: int,
                  predictor=None, routers=None, record_trace: bool = False, device=None, local=None):
         self.handle = handle

@@ -2191,3 +2191,33 @@ def test_the_state_of_an_offloaded_model_is_refused_not_saved_empty(tmp_path):
     finally:
         ctl.close()
     assert set(ref.state_dict()) == set(copy.deepcopy(ref).state_dict())  # an untouched model is as ever
+
+
+def test_an_offloaded_model_is_not_copied_or_pickled():
+    # copy.deepcopy and torch.save of an offloaded model raised Cython's
+    # "no default __reduce__ due to non-trivial __cinit__", and copy.copy of
+    # its controller made a second controller on the same engine.
+    import io
+    import pickle
+
+    cfg = family_configs()["olmoe"]
+    ref = build(cfg)
+    model = copy.deepcopy(ref)
+    ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False)
+    try:
+        for attempt in (lambda: copy.deepcopy(model), lambda: torch.save(model, io.BytesIO()),
+                        lambda: copy.copy(ctl), lambda: pickle.dumps(ctl)):
+            with pytest.raises(TypeError, match="offloaded by prefetch .* cannot be copied or pickled"):
+                attempt()
+        # The way out the message names: a copy made before, offloaded on the same packed experts.
+        ids = torch.randint(0, cfg.vocab_size, (1, 5), generator=torch.Generator().manual_seed(0))
+        other = copy.deepcopy(ref)
+        ctl2 = offload_moe_experts(other, device_budget_bytes=1 << 20, backend="host", progress=False,
+                                   host_experts=ctl.host_experts)
+        try:
+            assert torch.equal(greedy(other, ids)[0], greedy(ref, ids)[0])
+            assert torch.equal(greedy(model, ids)[0], greedy(ref, ids)[0])
+        finally:
+            ctl2.close()
+    finally:
+        ctl.close()
