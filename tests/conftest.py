@@ -32,6 +32,18 @@ def pytest_collection_modifyitems(config, items):
                 item.add_marker(pytest.mark.skip(reason=f"needs {need} CUDA devices, found {count}"))
 
 
+@pytest.fixture(autouse=True)
+def _grad_mode_restored():
+    """A bench's main() run in-process (tests/test_bench_*.py) turns
+    autograd off for the whole process; each test starts with it as the
+    test before found it and leaves it so."""
+    torch = importlib.import_module("torch") if importlib.util.find_spec("torch") else None
+    before = torch.is_grad_enabled() if torch is not None else None
+    yield
+    if torch is not None:
+        torch.set_grad_enabled(before)
+
+
 @pytest.fixture
 def rng():
     seed = int(os.environ.get("PREFETCH_TEST_SEED", "1234"))

@@ -811,11 +811,12 @@ def test_a_backward_through_offloaded_experts_raises_and_the_forward_still_runs(
                               progress=False)
     try:
         ids = torch.randint(0, cfg.vocab_size, (2, 6), generator=torch.Generator().manual_seed(1))
-        logits = model(ids).logits
-        assert logits.requires_grad
-        assert torch.equal(logits, ref(ids).logits)
-        with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
-            logits.sum().backward()
+        with torch.enable_grad():
+            logits = model(ids).logits
+            assert logits.requires_grad
+            assert torch.equal(logits, ref(ids).logits)
+            with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
+                logits.sum().backward()
         with torch.no_grad():
             assert torch.equal(model(ids).logits, ref(ids).logits)
         assert ctl.handle.stats()["pinned_count"] == 0
@@ -830,13 +831,14 @@ def test_a_backward_through_a_generic_offloaded_block_raises():
     try:
         x = torch.randn(3, 16, requires_grad=True)
         a, b = x, x
-        for ref_layer, off_layer in zip(layers_ref, layers_off):
-            a = a + ref_layer(a)
-            b = b + off_layer(b)
-        assert torch.equal(a, b)
-        a.sum().backward()  # the reference trains
-        with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
-            b.sum().backward()
+        with torch.enable_grad():
+            for ref_layer, off_layer in zip(layers_ref, layers_off):
+                a = a + ref_layer(a)
+                b = b + off_layer(b)
+            assert torch.equal(a, b)
+            a.sum().backward()  # the reference trains
+            with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
+                b.sum().backward()
     finally:
         ctl.close()
 
