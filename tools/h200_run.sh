@@ -4,7 +4,7 @@
 # steps: tox gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy gathercost
 # abproxy (OLD_TREE)
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
-# interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan (default: tox bm2 bandwidth overlap). Wheels for tox are
+# interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan csandirect (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -81,6 +81,18 @@ for step in $steps; do
       # The whole GPU suite under memcheck, synccheck and initcheck, as tox runs it.
       timeout "${CSAN_TIMEOUT:-540}" python3 -m tox -e gpu-csan 2>&1 | tee "$out/csan.txt" | grep -E "ERROR SUMMARY|passed|failed|error|gpu-csan" | tail -30
       echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan.txt" ;;
+    csandirect)
+      # gpu-csan's three runs as tox.ini has them, on this in-place build (no
+      # second build of the package: tox builds one per env).
+      for tool in memcheck synccheck initcheck; do
+        select=(tests/test_cuda.py tests/test_integration.py tests/test_checkpoint_experts.py -m gpu)
+        [ "$tool" = initcheck ] && select+=(-k "not bf16")
+        echo "== compute-sanitizer --tool $tool" | tee -a "$out/csan.txt"
+        PREFETCH_TEST_UNDER_TOOL=1 PREFETCH_TEST_SPIN_CYCLES=4000000000 timeout "${CSAN_TIMEOUT:-240}" \
+          compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
+          python3 -m pytest -q -p no:cacheprovider "${select[@]}" 2>&1 | tail -6 | tee -a "$out/csan.txt"
+        echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan.txt"
+      done ;;
     soak)
       python3 tools/soak.py --minutes "${SOAK_MINUTES:-3}" --json "$out/soak.json" 2>"$out/soak.log" | tee "$out/soak.txt" || status=1 ;;
     sanitizer)
