@@ -520,10 +520,10 @@ class ExpertsOffload:
             weight = self._params.get("gate_up_proj") if self._params is not None else None
             if weight is not None and (weight.dtype is not self.dtype or weight.device != self.device):
                 raise self._converted(weight)
-        if hidden_states.requires_grad and torch.is_grad_enabled():
+        if (hidden_states.requires_grad or top_k_weights.requires_grad) and torch.is_grad_enabled():
             # Note [No backward through the cache]
-            return NoBackward.apply(hidden_states, functools.partial(
-                self._forward, fn, name, top_k_index=top_k_index, top_k_weights=top_k_weights))
+            return NoBackward.apply(functools.partial(self._forward, fn, name), hidden_states, top_k_index,
+                                    top_k_weights)
         return self._forward(fn, name, hidden_states, top_k_index, top_k_weights)
 
     def _converted(self, weight) -> RuntimeError:
@@ -682,11 +682,15 @@ class NoBackward(torch.autograd.Function):
     a backward gave every earlier parameter a wrong gradient and the
     experts none, without a word (a review: 27 of the tiny OLMoE's
     parameters). The forward still runs, without autograd, and its output
-    stands for a backward that raises, naming the way out."""
+    stands for a backward that raises, naming the way out. The routing
+    weights count as inputs too: with frozen hidden states and a router
+    that trains, the router's gradient would be right but the experts
+    would not train, without a word; an offloaded layer is for inference
+    and says so either way."""
 
     @staticmethod
-    def forward(ctx, hidden_states, compute):
-        return compute(hidden_states)
+    def forward(ctx, compute, *inputs):
+        return compute(*inputs)
 
     @staticmethod
     def backward(ctx, grad):

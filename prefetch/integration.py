@@ -126,7 +126,7 @@ class OffloadedMoEBlock(nn.Module):
         if self.controller is None:
             raise RuntimeError("OffloadedMoEBlock is not attached: call offload_moe_experts on the model")
         if hidden_states.requires_grad and torch.is_grad_enabled():
-            return NoBackward.apply(hidden_states, self._forward)  # Note [No backward through the cache]
+            return NoBackward.apply(self._forward, hidden_states)  # Note [No backward through the cache]
         return self._forward(hidden_states)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

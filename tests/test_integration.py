@@ -817,6 +817,14 @@ def test_a_backward_through_offloaded_experts_raises_and_the_forward_still_runs(
             assert torch.equal(logits, ref(ids).logits)
             with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
                 logits.sum().backward()
+            # Only the last layer's router trains: its experts' input needs no gradient, their routing weights do.
+            last = f"model.layers.{cfg.num_hidden_layers - 1}.mlp.gate.weight"
+            for name, p in model.named_parameters():
+                p.requires_grad_(name == last)
+            logits = model(ids).logits
+            assert logits.requires_grad
+            with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
+                logits.sum().backward()
         with torch.no_grad():
             assert torch.equal(model(ids).logits, ref(ids).logits)
         assert ctl.handle.stats()["pinned_count"] == 0
