@@ -54,6 +54,7 @@ cdef extern from "stats.h" namespace "prefetch" nogil:
         uint64_t touched
         uint64_t cancelled
         uint64_t declined
+        uint64_t prefetches_gone
         uint64_t acquires
         uint64_t hits
         uint64_t misses

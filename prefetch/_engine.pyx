@@ -520,9 +520,10 @@ cdef class PrefetchHandle(_HandleBase):
         releases without an acquire, bad hints, an acquire that can never
         fit: nothing happens); after that a failing acquire (timeout,
         copy error) leaves the release, cancel, hints, pins and uses done
-        (release the pins), and the prefetches not queued; so does a
-        prefetch id that another thread unregisters while the acquire
-        waits (KeyError, the acquire undone). Returns the
+        (release the pins), and the prefetches not queued. A prefetch id
+        that another thread unregisters while the acquire waits is
+        dropped (``stats()["prefetches_gone"]``); the others are queued.
+        Returns the
         (n, 2) int64 array of (offset, device) for ``acquire``.
 
         ``pin`` (with ``pin_into``, a writable int64 array of the same

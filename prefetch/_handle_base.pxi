@@ -131,6 +131,10 @@ cdef class _HandleBase:
         declined        prefetches dropped because only entries needed
                         sooner could make room (Note [Speculation never
                         hurts])
+        prefetches_gone a step's prefetch ids that another thread
+                        unregistered while its acquire waited: dropped, not
+                        counted in requests (Note [A step's prefetches
+                        after its wait])
         acquires        ids named by acquire calls (acquires == hits + misses)
         hits            acquired while resident with the copy complete
         misses          acquired while not resident, or still being copied

@@ -627,9 +627,6 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
                                      hint_ids=hint_ids, hint_when=hint_when,
                                      now=(self.clock if now is None else now) if hints is not None else None,
                                      stream=stream, timeout=timeout)
-            if extra is not None:
-                for ids, b in extra:
-                    self.handle.prefetch_tensors(ids, b)
         except (ValueError, KeyError, TypeError, OverflowError):
             # Bad arguments are refused before anything changes: still held.
             self._held = held
@@ -639,6 +636,13 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         if acquire.shape[0]:
             self._held = acquire
             self._held_stream = stream
+        if extra is not None:  # after the step's bookkeeping: a failure here holds what the step took
+            t0 = time.perf_counter_ns()
+            try:
+                for ids, b in extra:
+                    self.handle.prefetch_tensors(ids, b)
+            finally:
+                self.engine_ns += time.perf_counter_ns() - t0
         return where
 
     def _hint_arrays(self, hints):

@@ -117,6 +117,10 @@ class OffloadedMoEBlock(nn.Module):
             controller.prefetcher.register_expert(layer, expert_id, params)
         self._experts_cpu = None  # the engine holds the bytes now
         # The template's own parameters are not used for compute: free them.
+        # The dtype the engine holds the experts in: a later model.to(dtype)
+        # shows in the template (its device does not matter: the weights are
+        # the cache's, wherever the template is).
+        self._packed_dtype = self._template.get_parameter(self._names[0]).dtype
         for p in list(self._template.parameters()):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.controller = controller
@@ -125,8 +129,19 @@ class OffloadedMoEBlock(nn.Module):
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         if self.controller is None:
             raise RuntimeError("OffloadedMoEBlock is not attached: call offload_moe_experts on the model")
-        if hidden_states.requires_grad and torch.is_grad_enabled():
-            return NoBackward.apply(self._forward, hidden_states)  # Note [No backward through the cache]
+        if self.layer == 0:  # a model.to(...) converts every block: one look a forward
+            dtype = self._template.get_parameter(self._names[0]).dtype
+            if dtype is not self._packed_dtype:
+                raise RuntimeError(
+                    f"MoE layer 0: the model was converted to {dtype} after offload_moe_experts, but its "
+                    f"offloaded experts were registered as {self._packed_dtype} and stay so: convert the model "
+                    "(model.to(...)) before offloading it")
+        # Note [No backward through the cache]; the router's weights count
+        # as the routing weights do in prefetch/hf.py.
+        if torch.is_grad_enabled():
+            training = [p for p in self.router.parameters() if p.requires_grad]
+            if hidden_states.requires_grad or training:  # the output needs a gradient: its backward raises
+                return NoBackward.apply(lambda h, *_: self._forward(h), hidden_states, *training)
         return self._forward(hidden_states)
 
     def _forward(self, hidden_states: torch.Tensor) -> torch.Tensor:

@@ -119,22 +119,33 @@ void ArcherPrefetchHandle::Step(const StepArgs& a) {
 
 // Note [A step's prefetches after its wait]
 // Step checks its prefetch ids with the rest, but an acquire that waits
-// drops the lock, and another thread may unregister a prefetch id
+// drops the lock (for its wait, its own copies and its CPU waits), and
+// another thread may unregister a prefetch id or close the handle
 // meanwhile. The prefetches are queued under the lock the acquire ends
-// with, so no other window is left; if one of them is gone by then, the
-// step fails as a failing acquire does: the acquire is undone (nothing of
-// it stays pinned), nothing is queued, and the release, cancel, hints,
-// pins and uses stay done.
+// with, so no later window is left. A prefetch is a guess: one whose id is
+// gone by then is dropped and the step succeeds with the others queued
+// (the step used to raise after its acquire had succeeded, and the
+// caller, told nothing was held, never released the acquire's pins). A
+// handle closed meanwhile raises kClosed, as any call after Close does,
+// and queues nothing behind Close's emptied queues.
 void ArcherPrefetchHandle::QueueStepPrefetchesLocked(const StepArgs& a) {
+  CheckUsableLocked();
+  const Clock::time_point start = Clock::now();
   try {
-    EnqueuePrefetchLocked(a.prefetch_ids, a.n_prefetch, a.prefetch_band,
-                          Clock::now());
+    EnqueuePrefetchLocked(a.prefetch_ids, a.n_prefetch, a.prefetch_band, start);
+    return;
   } catch (const PrefetchError& ex) {
-    if (a.n_acquire > 0) UnpinLocked(a.acquire_ids, a.n_acquire);
-    throw PrefetchError(ex.kind(),
-                        "step prefetch: " + std::string(ex.what()) +
-                            " any more: another thread unregistered it while "
-                            "this step's acquire waited; the acquire is undone");
+    if (ex.kind() != ErrorKind::kUnknownId) throw;
+  }
+  // Rare (a race with UnregisterTensor): the ids still registered.
+  std::vector<int64_t> kept;
+  kept.reserve(a.n_prefetch);
+  for (size_t i = 0; i < a.n_prefetch; ++i) {
+    if (LookupLocked(a.prefetch_ids[i]) != nullptr) kept.push_back(a.prefetch_ids[i]);
+  }
+  stats_.prefetches_gone += a.n_prefetch - kept.size();
+  if (!kept.empty()) {
+    EnqueuePrefetchLocked(kept.data(), kept.size(), a.prefetch_band, start);
   }
 }
 

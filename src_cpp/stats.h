@@ -19,6 +19,9 @@ struct Stats {
   uint64_t cancelled = 0;         // queued ids removed by cancel
   uint64_t declined = 0;          // prefetches dropped: the cache held only
                                   // entries needed sooner (admission control)
+  uint64_t prefetches_gone = 0;   // a step's prefetch ids unregistered by
+                                  // another thread while its acquire waited
+                                  // (dropped, not requested)
   uint64_t acquires = 0;          // ids named by acquire calls
   uint64_t hits = 0;              // acquired while resident and complete
   uint64_t misses = 0;            // acquired while not resident or pending

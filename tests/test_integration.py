@@ -851,6 +851,29 @@ def test_a_backward_through_a_generic_offloaded_block_raises():
         ctl.close()
 
 
+def test_a_generic_block_whose_router_trains_raises_at_backward_and_a_converted_one_says_so():
+    # Note [No backward through the cache]: a frozen input and a router that
+    # trains gave the experts no gradient, without a word.
+    torch.manual_seed(3)
+    layers_ref, layers_off = generic_layers(1, 4)
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
+    try:
+        x = torch.randn(3, 16)
+        with torch.enable_grad():
+            out = layers_off[0](x)
+            assert torch.equal(out, layers_ref[0](x))
+            with pytest.raises(RuntimeError, match="backward through MoE experts offloaded by prefetch"):
+                out.sum().backward()
+        layers_off.double()
+        with pytest.raises(RuntimeError, match=r"converted to torch.float64 after offload_moe_experts, but its "
+                                               r"offloaded experts were registered as torch.float32"):
+            with torch.no_grad():
+                layers_off[0](x.double())
+        assert ctl.handle.stats()["pinned_count"] == 0
+    finally:
+        ctl.close()
+
+
 @pytest.mark.parametrize("convert", ["dtype", "half"])
 def test_converting_the_model_after_offloading_says_so(convert):
     # The experts stay as packed (float32 here): a model converted after

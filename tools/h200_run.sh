@@ -88,7 +88,7 @@ for step in $steps; do
         select=(tests/test_cuda.py tests/test_integration.py tests/test_checkpoint_experts.py -m gpu)
         [ "$tool" = initcheck ] && select+=(-k "not bf16")
         echo "== compute-sanitizer --tool $tool" | tee -a "$out/csan.txt"
-        PREFETCH_TEST_UNDER_TOOL=1 PREFETCH_TEST_SPIN_CYCLES=4000000000 timeout "${CSAN_TIMEOUT:-240}" \
+        PYTHONFAULTHANDLER=1 PREFETCH_TEST_UNDER_TOOL=1 PREFETCH_TEST_SPIN_CYCLES=4000000000 timeout "${CSAN_TIMEOUT:-240}" \
           compute-sanitizer --tool $tool --error-exitcode 99 --target-processes all \
           python3 -m pytest -q -p no:cacheprovider "${select[@]}" 2>&1 | tail -6 | tee -a "$out/csan.txt"
         echo "exit ${PIPESTATUS[0]}" | tee -a "$out/csan.txt"
