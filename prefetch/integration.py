@@ -107,6 +107,12 @@ class OffloadedMoEBlock(nn.Module):
         return budget // slot
 
     def attach(self, controller: OffloadController, layer: int) -> None:
+        # The experts were copied when the block was built; a model.to(dtype)
+        # since then shows in the template only: the copies follow it, so
+        # "convert before offloading" holds for these blocks too.
+        dtypes = {n: p.dtype for n, p in self._template.named_parameters()}
+        if any(t.dtype is not dtypes[n] for n, t in self._experts_cpu[0].items()):
+            self._experts_cpu = [{n: t.to(dtypes[n]) for n, t in e.items()} for e in self._experts_cpu]
         # As many experts as fit in the budget are acquired at once; a call
         # routed to more runs in pieces (forward).
         self._capacity = self.capacity(controller.handle.budget_bytes(0))
@@ -120,7 +126,7 @@ class OffloadedMoEBlock(nn.Module):
         # The dtype the engine holds the experts in: a later model.to(dtype)
         # shows in the template (its device does not matter: the weights are
         # the cache's, wherever the template is).
-        self._packed_dtype = self._template.get_parameter(self._names[0]).dtype
+        self._packed_dtype = dtypes[self._names[0]]
         for p in list(self._template.parameters()):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.controller = controller

@@ -858,8 +858,9 @@ def test_a_step_prefetch_id_unregistered_while_it_waits_is_dropped(make_handle, 
 
 def test_a_step_whose_handle_closes_while_it_waits_raises_closed(make_handle, rng):
     # A step waiting in its acquire when the handle closes raises, and its
-    # prefetches are not queued (Note [A step's prefetches after its wait]
-    # checks the handle again before queueing them).
+    # prefetches are not queued. (This close lands in the acquire's wait;
+    # the check Note [A step's prefetches after its wait] adds is for the
+    # shorter window of the acquire's CPU waits, which no test reaches.)
     h = make_handle(device_budget_bytes=4 * SLOT)
     register_random(h, rng, range(6))
     h.pause()

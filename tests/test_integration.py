@@ -857,14 +857,20 @@ def test_a_backward_through_a_generic_offloaded_block_raises(trains):
 
 def test_a_generic_block_converted_after_offloading_says_so():
     torch.manual_seed(3)
-    _, layers_off = generic_layers(1, 4)
+    layers_ref, layers_off = generic_layers(1, 4)
+    # Converted before offloading (after the blocks were built): the experts follow.
+    layers_ref.double()
+    layers_off.double()
+    x = torch.randn(3, 16, dtype=torch.float64)
     ctl = offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
     try:
-        layers_off.double()
-        with pytest.raises(RuntimeError, match=r"converted to torch.float64 after offload_moe_experts, but its "
-                                               r"offloaded experts were registered as torch.float32"):
+        with torch.no_grad():
+            assert torch.equal(layers_off[0](x), layers_ref[0](x))
+        layers_off.float()
+        with pytest.raises(RuntimeError, match=r"converted to torch.float32 after offload_moe_experts, but its "
+                                               r"offloaded experts were registered as torch.float64"):
             with torch.no_grad():
-                layers_off[0](torch.randn(3, 16, dtype=torch.float64))
+                layers_off[0](x.float())
         assert ctl.handle.stats()["pinned_count"] == 0
     finally:
         ctl.close()
