@@ -127,6 +127,10 @@ class OffloadedMoEBlock(nn.Module):
         # shows in the template (its device does not matter: the weights are
         # the cache's, wherever the template is).
         self._packed_dtype = dtypes[self._names[0]]
+        # Where that parameter lives, looked up once (forward reads it each
+        # time, as prefetch/hf.py reads its experts module's _parameters).
+        owner, _, leaf = self._names[0].rpartition(".")
+        self._probe = (self._template.get_submodule(owner)._parameters, leaf)
         for p in list(self._template.parameters()):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.controller = controller
@@ -136,7 +140,8 @@ class OffloadedMoEBlock(nn.Module):
         if self.controller is None:
             raise RuntimeError("OffloadedMoEBlock is not attached: call offload_moe_experts on the model")
         if self.layer == 0:  # a model.to(...) converts every block: one look a forward
-            dtype = self._template.get_parameter(self._names[0]).dtype
+            params, leaf = self._probe
+            dtype = params[leaf].dtype
             if dtype is not self._packed_dtype:
                 raise RuntimeError(
                     f"MoE layer 0: the model was converted to {dtype} after offload_moe_experts, but its "
