@@ -95,42 +95,61 @@ class OffloadedMoEBlock(nn.Module):
         for e in experts[1:]:
             if [n for n, _ in e.named_parameters()] != self._names:
                 raise ValueError("all experts of a block must have the same parameters")
-        self._experts_cpu = [{n: p.detach().to("cpu") for n, p in e.named_parameters()} for e in experts]
+        # The experts' weights are read when the block is offloaded (attach),
+        # so a load into the expert modules after building the block and
+        # before offloading it is what the engine holds. A tuple: not
+        # submodules (only the template is), so the block's state_dict and
+        # model.to(...) see the template alone, as before.
+        self._experts = tuple(experts)
         self.controller: OffloadController | None = None
         self.layer = -1
 
     def capacity(self, budget: int) -> int:
         """How many of this block's experts a cache of `budget` bytes holds
         at once (0: not one)."""
-        layout = expert_layout(self._experts_cpu[0])
+        layout = expert_layout(dict(self._template.named_parameters()))
         slot = -(-(layout[-1].offset + layout[-1].nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
         return budget // slot
 
-    def attach(self, controller: OffloadController, layer: int) -> None:
-        # The experts were copied when the block was built; a model.to(dtype)
-        # since then shows in the template only: the copies follow it, so
-        # "convert before offloading" holds for these blocks too.
+    def _host_weights(self, layer: int) -> list[dict]:
+        """Each expert's weights as they are now, on the host, in the dtypes
+        of the template: a model.to(dtype) shows in the template only (the
+        other experts are not submodules), and the registered weights follow
+        it, so "convert before offloading" holds for these blocks too."""
         dtypes = {n: p.dtype for n, p in self._template.named_parameters()}
-        if any(t.dtype is not dtypes[n] for n, t in self._experts_cpu[0].items()):
-            self._experts_cpu = [{n: t.to(dtypes[n]) for n, t in e.items()} for e in self._experts_cpu]
+        weights = []
+        for expert_id, expert in enumerate(self._experts):
+            params = {n: p.detach().to("cpu", dtype=dtypes.get(n)) for n, p in expert.named_parameters()}
+            if list(params) != self._names:
+                raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {list(params)}, "
+                                 f"not those of expert 0 ({self._names}) as when the block was built")
+            weights.append(params)
+        return weights
+
+    def _register(self, controller: OffloadController, layer: int, weights: list[dict]) -> None:
         # As many experts as fit in the budget are acquired at once; a call
         # routed to more runs in pieces (forward).
-        self._capacity = self.capacity(controller.handle.budget_bytes(0))
-        if self._capacity < 1:
+        capacity = self.capacity(controller.handle.budget_bytes(0))
+        if capacity < 1:
             raise ValueError(f"device_budget_bytes={controller.handle.budget_bytes(0)} is smaller than one expert "
                              f"of MoE layer {layer}")
-        for expert_id, params in enumerate(self._experts_cpu):
+        for expert_id, params in enumerate(weights):
             controller.prefetcher.register_expert(layer, expert_id, params)
-        self._experts_cpu = None  # the engine holds the bytes now
-        # The template's own parameters are not used for compute: free them.
+        self._capacity = capacity
+
+    def _attach(self, controller: OffloadController, layer: int) -> None:
+        """The block's own change, made once every block's experts are
+        registered (nothing here can fail on the model's input)."""
+        self._experts = ()  # the engine holds the bytes now
         # The dtype the engine holds the experts in: a later model.to(dtype)
         # shows in the template (its device does not matter: the weights are
         # the cache's, wherever the template is).
-        self._packed_dtype = dtypes[self._names[0]]
+        self._packed_dtype = self._template.get_parameter(self._names[0]).dtype
         # Where that parameter lives, looked up once (forward reads it each
         # time, as prefetch/hf.py reads its experts module's _parameters).
         owner, _, leaf = self._names[0].rpartition(".")
         self._probe = (self._template.get_submodule(owner)._parameters, leaf)
+        # The template's own parameters are not used for compute: free them.
         for p in list(self._template.parameters()):
             p.data = torch.empty(0, dtype=p.dtype, device=p.device)
         self.controller = controller
@@ -350,7 +369,7 @@ def offload_moe_experts(
                                           sync_free=sync_free, checkpoint=checkpoint)
             slots = controller.read_ahead_slots
         else:
-            slots = generic[0].capacity(handle.budget_bytes(0))  # before attach, which drops the host copies
+            slots = generic[0].capacity(handle.budget_bytes(0))  # before attach, which frees the templates
             controller = _offload_generic(generic, handle, predictor, record_trace)
             controller.cache_slots = slots  # Note [Host-routed step pins]
     except BaseException:
@@ -421,6 +440,13 @@ def _offload_generic(generic, handle, predictor, record_trace) -> OffloadControl
     controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                    top_k=generic[0].top_k, predictor=predictor,
                                    routers=[b.router for b in generic], record_trace=record_trace)
+    # Read, then register, then change the blocks: a failure in the first two
+    # (an expert changed since the block was built, host memory) leaves every
+    # block as it was, to be offloaded again.
+    weights = [block._host_weights(layer) for layer, block in enumerate(generic)]
     for layer, block in enumerate(generic):
-        block.attach(controller, layer)
+        block._register(controller, layer, weights[layer])
+        weights[layer] = None  # each block's host copies go as soon as the engine has them
+    for layer, block in enumerate(generic):
+        block._attach(controller, layer)
     return controller

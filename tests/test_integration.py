@@ -1007,6 +1007,47 @@ def test_generic_block_rejects_bad_input():
         offload_moe_experts(nn.Linear(3, 3), device_budget_bytes=1 << 20, backend="host")
 
 
+def test_generic_block_serves_the_weights_its_experts_have_at_offload():
+    # Weights loaded after the block is built and before it is offloaded
+    # (load_state_dict(assign=True) replaces the parameters: a copy taken at
+    # build would keep the old ones) are the weights the engine serves.
+    torch.manual_seed(5)
+    layers_ref, layers_off = nn.ModuleList(), nn.ModuleList()
+    for _ in range(2):
+        router = nn.Linear(16, 4, bias=False)
+        experts = [TinyExpert(16, 24) for _ in range(4)]
+        layers_off.append(OffloadedMoEBlock(copy.deepcopy(router), experts, 2))
+        fresh = [TinyExpert(16, 24) for _ in range(4)]
+        for expert, new in zip(experts, fresh):
+            expert.load_state_dict(new.state_dict(), assign=True)
+        layers_ref.append(ReferenceBlock(router, nn.ModuleList(fresh), 2))
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
+    try:
+        x = torch.randn(2, 3, 16)
+        a, b = x, x
+        for ref_layer, off_layer in zip(layers_ref, layers_off):
+            a, b = a + ref_layer(a), b + off_layer(b)
+        assert torch.equal(a, b)
+    finally:
+        ctl.close()
+
+
+def test_generic_expert_changed_since_build_is_refused_and_no_block_changes():
+    layers_off = nn.ModuleList()
+    for _ in range(3):
+        experts = [TinyExpert(16, 24) for _ in range(4)]
+        layers_off.append(OffloadedMoEBlock(nn.Linear(16, 4, bias=False), experts, 2))
+    last = experts[3]
+    last.extra = nn.Linear(2, 2)  # a parameter expert 0 does not have
+    with pytest.raises(ValueError, match="expert 3 of MoE layer 2 has the parameters"):
+        offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
+    assert all(b.controller is None for b in layers_off)
+    assert all(p.numel() > 0 for b in layers_off for p in b._template.parameters())
+    del last.extra
+    ctl = offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
+    ctl.close()
+
+
 def record(model, ids):
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", record_trace=True)
     greedy(model, ids)

@@ -272,7 +272,7 @@ def test_blocks_with_different_expert_counts_are_refused_before_any_changes():
     with pytest.raises(NotImplementedError, match=r"experts per layer: \[4, 8, 4\]"):
         offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False)
     # Not attached: the blocks keep their experts, and can be offloaded once made alike.
-    assert all(block.controller is None and block._experts_cpu is not None for block in model.blocks)
+    assert all(block.controller is None and len(block._experts) == block.num_experts for block in model.blocks)
 
 
 @pytest.mark.parametrize("kwargs,match", [
@@ -308,7 +308,7 @@ def test_something_that_is_not_a_predictor_is_refused_before_anything_changes(ba
     x = inputs(1)[0]
     with pytest.raises(TypeError, match=match):
         offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False, predictor=bad)
-    assert all(block.controller is None and block._experts_cpu is not None for block in model.blocks)
+    assert all(block.controller is None and len(block._experts) == block.num_experts for block in model.blocks)
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host", progress=False,
                               predictor=NextLayerGatePredictor())
     try:
