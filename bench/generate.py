@@ -200,7 +200,8 @@ During offloaded rows the model's own GPU expert weights stay allocated (kept
 to restore the model for the next row; nothing reads them) unless
 --park-resident-experts frees them: device memory is not what is measured.
 After each block the resident row runs again to check the model was restored.
---ab ROW_A ROW_B (engine rows; needs --paired; the same row twice is the
+--ab ROW_A ROW_B (engine rows; needs --paired, or --park-resident-experts
+for a lean twin, Note [A lean twin]; the same row twice is the
 estimator's control): after a block's rows, the
 model offloaded as ROW_A and the twin as ROW_B at --ab-share, both at once,
 --ab-pairs pairs of --paired-tokens generates alternating; the block's "ab"
@@ -212,7 +213,7 @@ copies and hit_rates (each side's engine copies and hit rate over its
 generates), pairs_detail (per pair and side: the generate's wall ms,
 host steal, allocator retries, and its engine counters' change: Note
 [Where a pair's time went]),
-parked_resident_experts and a reason where it did not run (Note [Two rows side by side] in
+parked_resident_experts, twin ("resident" or "lean") and a reason where it did not run (Note [Two rows side by side] in
 bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
 run in lockstep, a token each in turn, in "lockstep": the same figures,
 the same of the two prefills (prefill_pairs_ms, prefill_x_ab, ...) and
@@ -377,7 +378,8 @@ def main(argv=None) -> int:
                         "2 x --paired x this x its ms per token more")
     parser.add_argument("--ab", nargs=2, metavar=("ROW_A", "ROW_B"), default=None,
                         help="after each block's rows, two engine rows side by side: the model offloaded as ROW_A, "
-                             "the twin (needs --paired) as ROW_B, --ab-pairs pairs of generates alternating; the "
+                             "the twin (--paired's resident copy, or with --park-resident-experts and no such copy a "
+                             "lean one) as ROW_B, --ab-pairs pairs of generates alternating; the "
                              "block's 'ab' has the pairs and x_ab, the median A/B ratio (Note [Two rows side by "
                              "side] in bench/generate_ab.py)")
     parser.add_argument("--ab-pairs", type=int, default=8, help="pairs of generates of --ab (default 8)")
@@ -476,9 +478,9 @@ def main(argv=None) -> int:
             ab_rows(args.ab)
         except ValueError as exc:
             parser.error(str(exc))
-        if args.paired < 1 or args.ab_pairs < 1 or args.ab_lockstep < 0:
-            parser.error("--ab needs --paired >= 1 (its second side is the twin), --ab-pairs >= 1 and "
-                         "--ab-lockstep >= 0")
+        if (args.paired < 1 and not args.park_resident_experts) or args.ab_pairs < 1 or args.ab_lockstep < 0:
+            parser.error("--ab needs --paired >= 1 (its second side is the twin) or --park-resident-experts "
+                         "(a lean twin), --ab-pairs >= 1 and --ab-lockstep >= 0")
         if args.ab_lockstep and args.timer_sync == "device" and not smoke:
             # Note [Lockstep pairs]: a device-wide wait would charge each side the other's copies.
             parser.error("--ab-lockstep needs --timer-sync stream (a device-wide wait would time each side "

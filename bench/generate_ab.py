@@ -3,6 +3,7 @@ in alternating generates (Note [Two rows side by side])."""
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import math
 import statistics
@@ -444,6 +445,26 @@ def _pooled(ab: dict, swapped: dict) -> dict:
     return out
 
 
+def lean_twin(block: Block):
+    """Note [A lean twin]
+    The twin of --ab is a resident copy of the model (Note [Paired
+    generates]) where --paired made one; Qwen3-30B-A3B's is 57 GiB, which
+    with the model's own experts leaves no room on an 80 GiB H100 and
+    crowds a 140 GiB H200. The A/B offloads both sides from the one packed
+    host copy and never computes on the twin's resident experts, so without
+    a resident twin (--paired 0, or no room for one) and with
+    --park-resident-experts, the A/B makes its own: a deep copy of the model
+    while its experts are parked, which copies the other weights and the
+    experts' meta stand-ins (Note [Parked resident experts]), a few GiB.
+    Each side-by-side (control, A/B, swap) gets a new one after the model
+    is restored and parked again; the block's ab.twin says which kind ran
+    ("lean" or "resident"). Each side's tokens are still checked against the
+    resident model's."""
+    if block.state.parked is None:
+        raise RuntimeError("a lean twin is a copy of the parked model: park it first")
+    return copy.deepcopy(block.model)
+
+
 def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     """Note [Two rows side by side]: the A/B of --ab's rows at `share` on this
     block, after --ab-control's B/B; null figures with the reason where it
@@ -451,14 +472,16 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     args = block.args
     a, b = ab_rows(args.ab)
     out = {"model": name, "batch": block.batch, "share": share, "rows": [a, b], **_empty_figures(),
-           "control": None, "swapped": None, "pooled": None, "parked_resident_experts": None, "reason": None}
+           "control": None, "swapped": None, "pooled": None, "parked_resident_experts": None, "twin": None,
+           "reason": None}
     if time.monotonic() - started > args.budget_s:
         out["reason"] = f"not run: --budget-s {args.budget_s:g} s spent"
         return out
     if block.reference is None:
         out["reason"] = "not run: the resident row did not run"
         return out
-    if block.twin is None:
+    lean = block.twin is None and args.park_resident_experts  # Note [A lean twin]
+    if block.twin is None and not lean:
         out["reason"] = f"not run: no second copy of the model ({block.twin_reason})"
         return out
     oracle = any(r.removesuffix("-synced") == "oracle" for r in (a, b))
@@ -478,14 +501,23 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         if args.park_resident_experts:  # as the engine rows do (Note [Parked resident experts])
             block.state.park(host)
         out["parked_resident_experts"] = block.state.parked is not None
-        twin_state = ModelState(twin) if args.ab_control or args.ab_swap else None
+        out["twin"] = "lean" if lean else "resident"
+        if lean:
+            twin = lean_twin(block)
+        twin_state = ModelState(twin) if not lean and (args.ab_control or args.ab_swap) else None
 
-        def restore(what: str) -> None:  # both copies back to resident, to be offloaded again
+        def restore(what: str) -> None:  # both copies back as they were, to be offloaded again
+            nonlocal twin
             block.phase = f"{what} restore"
+            if lean:
+                twin = None  # its offload closed: a new one from the model parked again
             block.state.restore()
-            twin_state.restore()
+            if twin_state is not None:
+                twin_state.restore()
             if args.park_resident_experts:
                 block.state.park(host)
+            if lean:
+                twin = lean_twin(block)
 
         if args.ab_control:
             out["control"] = {"rows": [b, b], **_empty_figures()}

@@ -422,6 +422,45 @@ def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkey
     assert report["blocks"][0]["ab"]["swapped"] is None and report["blocks"][0]["ab"]["pooled"] is None
 
 
+def test_ab_without_a_resident_twin_makes_a_lean_one_from_the_parked_model(tmp_path, monkeypatch, capsys):
+    # Note [A lean twin]: --paired 0 and --park-resident-experts: each
+    # side-by-side gets a new deep copy of the parked model, whose experts
+    # are meta stand-ins (no second resident copy); tokens equal, the model
+    # restored after.
+    from bench import generate_ab
+
+    made = []
+
+    class Recording(generate_ab.EngineMode):
+        def __init__(self, model, budget, row, *a, **kw):
+            made.append((model, row, [p.device.type for n, p in model.named_parameters() if "experts" in n]))
+            super().__init__(model, budget, row, *a, **kw)
+
+    monkeypatch.setattr(generate_ab, "EngineMode", Recording)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "0",
+                  "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "2",
+                  "--park-resident-experts", "--ab-control", "--ab-swap")
+    (block,) = report["blocks"]
+    ab = block["ab"]
+    assert ab["reason"] is None and ab["twin"] == "lean" and ab["parked_resident_experts"] is True
+    assert [row for _, row, _ in made] == ["on-demand", "on-demand", "gate", "on-demand", "on-demand", "gate"]
+    models = [m for m, _, _ in made]
+    assert models[0] is models[2] is models[4]  # side A: the model
+    twins = models[1::2]
+    assert len({id(t) for t in twins}) == 3 and all(t is not models[0] for t in twins)  # a new twin each time
+    assert all(devices and set(devices) == {"meta"} for _, _, devices in made[1::2])  # no resident experts
+    for part in (ab, ab["control"], ab["swapped"]):
+        assert part["tokens_equal"] is True and len(part["pairs_ms"]) == 2
+    assert len(ab["pooled"]["pairs_ms"]) == 4
+    assert block["restore_check"] is True
+    # Without a resident twin and without parking there is no second side.
+    with pytest.raises(SystemExit):
+        _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "0", "--ab", "gate",
+             "on-demand")
+    assert "--ab needs --paired >= 1 (its second side is the twin) or --park-resident-experts" in (
+        capsys.readouterr().err)
+
+
 class _FakeMode:
     """An engine row's mode as lockstep uses it: its handle's stats and
     new_sequence."""
