@@ -462,7 +462,10 @@ def lean_twin(block: Block):
     resident model's."""
     if block.state.parked is None:
         raise RuntimeError("a lean twin is a copy of the parked model: park it first")
-    return copy.deepcopy(block.model)
+    twin = copy.deepcopy(block.model)
+    held = sum(t.numel() * t.element_size() for t in (*twin.parameters(), *twin.buffers()) if not t.is_meta)
+    print(f"  lean twin: {held / 2**30:.2f} GiB of weights and buffers", file=sys.stderr, flush=True)
+    return twin
 
 
 def run_ab(block: Block, name: str, share: float, started: float) -> dict:
