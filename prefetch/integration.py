@@ -107,24 +107,38 @@ class OffloadedMoEBlock(nn.Module):
     def capacity(self, budget: int) -> int:
         """How many of this block's experts a cache of `budget` bytes holds
         at once (0: not one)."""
-        layout = expert_layout(dict(self._template.named_parameters()))
-        slot = -(-(layout[-1].offset + layout[-1].nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
-        return budget // slot
+        return budget // self._slot_bytes()
+
+    def _slot_bytes(self) -> int:
+        """The cache slot of one expert, from the template's shapes and
+        dtypes wherever it is (a model moved to a GPU before offloading);
+        after offloading, the slot it was offloaded with (the template's
+        parameters are freed then)."""
+        if self.controller is not None:
+            return self._slot
+        # expert_layout reads CPU tensors: zero-stride ones of the same
+        # shapes and dtypes, one element each.
+        shapes = {n: torch.empty_strided(tuple(p.shape), (0,) * p.dim(), dtype=p.dtype)
+                  for n, p in self._template.named_parameters()}
+        layout = expert_layout(shapes)
+        return -(-(layout[-1].offset + layout[-1].nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
 
     def _host_weights(self, layer: int) -> list[dict]:
         """Each expert's weights as they are now, on the host, in the dtypes
         of the template: a model.to(dtype) shows in the template only (the
         other experts are not submodules), and the registered weights follow
         it, so "convert before offloading" holds for these blocks too."""
+        self._check_names(layer)
         dtypes = {n: p.dtype for n, p in self._template.named_parameters()}
-        weights = []
+        return [{n: p.detach().to("cpu", dtype=dtypes[n]) for n, p in expert.named_parameters()}
+                for expert in self._experts]
+
+    def _check_names(self, layer: int) -> None:
         for expert_id, expert in enumerate(self._experts):
-            params = {n: p.detach().to("cpu", dtype=dtypes.get(n)) for n, p in expert.named_parameters()}
-            if list(params) != self._names:
-                raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {list(params)}, "
+            names = [n for n, _ in expert.named_parameters()]
+            if names != self._names:
+                raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {names}, "
                                  f"not those of expert 0 ({self._names}) as when the block was built")
-            weights.append(params)
-        return weights
 
     def _register(self, controller: OffloadController, layer: int, weights: list[dict]) -> None:
         # As many experts as fit in the budget are acquired at once; a call
@@ -140,6 +154,7 @@ class OffloadedMoEBlock(nn.Module):
     def _attach(self, controller: OffloadController, layer: int) -> None:
         """The block's own change, made once every block's experts are
         registered (nothing here can fail on the model's input)."""
+        self._slot = self._slot_bytes()
         self._experts = ()  # the engine holds the bytes now
         # The dtype the engine holds the experts in: a later model.to(dtype)
         # shows in the template (its device does not matter: the weights are
@@ -440,13 +455,15 @@ def _offload_generic(generic, handle, predictor, record_trace) -> OffloadControl
     controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                    top_k=generic[0].top_k, predictor=predictor,
                                    routers=[b.router for b in generic], record_trace=record_trace)
-    # Read, then register, then change the blocks: a failure in the first two
-    # (an expert changed since the block was built, host memory) leaves every
-    # block as it was, to be offloaded again.
-    weights = [block._host_weights(layer) for layer, block in enumerate(generic)]
+    # Check, then read and register a block at a time (one block's host
+    # copies at once: a model on a GPU or converted before offloading copies
+    # its experts here), then change the blocks: a failure before the last
+    # step (an expert changed since the block was built, host memory) leaves
+    # every block as it was, to be offloaded again.
     for layer, block in enumerate(generic):
-        block._register(controller, layer, weights[layer])
-        weights[layer] = None  # each block's host copies go as soon as the engine has them
+        block._check_names(layer)
+    for layer, block in enumerate(generic):
+        block._register(controller, layer, block._host_weights(layer))
     for layer, block in enumerate(generic):
         block._attach(controller, layer)
     return controller

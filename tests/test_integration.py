@@ -1032,6 +1032,20 @@ def test_generic_block_serves_the_weights_its_experts_have_at_offload():
         ctl.close()
 
 
+def test_generic_block_capacity_comes_from_the_template_shapes_wherever_it_is():
+    # A model moved to a GPU before offloading has its template there
+    # (test_generic_block_waits_for_the_gpu_once_a_layer offloads one): the
+    # slot comes from shapes and dtypes, which a meta template has too.
+    experts = [TinyExpert(16, 24) for _ in range(3)]
+    block = OffloadedMoEBlock(nn.Linear(16, 3, bias=False), experts, 2)
+    slot = 3 * 16 * 24 * 4  # three float32 weights of 16 x 24, each a multiple of the alignment
+    assert block.capacity(10 * slot) == 10
+    experts[0].to("meta")
+    assert block.capacity(10 * slot) == 10
+    experts[0].to(torch.float64)
+    assert block.capacity(10 * slot) == 5
+
+
 def test_generic_expert_changed_since_build_is_refused_and_no_block_changes():
     layers_off = nn.ModuleList()
     for _ in range(3):
