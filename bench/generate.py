@@ -401,7 +401,8 @@ def main(argv=None) -> int:
                         help="engine rows free the resident model's expert weights on the device while they run "
                              "and copy them back from the packed host copy after (Note [Parked resident experts] "
                              "in bench/generate_model.py): a cache of every expert then fits beside a second "
-                             "resident copy (--paired) or a larger batch")
+                             "resident copy (--paired) or a larger batch; without --paired's copy, --ab's second "
+                             "side is a lean one (Note [A lean twin] in bench/generate_ab.py)")
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
                              "background copies too) or the compute stream only (what a caller reading tokens "

@@ -82,6 +82,11 @@ class ModelState:
     def __init__(self, model):
         self.model = model
         self.impl = model.config._experts_implementation
+        # An offload wraps the model's forward in an instance attribute (Note
+        # [One forward at a time] in prefetch/integration.py) bound to this
+        # model: left there, a deep copy made later (a twin) would call this
+        # model's forward, not its own. restore() takes it off.
+        self.forward = model.__dict__.get("forward")
         self.saved = []
         for block, experts, _ in moe_blocks(model):
             params = {n: (getattr(experts, n), getattr(experts, n).data) for n in self.NAMES}
@@ -190,6 +195,10 @@ class ModelState:
                 param.data = data
                 experts._parameters[name] = param
         self.model.config._experts_implementation = self.impl
+        if self.forward is None:
+            self.model.__dict__.pop("forward", None)
+        else:
+            self.model.forward = self.forward
         self.check()
 
     def check(self):
@@ -203,6 +212,8 @@ class ModelState:
                 raise RuntimeError("the model could not be restored to its resident state")
         if self.model.config._experts_implementation != self.impl:
             raise RuntimeError("experts implementation not restored")
+        if self.model.__dict__.get("forward") is not self.forward:
+            raise RuntimeError("the model's forward not restored")
 
 
 # ------------------------------------------------------------- generation

@@ -422,6 +422,26 @@ def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkey
     assert report["blocks"][0]["ab"]["swapped"] is None and report["blocks"][0]["ab"]["pooled"] is None
 
 
+def test_a_twin_made_after_engine_rows_runs_its_own_forward(tmp_path, monkeypatch):
+    # An offload wraps the model's forward in an instance attribute bound to
+    # the model; restore takes it off, so the twin the next batch deep-copies
+    # (Note [Paired generates]) calls its own forward, not the model's.
+    from bench import generate
+
+    seen = []
+    make_twin = generate.make_twin
+
+    def probe(block):
+        make_twin(block)
+        seen.append((block.batch, "forward" in block.model.__dict__, "forward" in block.twin.__dict__))
+
+    monkeypatch.setattr(generate, "make_twin", probe)
+    report = _run(tmp_path, "--models", "smoke-olmoe", "--batches", "1", "2", "--rows", "resident", "on-demand",
+                  "--paired", "1", "--paired-tokens", "3", "--new-tokens", "3")
+    assert seen == [(1, False, False), (2, False, False)]
+    assert all(b["restore_check"] is True for b in report["blocks"])
+
+
 def test_ab_without_a_resident_twin_makes_a_lean_one_from_the_parked_model(tmp_path, monkeypatch, capsys):
     # Note [A lean twin]: --paired 0 and --park-resident-experts: each
     # side-by-side gets a new deep copy of the parked model, whose experts
@@ -451,6 +471,9 @@ def test_ab_without_a_resident_twin_makes_a_lean_one_from_the_parked_model(tmp_p
     assert all(devices and set(devices) == {"meta"} for _, _, devices in made[1::2])  # no resident experts
     for part in (ab, ab["control"], ab["swapped"]):
         assert part["tokens_equal"] is True and len(part["pairs_ms"]) == 2
+        # Each side ran on its own engine: a twin whose forward called the
+        # model's (a wrapper copied from an earlier offload) counted nothing.
+        assert all(h is not None for h in part["hit_rates"]) and all(c > 0 for c in part["copies"]), part
     assert len(ab["pooled"]["pairs_ms"]) == 4
     assert block["restore_check"] is True
     # Without a resident twin and without parking there is no second side.
