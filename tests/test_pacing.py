@@ -197,9 +197,12 @@ def test_an_acquire_of_a_copy_under_way_takes_the_rest_at_once():
         check(view, 0, 0)
         s = h.stats()
         assert s["late"] == 1 and s["copies"] == 1
-        # Two chunks at once, then one chunk each 0.1 s until the acquire
-        # (within about one of them on an idle machine), then the rest.
-        assert 3 <= h.fault_counts()["copies"] <= 6
+        # Up to two chunks at once, then one chunk each 0.1 s until the
+        # acquire (within about one of them on an idle machine), then the
+        # rest: paced to the end it would be twelve. Two is the acquire
+        # landing between the first two chunks' issues (a slow worker: seen
+        # once under ThreadSanitizer in CI), then the other eleven at once.
+        assert 2 <= h.fault_counts()["copies"] <= 6
         h.release([0])
 
 
