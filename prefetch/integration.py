@@ -72,6 +72,11 @@ def _acquire_stream(tensor: torch.Tensor):
     return torch.cuda.current_stream(tensor.device) if tensor.is_cuda else None
 
 
+def _parameter_shapes(module: nn.Module) -> list:
+    """[(name, shape)] of a module's parameters, in order."""
+    return [(n, tuple(p.shape)) for n, p in module.named_parameters()]
+
+
 class OffloadedMoEBlock(nn.Module):
     """The generic path: a router and a list of expert modules of one
     architecture. Routing: softmax over the router's logits, top-k, optional
@@ -92,9 +97,10 @@ class OffloadedMoEBlock(nn.Module):
         # Templates: structure only; parameters are replaced at call time.
         self._template = experts[0]
         self._names = [n for n, _ in experts[0].named_parameters()]
+        self._shapes = _parameter_shapes(experts[0])
         for e in experts[1:]:
-            if [n for n, _ in e.named_parameters()] != self._names:
-                raise ValueError("all experts of a block must have the same parameters")
+            if _parameter_shapes(e) != self._shapes:
+                raise ValueError("all experts of a block must have the same parameters (names and shapes)")
         # The experts' weights are read when the block is offloaded (attach),
         # so a load into the expert modules after building the block and
         # before offloading it is what the engine holds. A tuple: not
@@ -128,17 +134,19 @@ class OffloadedMoEBlock(nn.Module):
         of the template: a model.to(dtype) shows in the template only (the
         other experts are not submodules), and the registered weights follow
         it, so "convert before offloading" holds for these blocks too."""
-        self._check_names(layer)
+        self._check_experts(layer)
         dtypes = {n: p.dtype for n, p in self._template.named_parameters()}
         return [{n: p.detach().to("cpu", dtype=dtypes[n]) for n, p in expert.named_parameters()}
                 for expert in self._experts]
 
-    def _check_names(self, layer: int) -> None:
+    def _check_experts(self, layer: int) -> None:
+        """Every expert still has the parameters, names and shapes, that
+        the block was built with: the slots are sized from expert 0's."""
         for expert_id, expert in enumerate(self._experts):
-            names = [n for n, _ in expert.named_parameters()]
-            if names != self._names:
-                raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {names}, "
-                                 f"not those of expert 0 ({self._names}) as when the block was built")
+            shapes = _parameter_shapes(expert)
+            if shapes != self._shapes:
+                raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {shapes}, not "
+                                 f"those the block was built with ({self._shapes})")
 
     def _register(self, controller: OffloadController, layer: int, weights: list[dict]) -> None:
         # As many experts as fit in the budget are acquired at once; a call
@@ -461,7 +469,7 @@ def _offload_generic(generic, handle, predictor, record_trace) -> OffloadControl
     # step (an expert changed since the block was built, host memory) leaves
     # every block as it was, to be offloaded again.
     for layer, block in enumerate(generic):
-        block._check_names(layer)
+        block._check_experts(layer)
     for layer, block in enumerate(generic):
         block._register(controller, layer, block._host_weights(layer))
     for layer, block in enumerate(generic):

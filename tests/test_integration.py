@@ -1000,6 +1000,8 @@ def test_generic_block_rejects_bad_input():
         OffloadedMoEBlock(nn.Linear(4, 2), [], 1)
     with pytest.raises(ValueError):
         OffloadedMoEBlock(nn.Linear(4, 2), [TinyExpert(4, 4), TinyExpert(4, 4)], 3)
+    with pytest.raises(ValueError, match="same parameters \\(names and shapes\\)"):
+        OffloadedMoEBlock(nn.Linear(4, 2), [TinyExpert(4, 4), TinyExpert(4, 8)], 1)
     block = OffloadedMoEBlock(nn.Linear(4, 2), [TinyExpert(4, 4), TinyExpert(4, 4)], 1)
     with pytest.raises(RuntimeError, match="not attached"):
         block(torch.randn(1, 4))
@@ -1058,6 +1060,14 @@ def test_generic_expert_changed_since_build_is_refused_and_no_block_changes():
     assert all(b.controller is None for b in layers_off)
     assert all(p.numel() > 0 for b in layers_off for p in b._template.parameters())
     del last.extra
+    # Weights of another shape: the slots are sized from expert 0's, so it
+    # is refused here rather than failing in a forward.
+    wide = last.w1.weight
+    last.w1.weight = nn.Parameter(torch.zeros(48, 16))
+    with pytest.raises(ValueError, match=r"expert 3 of MoE layer 2 has the parameters .*\('w1.weight', \(48, 16\)\)"):
+        offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
+    assert all(b.controller is None for b in layers_off)
+    last.w1.weight = wide
     ctl = offload_moe_experts(layers_off, device_budget_bytes=1 << 20, backend="host")
     ctl.close()
 
