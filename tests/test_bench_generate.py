@@ -340,6 +340,22 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
     assert "--ab-lockstep needs --timer-sync stream" in capsys.readouterr().err
 
 
+def _record_engine_modes(monkeypatch, what):
+    """--ab's EngineMode replaced by a subclass that appends what(model,
+    row) to a list as each side is offloaded: (the list, the subclass)."""
+    from bench import generate_ab
+
+    made = []
+
+    class Recording(generate_ab.EngineMode):
+        def __init__(self, model, budget, row, *a, **kw):
+            made.append(what(model, row))
+            super().__init__(model, budget, row, *a, **kw)
+
+    monkeypatch.setattr(generate_ab, "EngineMode", Recording)
+    return made, Recording
+
+
 def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkeypatch):
     # Note [Two rows side by side]: --ab-swap runs the A/B again with ROW_B
     # on the model and ROW_A on the twin; "pooled" holds both runs' pairs
@@ -349,14 +365,7 @@ def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkey
 
     from bench import generate_ab
 
-    made = []
-
-    class Recording(generate_ab.EngineMode):
-        def __init__(self, model, budget, row, *a, **kw):
-            made.append((model, row))
-            super().__init__(model, budget, row, *a, **kw)
-
-    monkeypatch.setattr(generate_ab, "EngineMode", Recording)
+    made, Recording = _record_engine_modes(monkeypatch, lambda model, row: (model, row))
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "3",
                   "--ab-lockstep", "1", "--ab-swap")
@@ -447,16 +456,8 @@ def test_ab_without_a_resident_twin_makes_a_lean_one_from_the_parked_model(tmp_p
     # side-by-side gets a new deep copy of the parked model, whose experts
     # are meta stand-ins (no second resident copy); tokens equal, the model
     # restored after.
-    from bench import generate_ab
-
-    made = []
-
-    class Recording(generate_ab.EngineMode):
-        def __init__(self, model, budget, row, *a, **kw):
-            made.append((model, row, [p.device.type for n, p in model.named_parameters() if "experts" in n]))
-            super().__init__(model, budget, row, *a, **kw)
-
-    monkeypatch.setattr(generate_ab, "EngineMode", Recording)
+    made, _ = _record_engine_modes(monkeypatch, lambda model, row: (
+        model, row, [p.device.type for n, p in model.named_parameters() if "experts" in n]))
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "0",
                   "--paired-tokens", "3", "--new-tokens", "3", "--ab", "gate", "on-demand", "--ab-pairs", "2",
                   "--park-resident-experts", "--ab-control", "--ab-swap")
