@@ -96,7 +96,6 @@ class OffloadedMoEBlock(nn.Module):
         self.num_experts = len(experts)
         # Templates: structure only; parameters are replaced at call time.
         self._template = experts[0]
-        self._names = [n for n, _ in experts[0].named_parameters()]
         self._shapes = _parameter_shapes(experts[0])
         for e in experts[1:]:
             if _parameter_shapes(e) != self._shapes:
@@ -133,8 +132,8 @@ class OffloadedMoEBlock(nn.Module):
         """Each expert's weights as they are now, on the host, in the dtypes
         of the template: a model.to(dtype) shows in the template only (the
         other experts are not submodules), and the registered weights follow
-        it, so "convert before offloading" holds for these blocks too."""
-        self._check_experts(layer)
+        it, so "convert before offloading" holds for these blocks too.
+        After _check_experts."""
         dtypes = {n: p.dtype for n, p in self._template.named_parameters()}
         return [{n: p.detach().to("cpu", dtype=dtypes[n]) for n, p in expert.named_parameters()}
                 for expert in self._experts]
@@ -148,29 +147,23 @@ class OffloadedMoEBlock(nn.Module):
                 raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {shapes}, not "
                                  f"those the block was built with ({self._shapes})")
 
-    def _register(self, controller: OffloadController, layer: int, weights: list[dict]) -> None:
-        # As many experts as fit in the budget are acquired at once; a call
-        # routed to more runs in pieces (forward).
-        capacity = self.capacity(controller.handle.budget_bytes(0))
-        if capacity < 1:
-            raise ValueError(f"device_budget_bytes={controller.handle.budget_bytes(0)} is smaller than one expert "
-                             f"of MoE layer {layer}")
-        for expert_id, params in enumerate(weights):
-            controller.prefetcher.register_expert(layer, expert_id, params)
-        self._capacity = capacity
-
     def _attach(self, controller: OffloadController, layer: int) -> None:
         """The block's own change, made once every block's experts are
         registered (nothing here can fail on the model's input)."""
         self._slot = self._slot_bytes()
+        # As many experts as fit in the budget are acquired at once (at least
+        # one: offload_moe_experts refused smaller budgets); a call routed to
+        # more runs in pieces (forward).
+        self._capacity = controller.handle.budget_bytes(0) // self._slot
         self._experts = ()  # the engine holds the bytes now
         # The dtype the engine holds the experts in: a later model.to(dtype)
         # shows in the template (its device does not matter: the weights are
         # the cache's, wherever the template is).
-        self._packed_dtype = self._template.get_parameter(self._names[0]).dtype
+        first = self._shapes[0][0]
+        self._packed_dtype = self._template.get_parameter(first).dtype
         # Where that parameter lives, looked up once (forward reads it each
         # time, as prefetch/hf.py reads its experts module's _parameters).
-        owner, _, leaf = self._names[0].rpartition(".")
+        owner, _, leaf = first.rpartition(".")
         self._probe = (self._template.get_submodule(owner)._parameters, leaf)
         # The template's own parameters are not used for compute: free them.
         for p in list(self._template.parameters()):
@@ -471,7 +464,8 @@ def _offload_generic(generic, handle, predictor, record_trace) -> OffloadControl
     for layer, block in enumerate(generic):
         block._check_experts(layer)
     for layer, block in enumerate(generic):
-        block._register(controller, layer, block._host_weights(layer))
+        for expert_id, params in enumerate(block._host_weights(layer)):
+            controller.prefetcher.register_expert(layer, expert_id, params)
     for layer, block in enumerate(generic):
         block._attach(controller, layer)
     return controller
