@@ -34,6 +34,13 @@ def _align(n: int) -> int:
     return (n + PART_ALIGNMENT_BYTES - 1) // PART_ALIGNMENT_BYTES * PART_ALIGNMENT_BYTES
 
 
+def cache_slot_bytes(nbytes: int) -> int:
+    """The bytes of device cache one registered tensor of `nbytes` takes:
+    its size rounded up to SLOT_ALIGNMENT, and at least one SLOT_ALIGNMENT
+    (the engine's slot, device_cache.h)."""
+    return max(SLOT_ALIGNMENT, _align(int(nbytes)))
+
+
 def _weight_items(weights) -> dict:
     if isinstance(weights, Mapping):
         items = dict(weights)
@@ -204,8 +211,7 @@ class ExpertPrefetcher:
         if nbytes is None or self._slot_bytes is None:
             self._slot_bytes = None
         else:
-            slot = max(SLOT_ALIGNMENT, _align(int(nbytes)))  # the engine's slot of nbytes (device_cache.h)
-            self._slot_bytes[device] = self._slot_bytes.get(device, 0) + slot
+            self._slot_bytes[device] = self._slot_bytes.get(device, 0) + cache_slot_bytes(nbytes)
         table = self._ids.get(layer_id)
         if table is None or table.shape[0] <= expert_id:
             grown = np.full(max(expert_id + 1, 2 * (0 if table is None else table.shape[0])), -1, dtype=np.int64)

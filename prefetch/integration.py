@@ -36,9 +36,9 @@ import numpy as np
 import torch
 from torch import nn
 
-from prefetch._engine import SLOT_ALIGNMENT, PrefetchHandle
+from prefetch._engine import PrefetchHandle
 from prefetch.controller import OffloadController, check_predictor
-from prefetch.expert_prefetcher import expert_layout
+from prefetch.expert_prefetcher import cache_slot_bytes, expert_layout
 from prefetch.hf import (
     HostExperts,
     NoBackward,
@@ -126,7 +126,7 @@ class OffloadedMoEBlock(nn.Module):
         shapes = {n: torch.empty_strided(tuple(p.shape), (0,) * p.dim(), dtype=p.dtype)
                   for n, p in self._template.named_parameters()}
         layout = expert_layout(shapes)
-        return -(-(layout[-1].offset + layout[-1].nbytes) // SLOT_ALIGNMENT) * SLOT_ALIGNMENT
+        return cache_slot_bytes(layout[-1].offset + layout[-1].nbytes)
 
     def _host_weights(self, layer: int) -> list[dict]:
         """Each expert's weights as they are now, on the host, in the dtypes

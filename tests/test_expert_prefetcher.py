@@ -383,3 +383,14 @@ def test_a_cache_that_holds_every_expert_never_evicts(make_handle, rng):
         h.release(np.arange(12, dtype=np.int64))
         s = h.stats()
         assert s["evictions"] == 0 and s["resident_count"] == 12, (policy, s)
+
+
+@pytest.mark.parametrize("nbytes", [1, 255, 256, 257, 1000, 4096])
+def test_cache_slot_bytes_is_what_the_engine_charges(make_handle, nbytes):
+    from prefetch.expert_prefetcher import cache_slot_bytes
+
+    h = make_handle(device_budget_bytes=1 << 16)
+    h.register(0, np.zeros(nbytes, dtype=np.uint8))
+    h.acquire_slots([0])
+    h.release([0])
+    assert h.stats()["resident_bytes"] == cache_slot_bytes(nbytes)
