@@ -6,7 +6,7 @@ import torch
 
 import prefetch
 from prefetch import ExpertPrefetcher
-from prefetch.expert_prefetcher import expert_layout
+from prefetch.expert_prefetcher import cache_slot_bytes, expert_layout
 
 
 class RecordingEngine:
@@ -387,8 +387,6 @@ def test_a_cache_that_holds_every_expert_never_evicts(make_handle, rng):
 
 @pytest.mark.parametrize("nbytes", [1, 255, 256, 257, 1000, 4096])
 def test_cache_slot_bytes_is_what_the_engine_charges(make_handle, nbytes):
-    from prefetch.expert_prefetcher import cache_slot_bytes
-
     h = make_handle(device_budget_bytes=1 << 16)
     h.register(0, np.zeros(nbytes, dtype=np.uint8))
     h.acquire_slots([0])
