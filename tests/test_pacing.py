@@ -166,16 +166,18 @@ def test_a_miss_queues_behind_at_most_the_deepened_cap():
 
 def test_the_deepened_cap_steps_back_down_once_the_worker_keeps_up():
     # Deepened to four chunks by late wake-ups, then a link slow enough
-    # (10 ms a chunk) that the worker, polling every 2 ms, always finds a
+    # (25 ms a chunk) that the worker, polling every 2 ms, always finds a
     # chunk still on it: every 64 chunks without an underrun take one chunk
-    # off the cap, back to two.
-    entries = 16
-    with linked_handle(200, copy_poll_us=2000, copy_lanes=1, device_budget_bytes=1024 * 1024) as h:
+    # off the cap, back to two. An underrun needs a wake-up 50 ms late (at
+    # three chunks; at 10 ms a chunk, 20 ms late reset the count on a
+    # loaded CI machine), and 22 entries of 12 chunks leave room for one.
+    entries = 24
+    with linked_handle(200, copy_poll_us=2000, copy_lanes=1, device_budget_bytes=2 * 1024 * 1024) as h:
         for t in range(entries):
             h.register(t, content(t, 0, BIG))
         h.prefetch_tensors([0, 1], priority=1)
         assert wait_until(lambda: h.stats()["speculative_cap_bytes"] == 4 * CHUNK)
-        h.set_faults(async_copy_us=10_000)
+        h.set_faults(async_copy_us=25_000)
         h.prefetch_tensors(list(range(2, entries)), priority=1)
         assert wait_until(lambda: h.stats()["speculative_cap_bytes"] == 2 * CHUNK, timeout=30)
         h.cancel_all()
