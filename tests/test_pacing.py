@@ -169,8 +169,9 @@ def test_the_deepened_cap_steps_back_down_once_the_worker_keeps_up():
     # (25 ms a chunk) that the worker, polling every 2 ms, always finds a
     # chunk still on it: every 64 chunks without an underrun take one chunk
     # off the cap, back to two. An underrun needs a wake-up 50 ms late (at
-    # three chunks; at 10 ms a chunk, 20 ms late reset the count on a
-    # loaded CI machine), and 22 entries of 12 chunks leave room for one.
+    # three chunks; at 10 ms a chunk, 20 ms late was enough, and CI once saw
+    # the cap stay up for 30 s), and 22 entries of 12 chunks leave room for
+    # one.
     entries = 24
     with linked_handle(200, copy_poll_us=2000, copy_lanes=1, device_budget_bytes=2 * 1024 * 1024) as h:
         for t in range(entries):
