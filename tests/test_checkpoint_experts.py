@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import prefetch
-from prefetch.checkpoint import index_checkpoint
+from prefetch.checkpoint import INDEX_FILE, index_checkpoint
 from prefetch.integration import find_hf_moe_blocks, offload_moe_experts
 
 pytest.importorskip("transformers")
@@ -302,3 +302,43 @@ def test_a_shard_replaced_before_the_engine_opens_it_is_refused(tmp_path):
         assert handle.stats()["registered"] == 0
     finally:
         handle.close()
+
+
+def hub_cache_layout(folder, root):
+    """`folder`'s files moved to `root`/blobs under content names, and
+    `root`/snapshots/rev holding a relative symlink to each: the layout of a
+    Hugging Face hub cache (snapshots/<revision>/<file> -> ../../blobs/<hash>).
+    Returns the snapshot folder."""
+    blobs, snap = root / "blobs", root / "snapshots" / "rev"
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for i, name in enumerate(sorted(os.listdir(folder))):
+        os.rename(folder / name, blobs / f"blob{i}")
+        os.symlink(os.path.join("..", "..", "blobs", f"blob{i}"), snap / name)
+    return snap
+
+
+@pytest.mark.parametrize("on_disk", [False, True])
+def test_a_hub_cache_snapshot_of_symlinked_shards_is_read(on_disk, tmp_path):
+    # What from_pretrained leaves on disk: every shard and the index file
+    # are symlinks into blobs/. Packed or left on disk, the experts are
+    # read through the links and give the untouched model's tokens.
+    ref = build(family_configs()["olmoe"], experts_implementation="batched_mm")
+    ref.save_pretrained(tmp_path / "ckpt", max_shard_size="40KB")
+    snap = hub_cache_layout(tmp_path / "ckpt", tmp_path / "hub")
+    shards = [p for p in os.listdir(snap) if p.endswith(".safetensors")]
+    assert len(shards) > 2 and all(os.path.islink(snap / p) for p in [*shards, INDEX_FILE])
+    model = experts_on_meta(copy.deepcopy(ref))
+    per, num_experts = expert_bytes(ref)
+    extra = {"host_budget_bytes": 4 * 3 * (-(-per // 4096) + 2) * 4096} if on_disk else {}
+    ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
+                              checkpoint=snap, **extra)
+    try:
+        assert (ctl.host_experts is None) == on_disk
+        ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(5))
+        assert torch.equal(greedy(model, ids)[0], greedy(ref, ids)[0])
+        if on_disk:
+            s = ctl.handle.stats()
+            assert s["disk_reads"] > 0 and s["disk_errors"] == 0
+    finally:
+        ctl.close()
