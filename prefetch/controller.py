@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, distinct_ids, hint_arrays, take_ids
+from prefetch.errors import UnknownIdError
 from prefetch.expert_ids import EMPTY as _EMPTY
 from prefetch.expert_ids import Guesses
 from prefetch.expert_ids import distinct as _distinct
@@ -640,10 +641,22 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             t0 = time.perf_counter_ns()
             try:
                 for ids, b in extra:
-                    self.handle.prefetch_tensors(ids, b)
+                    self._queue_guesses(ids, b)
             finally:
                 self.engine_ns += time.perf_counter_ns() - t0
         return where
+
+    def _queue_guesses(self, ids: np.ndarray, band: int) -> None:
+        """Queues guesses after the step: as in the engine's own step (Note
+        [A step's prefetches after its wait] in src_cpp/acquire_release.cpp),
+        a guess whose id was unregistered behind the controller is dropped,
+        not raised after the step's acquire has succeeded."""
+        try:
+            self.handle.prefetch_tensors(ids, band)
+        except UnknownIdError:
+            kept = np.fromiter((i for i in ids.tolist() if i in self.handle), dtype=np.int64)
+            if kept.shape[0]:
+                self.handle.prefetch_tensors(kept, band)
 
     def _hint_arrays(self, hints):
         """(tensor ids, next-use times) of predictor hints [(layer, experts,

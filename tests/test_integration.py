@@ -395,6 +395,35 @@ def test_sync_free_counts_a_routing_against_the_pins_it_ran_on():
         ctl.close()
 
 
+def test_an_exchange_drops_a_guess_unregistered_behind_it():
+    # The guesses beyond the nearest layer are queued after the step, which
+    # has acquired by then. One whose id was unregistered behind the
+    # controller is dropped there, as the engine's step drops its own (Note
+    # [A step's prefetches after its wait]): the exchange returns, holds what
+    # it acquired and queues the other guesses.
+    cfg = family_configs()["olmoe"]
+    model = build(cfg, experts_implementation="batched_mm")
+    per, num_experts = expert_bytes(model)
+    ctl = offload_moe_experts(model, device_budget_bytes=num_experts * (per + 512), backend="host",
+                              sync_free=False)
+    try:
+        ctl.exchange(0, np.array([0, 1]), {}, None)  # layer 0's two experts resident
+        ctl.release_held()
+        wait_drained(ctl.handle)
+        ctl.handle.pause()  # the guesses stay queued, where the test can see them
+        gone = int(ctl.ids(2, np.array([3]))[0])
+        ctl.handle.unregister(gone)
+        where = ctl.exchange(0, np.array([0, 1]), {1: np.array([5]), 2: np.array([2, 3, 4])}, None)
+        assert where.shape[0] == 2  # acquired, and held until the next exchange
+        assert ctl._held.tolist() == ctl.ids(0, np.array([0, 1])).tolist()
+        queued = ctl.handle.queued()
+        want = [(1, int(ctl.ids(1, np.array([5]))[0]))] + [(2, int(i)) for i in ctl.ids(2, np.array([2, 4]))]
+        assert sorted(queued) == sorted(want) and all(i != gone for _, i in queued)
+        ctl.handle.resume()
+    finally:
+        ctl.close()
+
+
 def test_sync_free_clears_hints_none_of_which_are_this_ranks():
     # Expert parallel: the hints read from the last step are filtered to this
     # rank's experts before they reach its engine. When none is, they are
