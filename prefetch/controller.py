@@ -110,6 +110,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
+        # Each predictor's own scores, in the order they were assigned:
+        # [class name, prediction hits, guessed, routed] (report()["predictors"]).
+        self._scores: list[list] = []
         self.predictor = predictor  # and what it says of itself: the setter below
         self.routers = routers or []
         self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
@@ -224,8 +227,11 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
     @_serialized
     def predictor(self, predictor) -> None:
         check_predictor(predictor)
-        if "_predictor" in self.__dict__ and predictor is not self._predictor:
+        assigned = "_predictor" in self.__dict__
+        if assigned and predictor is not self._predictor:
             self._settle_predictor()  # Note [A predictor replaced]
+        if not assigned or predictor is not self._predictor:  # scored on its own from here
+            self._scores.append([type(predictor).__name__ if predictor is not None else None, 0, 0, 0])
         self._predictor = predictor
         self._late_predict = bool(getattr(predictor, "reads_routing", False))
         # A predictor that says its observe does nothing (`observes = False`)
@@ -379,6 +385,10 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.prediction_hits += hits
         self.predicted_total += guessed
         self.actual_total += routed
+        own = self._scores[-1]
+        own[1] += hits
+        own[2] += guessed
+        own[3] += routed
         self._recent_hits = self._recent_hits * _PRECISION_DECAY + hits
         self._recent_guessed = self._recent_guessed * _PRECISION_DECAY + guessed
 
@@ -980,7 +990,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
     def report(self) -> dict:
         """Hit rate, prediction precision and recall, bytes and copies moved,
         and the host time of the offloaded layers (us per layer: engine
-        calls, the routing read-back, the rest)."""
+        calls, the routing read-back, the rest). `predictors`: each
+        predictor assigned, in order, with its own precision and recall
+        (the totals add up all of them)."""
         self.flush()
         s = self.handle.stats()
         hits = s["hits"] + self.pinned_hits
@@ -999,6 +1011,10 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             "step_pins": self.step_pins if self.sync_free or self.step_pins else None,
             "prediction_precision": self.prediction_hits / self.predicted_total if self.predicted_total else None,
             "prediction_recall": self.prediction_hits / self.actual_total if self.actual_total else None,
+            # the two above add up every predictor assigned; each one's own:
+            "predictors": [{"predictor": name, "prediction_precision": h / g if g else None,
+                            "prediction_recall": h / r if r else None, "guessed": g, "routed": r}
+                           for name, h, g, r in self._scores],
             "bytes_copied": s["bytes_copied"],
             "copies": s["copies"],
             "evictions": s["evictions"],

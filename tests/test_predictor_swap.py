@@ -217,7 +217,13 @@ def test_a_new_predictor_starts_without_the_old_ones_pause():
         run(swapped)
         run(fresh)
         assert swapped.speculation_paused_layers - before == fresh.speculation_paused_layers
-        assert swapped.report()["prediction_precision"] < 1  # the wrong one's scores stay in the report
+        report = swapped.report()
+        assert report["prediction_precision"] < 1  # the wrong one's scores stay in the total...
+        wrong, right = report["predictors"]  # ...and each predictor has its own
+        assert (wrong["predictor"], right["predictor"]) == ("Wrong", "OraclePredictor")
+        assert wrong["prediction_precision"] < 1 and right["prediction_precision"] == 1.0
+        assert fresh.report()["predictors"] == [right]  # as if it had been the only one
+        assert wrong["guessed"] + right["guessed"] == swapped.predicted_total
     finally:
         swapped.close()
         fresh.close()
@@ -231,6 +237,7 @@ def test_reassigning_the_same_predictor_changes_nothing():
         planned = list(ctl._planned)
         ctl.predictor = ctl.predictor
         assert ctl._planned == planned  # nothing flushed
+        assert len(ctl.report()["predictors"]) == 1  # nor scored apart
     finally:
         ctl.close()
 
