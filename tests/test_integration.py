@@ -273,16 +273,21 @@ def test_the_gate_decodes_a_sync_free_step_as_on_demand_does():
     # Two experts fewer: some decode steps run synced, and on those the gate
     # is live (it sends guesses that on-demand does not), so the equality
     # above is not a gate that never ran.
+    # Which steps run synced is not compared between the two runs: with a
+    # cache short of a step's reads, a sync-free step's prefetches race its
+    # later layers' pins (host backend: a worker thread), so its misses, and
+    # the paths after it, vary with the machine's load (seen on a loaded
+    # 2-core VM, in the on-demand run alone).
     od_calls, od_free, od_seq, _ = _decode_calls(ref, ids, every - 2, per, 8, gate=False)
     gate_calls, gate_free, gate_seq, predicted = _decode_calls(ref, ids, every - 2, per, 8, gate=True)
-    assert torch.equal(od_seq, gate_seq) and od_free == gate_free
-    synced = [i for i, free in enumerate(gate_free) if not free]
-    assert synced and predicted > 0
-    for i in synced:
-        assert not any(k.get("prefetch") is not None for name, _, k in od_calls[i] if name == "step")
-        assert any(k.get("prefetch") is not None for name, _, k in gate_calls[i] if name == "step")
-    first = synced[0]
-    assert gate_calls[:first] == od_calls[:first]  # the sync-free steps before the gate first guessed
+    assert torch.equal(od_seq, gate_seq)
+
+    def guessed(calls):
+        return any(k.get("prefetch") is not None for name, _, k in calls if name == "step")
+
+    assert False in gate_free and predicted > 0
+    assert guessed(gate_calls[gate_free.index(False)])  # its first synced step: the gate guessed
+    assert not any(guessed(calls) for calls, free in zip(od_calls, od_free) if not free)
 
 
 def test_prefill_reads_the_next_layer_ahead():
