@@ -14,6 +14,7 @@ from __future__ import annotations
 import functools
 import threading
 import time
+from collections import deque
 
 import numpy as np
 
@@ -35,6 +36,9 @@ _MAX_BAND = 19  # kNumBands - 1
 # Note [Speculation by its precision]: the recent precision's memory (per
 # scored layer) and how many recent guesses it needs before it judges.
 _PRECISION_DECAY = 0.95
+# report()["predictors"] keeps the last this many predictors assigned (a
+# stack that assigns one per request would otherwise grow the list forever).
+_SCORED_PREDICTORS = 64
 _PRECISION_MIN_GUESSES = 32
 # While paused, the predictor runs on one layer in this many (its guesses
 # scored, not sent).
@@ -112,7 +116,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.top_k = top_k
         # Each predictor's own scores, in the order they were assigned:
         # [class name, prediction hits, guessed, routed] (report()["predictors"]).
-        self._scores: list[list] = []
+        self._scores: deque[list] = deque(maxlen=_SCORED_PREDICTORS)
         self.predictor = predictor  # and what it says of itself: the setter below
         self.routers = routers or []
         self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
@@ -991,8 +995,8 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         """Hit rate, prediction precision and recall, bytes and copies moved,
         and the host time of the offloaded layers (us per layer: engine
         calls, the routing read-back, the rest). `predictors`: each
-        predictor assigned, in order, with its own precision and recall
-        (the totals add up all of them)."""
+        predictor assigned, in order (the last 64), with its own precision
+        and recall (the totals add up all of them)."""
         self.flush()
         s = self.handle.stats()
         hits = s["hits"] + self.pinned_hits

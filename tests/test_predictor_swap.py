@@ -242,6 +242,26 @@ def test_reassigning_the_same_predictor_changes_nothing():
         ctl.close()
 
 
+def test_the_report_keeps_the_last_64_predictors():
+    # A stack that assigns a predictor a request would grow the list for
+    # good; the totals still add up every one.
+    trace = random_trace(4, 5)
+    ctl = planned_controller(trace)
+    try:
+        decode(ctl, trace.steps[:2])
+        first = ctl.report()["predictors"][0]
+        assert first["guessed"] > 0
+        for _ in range(100):
+            ctl.predictor = OraclePredictor(trace)
+        r = ctl.report()
+        assert len(r["predictors"]) == 64
+        assert all(p["guessed"] == 0 for p in r["predictors"])  # the first one's record is gone...
+        assert ctl.predicted_total == first["guessed"]  # ...and its guesses still count in the totals
+        assert r["prediction_precision"] == first["prediction_precision"]
+    finally:
+        ctl.close()
+
+
 def test_an_oracle_of_a_model_with_more_experts_raises_and_the_controller_goes_on():
     # The oracle's guesses are taken as they are (distinct_guesses): one of
     # a trace with more experts than the model indexed past the layer's
