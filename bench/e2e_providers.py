@@ -39,19 +39,9 @@ def slot_views(torch, flat, slot_bytes: int, layout) -> dict:
     first at its byte 0, which may lie inside a larger storage: a
     HostExperts buffer starts at its allocation's first 256-byte boundary):
     slot s's part is view[s]. Zero-copy (as_strided)."""
-    slots = flat.numel() // slot_bytes
-    views = {}
-    for part in layout:
-        itemsize = torch.empty(0, dtype=part.dtype).element_size()
-        if slot_bytes % itemsize or part.offset % itemsize:
-            raise ValueError(f"part {part.name!r} is not aligned to its {itemsize}-byte items")
-        typed = flat[: slots * slot_bytes].view(part.dtype)
-        strides = [1] * len(part.shape)
-        for i in range(len(part.shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * part.shape[i + 1]
-        views[part.name] = typed.as_strided((slots, *part.shape), (slot_bytes // itemsize, *strides),
-                                            typed.storage_offset() + part.offset // itemsize)
-    return views
+    from prefetch.expert_prefetcher import stacked_views
+
+    return stacked_views(flat, flat.numel() // slot_bytes, slot_bytes, layout)
 
 
 class SlotRows:

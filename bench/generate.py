@@ -248,6 +248,7 @@ from bench.generate_ab import ab_rows, run_ab  # noqa: E402
 from bench.generate_figures import settle  # noqa: E402
 from bench.generate_model import (  # noqa: E402
     MODELS,
+    SMOKE_DEFAULT,
     SMOKE_MODELS,
     ModelState,
     build_model,
@@ -450,7 +451,8 @@ def main(argv=None) -> int:
                          f"smoke-qwen3-moe, 4 layers of 8)")
     else:
         table = SMOKE_MODELS if smoke else MODELS
-    defaults = dict(models=list(table), batches=[2] if smoke else [1, 8], shares=[0.5] if smoke
+    models = list(SMOKE_DEFAULT) if table is SMOKE_MODELS else list(table)
+    defaults = dict(models=models, batches=[2] if smoke else [1, 8], shares=[0.5] if smoke
                     else [0.1, 0.25, 0.5], new_tokens=4 if smoke else 64, warmup_tokens=2 if smoke else 8,
                     prompt_tokens=8 if smoke else 32, ttft_tokens=32 if smoke else 512,
                     accelerate_tokens=3 if smoke else 4, vocab=128 if smoke else 32000,

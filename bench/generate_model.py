@@ -27,6 +27,15 @@ MODELS = {
                                         head_dim=128, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
                                         rms_norm_eps=1e-6, max_position_embeddings=40960,
                                         rope_parameters={"rope_type": "default", "rope_theta": 1000000.0})),
+    # gpt-oss-120b's config.json at its widths (hidden and expert width 2880, 128 experts, top-4, biased
+    # experts with the clamped SwiGLU, 64 heads of 64, 8 kv heads, sliding and full attention in turn),
+    # with 8 of its 36 layers: its 36 x 128 bf16 experts are 229 GB, more than the GPU machine's host
+    # memory; 8 layers are 51 GB, which an H100 holds resident.
+    "gpt-oss-120b-8l": ("gpt_oss", dict(hidden_size=2880, intermediate_size=2880, num_hidden_layers=8,
+                                        num_attention_heads=64, num_key_value_heads=8, head_dim=64,
+                                        num_local_experts=128, num_experts_per_tok=4, sliding_window=128,
+                                        layer_types=["sliding_attention", "full_attention"] * 4,
+                                        rms_norm_eps=1e-5, swiglu_limit=7.0)),
 }
 SMOKE_MODELS = {
     "smoke-qwen3-moe": ("qwen3_moe", dict(hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
@@ -37,7 +46,16 @@ SMOKE_MODELS = {
     "smoke-mixtral": ("mixtral", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4,
                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=8,
                                       num_experts_per_tok=2)),
+    "smoke-gpt-oss": ("gpt_oss", dict(hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_local_experts=8,
+                                      num_experts_per_tok=2, sliding_window=8,
+                                      layer_types=["sliding_attention", "full_attention"] * 2)),
 }
+# The smoke models a plain --smoke-cpu run takes (smoke-gpt-oss on request:
+# its biased experts have no by-hand row).
+SMOKE_DEFAULT = ("smoke-qwen3-moe", "smoke-olmoe", "smoke-mixtral")
+
+
 class RowSkipped(Exception):
     """A row that cannot run here; the message is the reason."""
 
@@ -60,15 +78,11 @@ def build_model(torch, family: str, shape: dict, vocab: int, device, dtype, seed
 
 
 def moe_blocks(model):
-    """(block, experts, gate) per MoE layer in module order: a module whose
-    `.experts` holds 3-D gate_up_proj / down_proj and that has a `.gate`."""
-    found = []
-    for module in model.modules():
-        experts, gate = getattr(module, "experts", None), getattr(module, "gate", None)
-        gu = getattr(experts, "gate_up_proj", None)
-        if gate is not None and gu is not None and getattr(gu, "dim", lambda: 0)() == 3:
-            found.append((module, experts, gate))
-    return found
+    """(block, experts, router) per MoE layer in module order, offloaded or
+    not (prefetch.hf_blocks.experts_blocks)."""
+    from prefetch.hf_blocks import experts_blocks
+
+    return experts_blocks(model)
 
 
 class ModelState:
@@ -77,10 +91,12 @@ class ModelState:
     restore() puts all of it back (no copy: the saved data tensors are the
     originals) and checks it."""
 
-    NAMES = ("gate_up_proj", "down_proj")
-
     def __init__(self, model):
+        from prefetch.hf_blocks import ExpertsLayout
+
         self.model = model
+        self.layout = ExpertsLayout(moe_blocks(model)[0][1])
+        self.NAMES = self.layout.names
         self.impl = model.config._experts_implementation
         # An offload wraps the model's forward in an instance attribute (Note
         # [One forward at a time] in prefetch/integration.py) bound to this
@@ -92,13 +108,12 @@ class ModelState:
             params = {n: (getattr(experts, n), getattr(experts, n).data) for n in self.NAMES}
             self.saved.append((block, experts, params, (set(block.__dict__), set(experts.__dict__)),
                                experts.forward))
-        gu = self.saved[0][2]["gate_up_proj"][1]
-        dn = self.saved[0][2]["down_proj"][1]
+        first = self.saved[0][2][self.NAMES[0]][1]
         self.num_layers = len(self.saved)
-        self.num_experts = gu.shape[0]
-        self.expert_bytes = gu[0].numel() * gu.element_size() + dn[0].numel() * dn.element_size()
+        self.num_experts = self.layout.num_experts
+        self.expert_bytes = sum(p.nbytes for p in self.layout.parts)
         self.total_bytes = self.expert_bytes * self.num_experts * self.num_layers
-        self.shapes = (tuple(gu.shape[1:]), tuple(dn.shape[1:]), gu.dtype, gu.device)
+        self.device = first.device
         self.parked = None  # Note [Parked resident experts]: the HostExperts they come back from
 
     def park(self, host) -> None:
@@ -122,12 +137,11 @@ class ModelState:
         fails part-way (out of memory) resumes at the first layer not back. Only a model whose
         every expert `host` holds, in this model's shapes, each weight in a
         storage of its own, can park."""
-        gate_up_shape, down_shape, dtype, device = self.shapes
+        device = self.device
         if self.parked is not None:
             raise RuntimeError("the resident experts are parked already")
         if (host.num_layers != self.num_layers or host.num_experts != self.num_experts or host.experts is not None
-                or host.gate_up_shape != gate_up_shape or host.down_shape != down_shape or host.dtype != dtype
-                or len(host.layout) != len(self.NAMES)):
+                or host.experts_layout.key != self.layout.key):
             raise ValueError("the packed host experts are not every expert of this model: cannot park")
         for _, _, params, _, _ in self.saved:
             for _, data in params.values():
@@ -157,7 +171,7 @@ class ModelState:
         import torch
 
         host = self.parked
-        device = self.shapes[3]
+        device = self.device
         gc.collect()  # the row's offload and its cache, unreachable once its attributes are gone
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -172,7 +186,7 @@ class ModelState:
             for part, name in zip(host.layout, self.NAMES):
                 data = params[name][1]
                 data.untyped_storage().resize_(data.numel() * data.element_size())
-                data.copy_(rows[:, part.offset : part.offset + part.nbytes].view(host.dtype)
+                data.copy_(rows[:, part.offset : part.offset + part.nbytes].view(part.dtype)
                            .unflatten(1, tuple(part.shape)))
             del rows
         self.parked = None  # only now: a restore that failed part-way is resumed, not skipped

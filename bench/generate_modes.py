@@ -196,12 +196,16 @@ class ByHandCache:
         self.slots = max(1, budget // state.expert_bytes)
         if host_experts.experts is not None:
             raise ValueError("the by-hand LRU needs a host copy of every expert, not an expert-parallel slice")
+        module = state.saved[0][1]
+        if tuple(state.NAMES) != ("gate_up_proj", "down_proj") or getattr(module, "is_transposed", False):
+            raise RowSkipped(f"the by-hand LRU runs grouped_mm on untransposed gate_up_proj/down_proj experts "
+                             f"without biases; this model's are {state.layout.describe()}")
         views = slot_views(torch, host_experts.buffer, host_experts.stride, host_experts.layout)
         first = host_experts._row[:, 0]  # every expert packed: a layer's rows are consecutive
         self.host = []  # per layer: (gate_up [E, 2I, H], down [E, H, I]) on the host
         for layer in range(state.num_layers):
             rows = slice(int(first[layer]), int(first[layer]) + state.num_experts)
-            self.host.append(tuple(views[name][rows] for name in ModelState.NAMES))
+            self.host.append(tuple(views[name][rows] for name in state.NAMES))
         gu, dn = self.host[0]
         self.gate_up = torch.empty((self.slots, *gu.shape[1:]), dtype=gu.dtype, device=device)
         self.down = torch.empty((self.slots, *dn.shape[1:]), dtype=dn.dtype, device=device)

@@ -2,27 +2,33 @@
 checkpoint into the packed host copy (HostExperts), through DiskReader.
 
 Note [Experts from the checkpoint]
-HF checkpoints keep each expert as its own tensors, per layer prefix (the
-module path of the decoder layer, e.g. "model.layers.3"):
-  "mlp.experts.{e}.gate_proj.weight", "...up_proj.weight", "...down_proj.weight"
-      (Qwen3-MoE, OLMoE and the like), or
+An expert's packed entry is its parts (ExpertsLayout: every stacked tensor
+of the experts module), each at a 256-byte aligned offset. A checkpoint
+holds each part in one of two ways:
+- fused, as transformers keeps it in memory: one [experts, ...] tensor
+  named after the experts module and the part ("model.layers.3.mlp.experts.
+  gate_up_proj", gpt-oss and every family saved that way). Expert e's part
+  is then the e-th of equal contiguous byte ranges of that tensor;
+- one tensor per expert, per layer prefix (the decoder layer's module
+  path): "mlp.experts.{e}.gate_proj.weight", "...up_proj.weight",
+  "...down_proj.weight" (Qwen3-MoE, OLMoE and the like), or
   "block_sparse_moe.experts.{e}.w1.weight", "...w3.weight", "...w2.weight"
-      (Mixtral: w1 gate, w3 up, w2 down).
-transformers 5 fuses them on load into gate_up_proj [experts, 2I, H] =
-cat(gate [I, H], up [I, H]) and down_proj [experts, H, I] (checked against
-every family the tests build). In the engine's packed layout an expert is
-gate_up then down, each at a 256-byte aligned offset, so gate, up and down
-are three byte ranges of the expert's row: each is read from its shard
-into an aligned staging buffer (O_DIRECT reads whole blocks) and copied
-into place. Every tensor is checked against the model before anything is
-read: present, the model's dtype, [I, H] for gate and up and [H, I] for
-down, its file unchanged since indexing (size, mtime). The model's own
-expert parameters are never read: they may be on the meta device, so a
-model too large for host memory twice over is packed without holding its
-experts twice.
+  (Mixtral: w1 gate, w3 up, w2 down). transformers fuses them on load into
+  gate_up_proj [experts, 2I, H] = cat(gate [I, H], up [I, H]) and
+  down_proj [experts, H, I]: gate, up and down are three byte ranges of
+  the expert's entry. Only that layout (concatenated gate|up, not
+  transposed, no bias) is read from per-expert tensors.
+Each range is read from its shard into an aligned staging buffer (O_DIRECT
+reads whole blocks) and copied into place. Every tensor is checked against
+the model before anything is read: present, the model's dtype and shape,
+its file unchanged since indexing (size, mtime). The model's own expert
+parameters are never read: they may be on the meta device, so a model too
+large for host memory twice over is packed without holding its experts
+twice.
 """
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 
 import numpy as np
@@ -30,10 +36,12 @@ import torch
 
 from prefetch.checkpoint import TensorLocation, index_checkpoint
 from prefetch.errors import CheckpointError
+from prefetch.hf_blocks import block_names, model_device  # noqa: F401  (re-exported)
 
 __all__ = ["block_names", "expert_locations", "fill_from_checkpoint", "model_device", "register_from_disk"]
 
-# (gate, up, down) name templates under a decoder layer's prefix.
+# (gate, up, down) name templates under a decoder layer's prefix, for
+# checkpoints that keep one tensor per expert.
 TEMPLATES = (
     ("mlp.experts.{e}.gate_proj.weight", "mlp.experts.{e}.up_proj.weight", "mlp.experts.{e}.down_proj.weight"),
     ("block_sparse_moe.experts.{e}.w1.weight", "block_sparse_moe.experts.{e}.w3.weight",
@@ -42,7 +50,10 @@ TEMPLATES = (
 
 # torch dtype -> safetensors dtype code
 _CODES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64",
-          torch.int8: "I8", torch.uint8: "U8"}
+          torch.int8: "I8", torch.uint8: "U8", torch.int32: "I32", torch.int64: "I64"}
+for _name, _code in (("float8_e4m3fn", "F8_E4M3"), ("float8_e5m2", "F8_E5M2")):
+    if hasattr(torch, _name):
+        _CODES[getattr(torch, _name)] = _code
 
 
 def _join(prefix: str, name: str) -> str:
@@ -54,55 +65,93 @@ def _layer_prefix(block_name: str) -> str:
     return block_name.rsplit(".", 1)[0] if "." in block_name else ""
 
 
-def expert_locations(index: dict, block_names, chosen, gate_up_shape, down_shape, dtype) -> list:
-    """Per (layer, expert) of `chosen` (per layer, expert ids), the
-    TensorLocations of its gate, up and down tensors in `index`
-    (index_checkpoint's), checked against the model's shapes and dtype."""
+def _code(dtype) -> str:
     code = _CODES.get(dtype)
     if code is None:
         raise CheckpointError(f"experts of dtype {dtype} cannot be read from a checkpoint here")
-    inter, hidden = gate_up_shape[0] // 2, gate_up_shape[1]
-    want = ((inter, hidden), (inter, hidden), tuple(down_shape))
+    return code
+
+
+def _checked(loc: TensorLocation | None, name: str, code: str, shape: tuple, where: str) -> TensorLocation:
+    if loc is None:
+        raise CheckpointError(f"{where}: {name!r} is not in the checkpoint")
+    if loc.dtype != code or tuple(loc.shape) != tuple(shape):
+        raise CheckpointError(f"{name!r} in {loc.path} is {loc.dtype} {list(loc.shape)}; the model needs {code} "
+                              f"{list(shape)}")
+    return loc
+
+
+def _fused_parts(index: dict, experts_name: str, layout, layer: int):
+    """Per part, the fused [experts, ...] tensor of `experts_name` in
+    `index` (checked), or None where the checkpoint has no fused tensors."""
+    num = layout.num_experts
+    names = [_join(experts_name, part.name) for part in layout.parts]
+    if not any(n in index for n in names):
+        return None
+    return [_checked(index.get(n), n, _code(part.dtype), (num, *part.shape), f"layer {layer}")
+            for n, part in zip(names, layout.parts)]
+
+
+def _split_templates(index: dict, prefix: str, first: int, layout, layer: int, block: str):
+    """The per-expert name templates of layer `layer`, for the one layout
+    they can hold (gate_up_proj then down_proj, concatenated, untransposed)."""
+    if tuple(p.name for p in layout.parts) != ("gate_up_proj", "down_proj"):
+        raise CheckpointError(f"layer {layer}: no fused expert tensors of {block!r} in the checkpoint, and experts "
+                              f"with parts {[p.name for p in layout.parts]} are not read from per-expert tensors")
+    templates = next((t for t in TEMPLATES if _join(prefix, t[0].format(e=first)) in index), None)
+    if templates is None:
+        looked = ", ".join(repr(_join(prefix, t[0].format(e=first))) for t in TEMPLATES)
+        raise CheckpointError(f"layer {layer}: no expert tensor of {block!r} in the checkpoint (looked for fused "
+                              f"{_join(block, layout.parts[0].name)!r} and per-expert {looked})")
+    return templates
+
+
+def expert_locations(index: dict, experts_names, chosen, layout) -> list:
+    """Per (layer, expert) of `chosen` (per layer, expert ids), the byte
+    ranges of its packed entry in `index` (index_checkpoint's): a list of
+    (TensorLocation of the range, offset in the packed expert), each
+    checked against the model's layout (Note [Experts from the checkpoint]).
+    `experts_names`: each layer's experts module path."""
     out = []
-    for layer, (name, ex) in enumerate(zip(block_names, chosen)):
-        prefix = _layer_prefix(name)
+    for layer, (name, ex) in enumerate(zip(experts_names, chosen)):
+        fused = _fused_parts(index, name, layout, layer)
+        if fused is not None:
+            for e in ex:
+                ranges = [(dataclasses.replace(loc, offset=loc.offset + int(e) * part.nbytes, nbytes=part.nbytes,
+                                               shape=tuple(part.shape)), part.offset)
+                          for loc, part in zip(fused, layout.parts)]
+                out.append((layer, int(e), ranges))
+            continue
+        prefix = _layer_prefix(_layer_prefix(name))
         first = int(ex[0]) if len(ex) else 0
-        templates = next((t for t in TEMPLATES if _join(prefix, t[0].format(e=first)) in index), None)
-        if templates is None:
-            raise CheckpointError(f"layer {layer}: no expert tensor of {name!r} in the checkpoint (looked for "
-                                  f"{', '.join(repr(_join(prefix, t[0].format(e=first))) for t in TEMPLATES)})")
+        templates = _split_templates(index, prefix, first, layout, layer, name)
+        gate_up, down = layout.parts
+        inter, hidden = gate_up.shape[0] // 2, gate_up.shape[1]
+        code = _code(gate_up.dtype)
         for e in ex:
-            locs = []
-            for template, shape in zip(templates, want):
-                tensor = _join(prefix, template.format(e=int(e)))
-                loc = index.get(tensor)
-                if loc is None:
-                    raise CheckpointError(f"layer {layer}, expert {int(e)}: {tensor!r} is not in the checkpoint")
-                if loc.dtype != code or tuple(loc.shape) != shape:
-                    raise CheckpointError(f"{tensor!r} in {loc.path} is {loc.dtype} {list(loc.shape)}; the model "
-                                          f"needs {code} {list(shape)}")
-                locs.append(loc)
-            out.append((layer, int(e), locs))
+            tensors = [_join(prefix, t.format(e=int(e))) for t in templates]
+            gate, up, dn = (_checked(index.get(t), t, code, shape, f"layer {layer}, expert {int(e)}")
+                            for t, shape in zip(tensors, ((inter, hidden), (inter, hidden), tuple(down.shape))))
+            out.append((layer, int(e), [(gate, gate_up.offset), (up, gate_up.offset + gate.nbytes),
+                                        (dn, down.offset)]))
     return out
 
 
-def fill_from_checkpoint(buffer: torch.Tensor, rows: np.ndarray, stride: int, down_offset: int, checkpoint,
-                         block_names, chosen, gate_up_shape, down_shape, dtype, *, threads: int = 4,
-                         progress: bool = False) -> None:
-    """Reads every chosen expert's gate, up and down from `checkpoint` (a
-    folder or index_checkpoint's dict) into `buffer` (uint8, CPU): expert
-    (layer, e) at rows[layer, e] * stride, gate|up at 0, down at
-    `down_offset` (Note [Experts from the checkpoint])."""
+def fill_from_checkpoint(buffer: torch.Tensor, rows: np.ndarray, stride: int, checkpoint, experts_names, chosen,
+                         layout, *, threads: int = 4, progress: bool = False) -> None:
+    """Reads every chosen expert's parts from `checkpoint` (a folder or
+    index_checkpoint's dict) into `buffer` (uint8, CPU): expert (layer, e)
+    at rows[layer, e] * stride, in `layout` (Note [Experts from the
+    checkpoint])."""
     from prefetch._disk import DiskReader, aligned_empty
-    from prefetch.host_experts import report_progress
+    from prefetch.progress import report_progress
 
     index = checkpoint if isinstance(checkpoint, dict) else index_checkpoint(checkpoint)
-    experts = expert_locations(index, block_names, chosen, gate_up_shape, down_shape, dtype)
+    experts = expert_locations(index, experts_names, chosen, layout)
     jobs = []  # (location, byte offset in buffer)
-    for layer, e, (gate, up, down) in experts:
+    for layer, e, ranges in experts:
         base = int(rows[layer, e]) * stride
-        jobs += [(loc, at) for loc, at in ((gate, base), (up, base + gate.nbytes), (down, base + down_offset))
-                 if loc.nbytes]
+        jobs += [(loc, base + at) for loc, at in ranges if loc.nbytes]
     dst = buffer.numpy()
     with DiskReader(threads=threads) as reader:
         files = {}
@@ -125,24 +174,22 @@ def fill_from_checkpoint(buffer: torch.Tensor, rows: np.ndarray, stride: int, do
             next_report = report_progress(progress, "read", "from the checkpoint", done, total, next_report)
 
 
-def register_from_disk(prefetcher, handle, checkpoint, block_names, chosen, gate_up_shape, down_shape, dtype,
-                       layout, devices) -> None:
+def register_from_disk(prefetcher, handle, checkpoint, experts_names, chosen, layout, devices) -> None:
     """Note [Experts on disk]
     With a host tier on the handle (host_budget_bytes), the experts are not
     read at all here: each (layer, expert) of `chosen` is registered as the
-    three extents of its checkpoint tensors (gate and up one after the
-    other in the packed gate_up part, down at its part's offset) and the
-    engine reads them when they are first copied (Note [Host tier]). Every
-    tensor is checked as for fill_from_checkpoint, and every shard against
-    the index (size, mtime) as it is opened: from then on the engine checks
-    it at every read. `devices[layer]`: the engine device of that layer."""
+    extents of its byte ranges in the checkpoint (Note [Experts from the
+    checkpoint]) and the engine reads them when they are first copied
+    (Note [Host tier]). Every tensor is checked as for fill_from_checkpoint,
+    and every shard against the index (size, mtime) as it is opened: from
+    then on the engine checks it at every read. `devices[layer]`: the
+    engine device of that layer."""
 
     index = checkpoint if isinstance(checkpoint, dict) else index_checkpoint(checkpoint)
-    experts = expert_locations(index, block_names, chosen, gate_up_shape, down_shape, dtype)
-    down_offset = layout[1].offset
+    experts = expert_locations(index, experts_names, chosen, layout)
     files = {}
-    for layer, e, (gate, up, down) in experts:
-        for loc in (gate, up, down):
+    for layer, e, ranges in experts:
+        for loc, _ in ranges:
             if loc.path not in files:
                 # Opened first, then checked: the engine reads the file it
                 # opened, and a shard replaced between a stat and the open
@@ -151,9 +198,8 @@ def register_from_disk(prefetcher, handle, checkpoint, block_names, chosen, gate
                 info = handle.file_info(f)
                 _check_unchanged(loc, info["size"], info["mtime_ns"])
                 files[loc.path] = f
-        extents = [(files[loc.path], loc.offset, loc.nbytes, at)
-                   for loc, at in ((gate, 0), (up, gate.nbytes), (down, down_offset)) if loc.nbytes]
-        prefetcher.register_disk(layer, e, extents, layout, device=devices[layer])
+        extents = [(files[loc.path], loc.offset, loc.nbytes, at) for loc, at in ranges if loc.nbytes]
+        prefetcher.register_disk(layer, e, extents, layout.parts, device=devices[layer])
 
 
 def _open_unchanged(reader, loc: TensorLocation) -> int:
@@ -177,23 +223,3 @@ def _land(reader, item, dst: np.ndarray, free: list) -> int:
     dst[at : at + loc.nbytes] = staging[start : start + loc.nbytes]
     free.append(staging)
     return loc.nbytes
-
-
-def block_names(model, hf_blocks) -> list:
-    """The module path of each MoE block of `hf_blocks` in `model`."""
-    names = {id(m): n for n, m in model.named_modules()}
-    return [names.get(id(block), "") for block, _, _ in hf_blocks]
-
-
-def model_device(hf_blocks, layer: int = 0) -> torch.device:
-    """Where MoE layer `layer` computes: its experts' device, or, for
-    experts on the meta device (read from a checkpoint), its router's."""
-    _, experts, router = hf_blocks[layer]
-    device = experts.gate_up_proj.device
-    if device.type != "meta":
-        return device
-    weight = next((p for p in router.parameters() if p.device.type != "meta"), None)
-    if weight is None:
-        raise ValueError(f"the experts and the router of MoE layer {layer} are on the meta device: put the "
-                         "model's other weights on their device first")
-    return weight.device

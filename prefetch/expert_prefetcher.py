@@ -69,6 +69,28 @@ def expert_layout(weights) -> tuple[PartLayout, ...]:
     return tuple(layout)
 
 
+def stacked_views(flat, rows: int, row_bytes: int, layout) -> dict:
+    """Per part of `layout` (an expert's packed layout), a [rows, *shape]
+    view of `flat` (a 1-D uint8 tensor holding experts `row_bytes` apart,
+    the first at its byte 0, which may lie inside a larger storage): row
+    r's part is view[r], the stacked weight an experts implementation
+    reads. Zero-copy (as_strided)."""
+    import torch
+
+    views = {}
+    for part in layout:
+        itemsize = torch.empty(0, dtype=part.dtype).element_size()
+        if row_bytes % itemsize or part.offset % itemsize:
+            raise ValueError(f"part {part.name!r} is not aligned to its {itemsize}-byte items")
+        typed = flat[: flat.numel() // itemsize * itemsize].view(part.dtype)
+        strides = [1] * len(part.shape)
+        for i in range(len(part.shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * part.shape[i + 1]
+        views[part.name] = typed.as_strided((rows, *part.shape), (row_bytes // itemsize, *strides),
+                                            typed.storage_offset() + part.offset // itemsize)
+    return views
+
+
 def pack_expert(weights, *, pin_memory: bool = False):
     """Packs an expert's weights into one contiguous uint8 CPU tensor (page-
     locked with pin_memory) and returns (buffer, layout) for register_packed."""

@@ -1,146 +1,67 @@
 """transformers adapter: offloaded experts behind transformers' own
-experts-implementation interface (transformers.integrations.moe).
-
-transformers 5 dispatches every `*Experts` module decorated with
-`use_experts_implementation` through `ALL_EXPERTS_FUNCTIONS[name](self,
-hidden, top_k_index, top_k_weights)`, `name` being the model's
-`experts_implementation` ("grouped_mm" by default, "batched_mm" during
-`generate`'s decode on a GPU, "eager", ...). `install_experts_backend` wraps
-each registered implementation once: for a module that is not offloaded the
-wrapper calls the implementation unchanged; for an offloaded one it routes
-through the engine (Note [Experts on cache slots]) and then calls the SAME
-implementation, so the offloaded model runs the kernels the resident model
-would run at that moment, switches included.
+experts-implementation interface (Note [Experts on their own module] in
+prefetch/hf_blocks.py: which modules, what an expert is made of, and how
+the model's own implementation runs on the module with its weights on
+cache slots).
 
 Note [Experts on cache slots]
-Every expert of a model has one packed layout (gate_up [2I, H], then down
-[H, I], each 256-byte aligned) and so one slot size S in the engine's
-device arena; with one size the arena's first-fit allocator only ever hands
-out offsets that are multiples of S, so the arena is an array of n = budget
-// S slots. Viewed with strides, it is a gate_up tensor [n, 2I, H] and a down
-tensor [n, H, I], exactly the stacked parameters an experts implementation
+Every expert of a model has one packed layout (its parts, each 256-byte
+aligned: ExpertsLayout) and so one slot size S in the engine's device
+arena; with one size the arena's first-fit allocator only ever hands out
+offsets that are multiples of S, so the arena is an array of n = budget
+// S slots. Viewed with strides, each part is a stacked tensor [n, ...]
+over the arena, exactly the stacked parameters an experts implementation
 expects, with slot s in place of expert e. A layer then (1) reads its
 routing back to the host once (the predictor's guesses ride along in the
 same copy), (2) makes one engine call that acquires its experts and queues
 the guesses, (3) maps each routed expert to its slot on the device with one
-gather, and (4) calls the implementation on a stand-in module whose weights
-are the slot views and whose `num_experts` is n. Per row, the arithmetic is
-the resident model's, on the same bytes. A layer routing to more experts
-than there are slots (a long prompt on a small budget) runs in pieces of at
-most n experts: acquire, compute with the other experts' routing weights
-zeroed, release, next; the pieces are summed. torch's grouped_mm takes at
-most 1023 groups: with more slots than that (Qwen3-30B-A3B at 25 % has
+gather, and (4) calls the implementation on the experts module itself,
+its parts read as the slot views and its `num_experts` as n (on_slots).
+Per row, the arithmetic is the resident model's, on the same bytes. A
+layer routing to more experts than there are slots (a long prompt on a
+small budget) runs in pieces of at most n experts: acquire, compute with
+the other experts' routing weights zeroed (their rows sent to a slot of
+the piece: every implementation then reads real weights for them, and
+multiplies them by 0), release, next; the pieces are summed. torch's
+grouped_mm takes at most 1023 groups: with more slots than that (Qwen3-30B-A3B at 25 % has
 1,536; OLMoE-1B-7B at 100 % has 1,024), a grouped_mm call gets the routed slots' weights gathered into
 [k, ...] tensors (one device copy of the routed experts, in prefill where
 grouped_mm runs; decode on a GPU runs batched_mm, which gathers anyway).
 """
 from __future__ import annotations
 
-import copy
 import functools
 import time
-import types
 
 import numpy as np
 import torch
 
 from prefetch._engine import fill_rows, same_offsets
-from prefetch.checkpoint_experts import block_names, model_device, register_from_disk
+from prefetch.checkpoint_experts import register_from_disk
 from prefetch.controller import OffloadController
 from prefetch.expert_ids import routed_experts as _routed_experts
-from prefetch.expert_prefetcher import _align
-from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe, expert_shapes
+from prefetch.hf_blocks import (
+    OFFLOAD_ATTR,
+    ExpertsLayout,
+    experts_names,
+    find_hf_moe_blocks,
+    install_experts_backend,
+    model_device,
+    offloaded_experts,
+    on_slots,
+    routed_top_k,
+)
+from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
            "offloaded_experts", "HostExperts"]
 
-_OFFLOAD_ATTR = "_prefetch_offload"
 # The most groups torch's grouped_mm takes on CUDA: it checks group_count <
 # 1024 ("Can't process more than 1024 groups"), so a cache of exactly 1024
-# slots (OLMoE-1B-7B at 100 %) is one too many (BM6, run 47). A cache with
-# more slots runs grouped_mm on a gathered copy of the routed slots instead
-# (Note [Experts on cache slots]).
+# slots (OLMoE-1B-7B at 100 %) is one too many. A cache with more slots runs
+# grouped_mm on a gathered copy of the routed slots instead (Note [Experts
+# on cache slots]).
 _GROUPED_MM_MAX_GROUPS = 1023
-
-
-def _wrap(name: str, inner):
-    """The implementation `name` (None: the module's own eager forward),
-    routed through the engine for offloaded modules."""
-
-    def experts_forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
-        fn = inner if inner is not None else type(self).forward.__wrapped__
-        offload = self.__dict__.get(_OFFLOAD_ATTR)
-        if offload is None:
-            return fn(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
-        return offload.forward(fn, name, hidden_states, top_k_index, top_k_weights)
-
-    experts_forward._prefetch_wrapper = True
-    experts_forward.__name__ = f"prefetch_{name}_experts_forward"
-    return experts_forward
-
-
-def install_experts_backend() -> None:
-    """Wraps every implementation registered in transformers'
-    ALL_EXPERTS_FUNCTIONS (and "eager") once; idempotent. Modules that are
-    not offloaded are unaffected."""
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
-    for name in [*ALL_EXPERTS_FUNCTIONS.keys(), "eager"]:
-        current = ALL_EXPERTS_FUNCTIONS[name] if name in ALL_EXPERTS_FUNCTIONS else None
-        if getattr(current, "_prefetch_wrapper", False):
-            continue
-        ALL_EXPERTS_FUNCTIONS[name] = _wrap(name, current)
-
-
-def offloaded_experts(model) -> list:
-    """The experts modules of `model` that prefetch has offloaded."""
-    return [m for m in model.modules() if _OFFLOAD_ATTR in m.__dict__]
-
-
-def find_hf_moe_blocks(model):
-    """(block, experts_module, router) for each transformers-5 MoE block, in
-    module order: a module with `.experts` holding 3-D `gate_up_proj` and
-    `down_proj` parameters and a `.gate` router. Raises if the model is
-    already offloaded."""
-    already = offloaded_experts(model)
-    if already:
-        ctl = already[0].__dict__[_OFFLOAD_ATTR].controller
-        raise ValueError(
-            f"this model's experts are already offloaded by prefetch ({len(already)} MoE layers, controller "
-            f"{ctl!r}); offload a model once. To change the predictor, assign controller.predictor; to change "
-            "the budget, close the controller (controller.close()) and offload a freshly built or loaded model")
-    found = []
-    for module in model.modules():
-        experts = getattr(module, "experts", None)
-        router = getattr(module, "gate", None)
-        if experts is None or router is None:
-            continue
-        gu = getattr(experts, "gate_up_proj", None)
-        dp = getattr(experts, "down_proj", None)
-        if isinstance(gu, torch.Tensor) and isinstance(dp, torch.Tensor) and gu.dim() == 3 and dp.dim() == 3:
-            layout_ok = (
-                not getattr(experts, "has_bias", False)
-                and not getattr(experts, "is_transposed", False)
-                and getattr(experts, "is_concatenated", True)
-                and getattr(experts, "has_gate", True)
-            )
-            if not layout_ok:
-                raise NotImplementedError(
-                    f"{type(experts).__name__}: only concatenated gate|up, untransposed, bias-free expert "
-                    "weights are supported (this layout is not)"
-                )
-            if not hasattr(type(experts).forward, "__wrapped__"):
-                raise NotImplementedError(
-                    f"{type(experts).__name__} does not dispatch through transformers' experts-implementation "
-                    "interface (use_experts_implementation); it cannot be offloaded")
-            found.append((module, experts, router))
-    return found
-
-
-class _Stand:
-    """What an experts implementation reads from `self`: the module's plain
-    attributes and submodules (act_fn, flags, config), with the cache-slot
-    views as weights and the slot count as num_experts."""
 
 
 _current_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
@@ -218,41 +139,26 @@ class _StepRows(_RowMap):
 class ExpertsOffload:
     """One offloaded MoE layer (attached to its experts module)."""
 
-    def __init__(self, controller: OffloadController, layer: int, module, gate_up_shape, down_shape, dtype,
+    def __init__(self, controller: OffloadController, layer: int, module, layout: ExpertsLayout,
                  device: torch.device, ep=None):
         self.controller = controller
         self.layer = layer
         self.device = device
-        self.dtype = dtype
+        self.module = module
+        self.layout = layout
+        self.dtypes = {p.name: p.dtype for p in layout.parts}
         self._params = None  # the module's (empty) parameters, set by offload_hf_model
         self.last_layer = layer == controller.num_layers - 1
-        handle = controller.handle
-        itemsize = torch.empty(0, dtype=dtype).element_size()
-        gu_bytes = int(np.prod(gate_up_shape)) * itemsize
-        down_offset = _align(gu_bytes)
-        self.slot_bytes = _align(down_offset + int(np.prod(down_shape)) * itemsize)
-        arena = handle.arena(0)
+        self.slot_bytes = layout.slot_bytes
+        arena = controller.handle.arena(0)
         if isinstance(arena, np.ndarray):
             arena = torch.from_numpy(arena)
         self.slots = arena.numel() // self.slot_bytes
         if self.slots < 1:
             raise ValueError(f"device_budget_bytes={arena.numel()} holds no expert of {self.slot_bytes} bytes")
-        typed = arena[: self.slots * self.slot_bytes].view(dtype)
-        stride = self.slot_bytes // itemsize
-        stand = _Stand()
-        for name, value in vars(module).items():
-            if not name.startswith("_"):
-                setattr(stand, name, value)
-        for name, sub in module._modules.items():
-            setattr(stand, name, sub)
-        stand.num_experts = self.slots
-        stand.gate_up_proj = typed.as_strided((self.slots, *gate_up_shape), (stride, gate_up_shape[1], 1), 0)
-        stand.down_proj = typed.as_strided((self.slots, *down_shape), (stride, down_shape[1], 1),
-                                           down_offset // itemsize)
-        apply_gate = getattr(type(module), "_apply_gate", None)
-        if apply_gate is not None:
-            stand._apply_gate = types.MethodType(apply_gate, stand)
-        self.stand = stand
+        # (views of each part, experts in them): the whole arena as slots
+        self.on_cache = (layout.views(arena[: self.slots * self.slot_bytes], self.slots, self.slot_bytes),
+                         self.slots)
         self.num_experts = controller.num_experts
         self._cuda = device.type == "cuda"
         # The raw handle of torch's current stream on the device (None on CPU).
@@ -268,7 +174,7 @@ class ExpertsOffload:
         # Sync-free decode (Note [Sync-free decode]): set by offload_hf_model.
         self.universe = None
         self.step_rows = None  # _StepRows (Note [Step pins]); None with expert parallel
-        self._uva_stand = None
+        self._on_universe = None  # (views, rows) of the sync-free path's one tensor
         self._rowmap = None  # this layer's _RowMap, for steps not pinned whole
         # Expert parallel (Note [Expert parallel] in prefetch/expert_parallel.py):
         # the experts this rank owns; None without a process group.
@@ -277,14 +183,13 @@ class ExpertsOffload:
         self._pair_weights = None  # this call's routing weights, when its output is per (token, k) pair
         if ep is not None:
             self._local = ep.local[layer]
-            self._remap[~self._local] = self.slots  # other ranks' experts: the sentinel slot
             self._foreign = torch.from_numpy(~self._local).to(device)  # expert -> not ours, on the device
             self._own_weight = {}  # dtype -> expert -> 1 if ours else 0, on the device (_pairs)
             self._ones = {}  # dtype -> a column of 1s, on the device (_local_pairs)
 
     def enable_sync_free(self, universe: Universe, max_rows: int) -> None:
         self.universe = universe
-        self._uva_stand = self._stand_with(universe.gate_up_proj, universe.down_proj, universe.rows)
+        self._on_universe = (universe.views, universe.rows)
         self.max_rows = max_rows
         host_rows = universe.host_rows[self.layer].copy()
         if self._local is not None:
@@ -336,7 +241,7 @@ class ExpertsOffload:
         if self.ep is not None:  # this rank's experts, per (token, k) pair (Note [Expert parallel])
             hidden_states, index, top_k_weights = self._pairs(hidden_states, index, top_k_weights, routing)
         t2 = time.perf_counter_ns()
-        out = fn(self._uva_stand, hidden_states, index, top_k_weights)
+        out = self._run(fn, self._on_universe, hidden_states, index, top_k_weights)
         t3 = time.perf_counter_ns()
         ctl.note_routing(layer, routing)
         if self.last_layer:
@@ -460,16 +365,16 @@ class ExpertsOffload:
                                                                 dtype=top_k_weights.dtype, device=self.device)
         picked = hidden_states.index_select(0, sent[:n])
         t0 = time.perf_counter_ns()
-        part = fn(stand, picked, sent[n : 2 * n].view(n, 1), ones[:n])
+        part = self._run(fn, stand, picked, sent[n : 2 * n].view(n, 1), ones[:n])
         inner = time.perf_counter_ns() - t0
         out.index_copy_(0, sent[2 * n :], part.to(out.dtype))
         return out, inner
 
     def _stand_for(self, name, slots: np.ndarray, experts: np.ndarray):
-        """The stand-in to run `name` on, with self._remap mapping `experts`
-        to its expert indices: the slot views, or for a grouped_mm over more
-        slots than it takes, or on the CPU, the routed slots gathered (in
-        `experts`' order).
+        """The weights to run `name` on, as (views of each part, expert
+        count), with self._remap mapping `experts` to their indices: the
+        slot views, or for a grouped_mm over more slots than it takes, or on
+        the CPU, the routed slots gathered (in `experts`' order).
 
         Why the CPU gathers: grouped_mm sorts the routing (torch.sort, not
         stable) and on the CPU a row's result depends on its position in
@@ -479,27 +384,23 @@ class ExpertsOffload:
         logits differed by 3e-8 from it. Group ids in expert order (the
         gathered slots, `experts` sorted) make the same comparisons, the same
         order and the same bits. On CUDA, grouped_mm on slot ids gives the
-        resident model's bits (tox -e gpu, H200), and prefill is not
-        charged a copy of the routed experts."""
+        resident model's bits, and prefill is not charged a copy of the
+        routed experts."""
         if name != "grouped_mm" or (self._cuda and self.slots <= _GROUPED_MM_MAX_GROUPS):
             self._remap[experts] = slots
-            return self.stand
+            return self.on_cache
         picked = self._to_device(slots)
-        stand = self._stand_with(self.stand.gate_up_proj.index_select(0, picked),
-                                 self.stand.down_proj.index_select(0, picked), int(slots.shape[0]))
+        views = {n: v.index_select(0, picked) for n, v in self.on_cache[0].items()}
         self._remap[experts] = np.arange(slots.shape[0])
-        return stand
+        return views, int(slots.shape[0])
 
-    def _stand_with(self, gate_up_proj, down_proj, num_experts: int):
-        """A copy of the stand-in with other weights (its bound _apply_gate
-        rebound to the copy)."""
-        stand = copy.copy(self.stand)
-        stand.gate_up_proj = gate_up_proj
-        stand.down_proj = down_proj
-        stand.num_experts = num_experts
-        if hasattr(self.stand, "_apply_gate"):
-            stand._apply_gate = types.MethodType(self.stand._apply_gate.__func__, stand)
-        return stand
+    def _run(self, fn, weights, hidden_states, index, top_k_weights):
+        """The implementation `fn` on the experts module itself, its parts
+        read as `weights` (views, expert count): Note [Experts on their own
+        module]."""
+        views, count = weights
+        with on_slots(self.module, views, count):
+            return fn(self.module, hidden_states, index, top_k_weights)
 
     def _slot_ids(self, where: np.ndarray) -> np.ndarray:
         offsets = where[:, 0]
@@ -517,8 +418,9 @@ class ExpertsOffload:
 
     def forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
         if self.layer == 0:  # a model.to(...) converts every layer: one look a forward
-            weight = self._params.get("gate_up_proj") if self._params is not None else None
-            if weight is not None and (weight.dtype is not self.dtype or weight.device != self.device):
+            first = self.layout.parts[0].name
+            weight = self._params.get(first) if self._params is not None else None
+            if weight is not None and (weight.dtype is not self.dtypes[first] or weight.device != self.device):
                 raise self._converted(weight)
         if (hidden_states.requires_grad or top_k_weights.requires_grad) and torch.is_grad_enabled():
             # Note [No backward through the cache]
@@ -529,11 +431,12 @@ class ExpertsOffload:
     def _converted(self, weight) -> RuntimeError:
         return RuntimeError(
             f"MoE layer {self.layer}: the model was converted to {weight.dtype} on {weight.device} after "
-            f"offload_moe_experts, but its offloaded experts were packed as {self.dtype} for {self.device} and "
+            f"offload_moe_experts, but its offloaded experts were packed as {self.dtypes[self.layout.parts[0].name]} "
+            f"for {self.device} and "
             "stay so: convert or move the model (model.to(...)) before offloading it")
 
     def _forward(self, fn, name, hidden_states, top_k_index, top_k_weights):
-        if self._uva_stand is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows:
+        if self._on_universe is not None and name == "batched_mm" and top_k_index.numel() <= self.max_rows:
             ctl = self.controller
             if self.layer == 0:  # once a step: read the last step's routings, pick this one's path
                 t0, engine_before, sync_before = time.perf_counter_ns(), ctl.engine_ns, ctl.sync_ns
@@ -569,7 +472,7 @@ class ExpertsOffload:
             stand = self._stand_for(name, self._slot_ids(where), experts)
             index = self._slot_index(routed, top_k_index.shape)
             t2 = time.perf_counter_ns()
-            out = fn(stand, hidden_states, index, top_k_weights)
+            out = self._run(fn, stand, hidden_states, index, top_k_weights)
             t3 = time.perf_counter_ns()
         else:
             t2 = time.perf_counter_ns()
@@ -591,9 +494,8 @@ class ExpertsOffload:
         """Expert parallel: this rank's share of the layer. One engine call
         for the routed experts it owns (the controller drops the guesses for
         the others); the rows routed to other ranks' experts get weight 0
-        and, for grouped_mm, the sentinel slot (it skips them); the other
-        implementations read them from a slot this call acquired and
-        multiply by 0. Returns
+        and a slot this call acquired (every implementation reads them and
+        multiplies by 0). Returns
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
         self._pair_weights = None  # nothing left from a call that raised
@@ -620,28 +522,26 @@ class ExpertsOffload:
         if not mine.shape[0]:
             return torch.zeros_like(hidden_states), t2, time.perf_counter_ns()
         stand = self._stand_for(name, self._slot_ids(where), mine)
-        # Other ranks' experts: grouped_mm skips rows routed past its last
-        # group (the sentinel) and reads nothing for them. Every other
-        # implementation reads the weights of the index it is given (batched_mm
-        # clamps the sentinel to the last slot), so those rows go to a slot
-        # this call acquired: a slot we do not hold may be mid-copy or never
-        # written, and 0 x NaN is NaN (a batched_mm rank under ASan, CI). The
-        # routing weight is 0, so the rows add exact zeros.
-        sentinel_ok = name == "grouped_mm"
-        self._remap[~self._local] = stand.num_experts if sentinel_ok else self._remap[mine[0]]
+        # Other ranks' experts go to a slot this call acquired, with routing
+        # weight 0, so the rows add exact zeros: a slot we do not hold may be
+        # mid-copy or never written, and 0 x NaN is NaN (a batched_mm rank
+        # under ASan). Not past the last slot: how an implementation treats
+        # such a sentinel row differs between transformers releases (5.25's
+        # grouped_mm masks it only on modules marked expert-parallel, and
+        # leaves it uninitialized otherwise).
+        self._remap[~self._local] = self._remap[mine[0]]
         index = self._slot_index(routed, top_k_index.shape)
         # Per pair, other ranks' weights are 0 already (_pairs).
         weights = top_k_weights if per_pair else top_k_weights.masked_fill(self._foreign[top_k_index], 0)
         t2 = time.perf_counter_ns()
-        out = fn(stand, hidden_states, index, weights)
+        out = self._run(fn, stand, hidden_states, index, weights)
         return out, t2, time.perf_counter_ns()
 
     def _pieces(self, fn, name, hidden_states, top_k_index, top_k_weights, experts, guesses, hints, stream):
         """More routed experts than slots: acquire, compute and release at
         most `slots` experts at a time; the other experts' routing weights
-        are zero in each piece. grouped_mm skips rows routed to the sentinel
-        slot n; other implementations get them on a slot of the piece, with
-        weight 0."""
+        are zero in each piece, and their rows go to a slot of the piece
+        (see _forward_local for why not past the last slot)."""
         ctl = self.controller
         out = None
         inner_ns = 0
@@ -651,17 +551,16 @@ class ExpertsOffload:
             where = ctl.exchange(self.layer, piece, guesses if first else {}, hints if first else None,
                                  stream=stream)
             stand = self._stand_for(name, self._slot_ids(where), piece)
-            sentinel = stand.num_experts  # grouped_mm skips rows routed past the last group
+            sentinel = stand[1]  # past the last slot: marks the rows outside the piece
             in_piece = np.zeros(self.num_experts, dtype=bool)
             in_piece[piece] = True
             remap = np.where(in_piece, self._remap, sentinel)
             index = self._to_device(remap)[top_k_index]
             inside = index < sentinel
             weights = top_k_weights.masked_fill(~inside, 0)
-            if name != "grouped_mm":
-                index = index.masked_fill(~inside, int(remap[piece[0]]))
+            index = index.masked_fill(~inside, int(remap[piece[0]]))
             t0 = time.perf_counter_ns()
-            part = fn(stand, hidden_states, index, weights)
+            part = self._run(fn, stand, hidden_states, index, weights)
             inner_ns += time.perf_counter_ns() - t0
             out = part if out is None else out + part
         return out, inner_ns
@@ -721,17 +620,13 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
     read from its safetensors shards, not from the modules (which may be on
     the meta device; the model's device is then its routers')."""
     install_experts_backend()
-    first = hf_blocks[0][1]
-    num_experts = first.gate_up_proj.shape[0]
-    top_k = getattr(hf_blocks[0][2], "top_k", None) or getattr(model.config, "num_experts_per_tok", 1)
-    for _, experts, _ in hf_blocks:
-        if (experts.gate_up_proj.shape != first.gate_up_proj.shape or experts.down_proj.shape
-                != first.down_proj.shape or experts.gate_up_proj.dtype != first.gate_up_proj.dtype):
-            raise NotImplementedError("MoE layers whose experts differ in shape or dtype are not supported")
-    expert_bytes = (first.gate_up_proj[0].numel() + first.down_proj[0].numel()) * first.gate_up_proj.element_size()
+    layout = ExpertsLayout(hf_blocks[0][1])  # find_hf_moe_blocks checked that every layer has this one
+    num_experts = layout.num_experts
+    top_k = routed_top_k(model, hf_blocks)
     budget = handle.budget_bytes(0)
-    if expert_bytes > budget:
-        raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({expert_bytes} bytes)")
+    if layout.expert_bytes > budget:
+        raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({layout.expert_bytes} bytes: "
+                         f"{layout.describe()})")
     device = model_device(hf_blocks)
     if ep is not None and handle.backend == "cuda" and device != torch.device("cuda", 0):
         raise ValueError(f"the engine's cache is on CUDA device 0 of this process, the model on {device}: run one "
@@ -746,9 +641,9 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                              "on disk (a host tier, host_budget_bytes) have none: leave sync_free at None or False")
         sync_free = False
     elif host_experts is None:
-        names = block_names(model, hf_blocks) if checkpoint is not None else None
+        names = experts_names(model, hf_blocks) if checkpoint is not None else None
         host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine,
-                                   checkpoint=checkpoint, block_names=names)
+                                   checkpoint=checkpoint, experts_names=names)
     elif not host_experts.matches(hf_blocks, mine):
         raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
                          "for another rank's slice of the experts")
@@ -758,19 +653,17 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                                    local=None if ep is None else ep.local)
     controller.host_experts = host_experts  # None: the experts stay on disk
     controller.expert_parallel = ep
-    gate_up_shape, down_shape, dtype, layout = expert_shapes(first)
     if on_disk:
         chosen = [range(num_experts) if mine is None else mine[layer] for layer in range(len(hf_blocks))]
-        register_from_disk(controller.prefetcher, handle, checkpoint, block_names(model, hf_blocks), chosen,
-                           gate_up_shape, down_shape, dtype, layout, [0] * len(hf_blocks))
+        register_from_disk(controller.prefetcher, handle, checkpoint, experts_names(model, hf_blocks), chosen,
+                           layout, [0] * len(hf_blocks))
     offloads = []
     for layer, (_, experts, _) in enumerate(hf_blocks):
         if not on_disk:
             for e in (range(num_experts) if mine is None else mine[layer]):
                 controller.prefetcher.register_packed(layer, int(e), host_experts.expert(layer, int(e)),
                                                       host_experts.layout)
-        offloads.append(ExpertsOffload(controller, layer, experts, gate_up_shape, down_shape, dtype,
-                                       model_device(hf_blocks, layer), ep=ep))
+        offloads.append(ExpertsOffload(controller, layer, experts, layout, model_device(hf_blocks, layer), ep=ep))
     controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
     controller.cache_slots = offloads[0].slots
     # A predictor whose guesses are device tensors (the router of a later
@@ -790,13 +683,16 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
             for offload in offloads:
                 offload.enable_sync_free(universe, sync_free_max_rows)
                 offload.step_rows = step_rows
-            controller.enable_sync_free(offloads[0].num_experts, host_experts.expert_bytes,
+            controller.enable_sync_free(offloads[0].num_experts, layout.data_bytes,
                                         adaptive=sync_free is None)
     for (_, experts, _), offload in zip(hf_blocks, offloads):
-        empty = torch.empty(0, dtype=experts.gate_up_proj.dtype, device=offload.device)
-        experts.gate_up_proj = torch.nn.Parameter(empty, requires_grad=False)
-        experts.down_proj = torch.nn.Parameter(empty.clone(), requires_grad=False)
-        experts.__dict__[_OFFLOAD_ATTR] = offload
+        for name in layout.names:
+            empty = torch.empty(0, dtype=offload.dtypes[name], device=offload.device)
+            if name in experts._parameters:
+                experts._parameters[name] = torch.nn.Parameter(empty, requires_grad=False)
+            else:
+                experts._buffers[name] = empty
+        experts.__dict__[OFFLOAD_ATTR] = offload
         offload._params = experts._parameters  # a later model.to(...) shows in them
         if not experts.__dict__.get("_prefetch_state_hook") and hasattr(experts, "register_state_dict_pre_hook"):
             experts.register_state_dict_pre_hook(_refuse_empty_state)
@@ -812,7 +708,8 @@ def _refuse_empty_state(module, prefix, keep_vars) -> None:
     checkpoint failed only when loaded again (a review). Its state_dict is
     refused instead, naming the way out; a module whose weights were put
     back (BM6's restore) gives its state as ever."""
-    if _OFFLOAD_ATTR in module.__dict__ and module.gate_up_proj.numel() == 0:
+    offload = module.__dict__.get(OFFLOAD_ATTR)
+    if offload is not None and getattr(module, offload.layout.names[0]).numel() == 0:
         where = prefix.rstrip(".") or "this module"
         raise RuntimeError(f"{where}: its experts are offloaded by prefetch (their weights are in the engine, not in "
                            "the module), so its state_dict would hold empty expert tensors: save or copy the model "

@@ -9,7 +9,8 @@ import numpy as np
 import torch
 
 from prefetch._engine import SLOT_ALIGNMENT
-from prefetch.expert_prefetcher import _align, expert_layout
+from prefetch.hf_blocks import ExpertsLayout
+from prefetch.progress import report_progress
 
 __all__ = ["HostExperts", "Universe"]
 
@@ -18,32 +19,14 @@ __all__ = ["HostExperts", "Universe"]
 _ROW_BYTES = SLOT_ALIGNMENT
 
 
-def report_progress(progress: bool, verb: str, where: str, done: int, total: int, next_report: int) -> int:
-    """Prints how far a long pass over the experts is (every GiB, on passes
-    of 1 GiB or more); returns the byte count of the next report."""
-    if progress and total >= (1 << 30) and (done >= next_report or done == total):
-        print(f"prefetch: {verb} {done / 2**30:.1f} of {total / 2**30:.1f} GiB of experts {where}", flush=True)
-        return done + (1 << 30)
-    return next_report
-
-
 def _unregister_host(buffer) -> None:
     torch.cuda.cudart().cudaHostUnregister(buffer.data_ptr())
 
 
-def expert_shapes(experts) -> tuple:
-    """(gate_up shape, down shape, dtype, packed layout) of one expert of a
-    transformers experts module (its weights may be on the meta device)."""
-    gate_up_shape, down_shape = tuple(experts.gate_up_proj.shape[1:]), tuple(experts.down_proj.shape[1:])
-    dtype = experts.gate_up_proj.dtype
-    probe = {"gate_up_proj": torch.empty(gate_up_shape, dtype=dtype), "down_proj": torch.empty(down_shape, dtype=dtype)}
-    return gate_up_shape, down_shape, dtype, expert_layout(probe)
-
-
 class HostExperts:
     """Every expert of a model packed in one host buffer, each expert at a
-    fixed stride in the engine's packed layout (gate_up_proj, then
-    down_proj, 256-byte aligned), page-locked in place with cudaHostRegister
+    fixed stride in the engine's packed layout (its parts, each
+    256-byte aligned: ExpertsLayout), page-locked in place with cudaHostRegister
     when `pin` (one registration of touched memory costs a fraction of
     allocating that much page-locked memory piece by piece). The engine
     copies straight from it (register_external): no second host copy.
@@ -57,17 +40,18 @@ class HostExperts:
     of safetensors shards, or prefetch.checkpoint.index_checkpoint's dict)
     reads the experts from there instead of from the modules, whose
     weights may then be on the meta device (Note [Experts from the
-    checkpoint] in prefetch/checkpoint_experts.py; `block_names`: each MoE
-    block's module path, `reader_threads`: DiskReader threads)."""
+    checkpoint] in prefetch/checkpoint_experts.py; `experts_names`: each
+    experts module's path, `reader_threads`: DiskReader threads)."""
 
     def __init__(self, hf_blocks, *, pin: bool, progress: bool = False, experts=None, checkpoint=None,
-                 block_names=None, reader_threads: int = 4):
+                 experts_names=None, reader_threads: int = 4):
         first = hf_blocks[0][1]
         self.num_layers = len(hf_blocks)
-        self.num_experts = first.gate_up_proj.shape[0]
-        self.gate_up_shape, self.down_shape, self.dtype, self.layout = expert_shapes(first)
-        self.expert_bytes = self.layout[-1].offset + self.layout[-1].nbytes
-        self.stride = _align(self.expert_bytes)
+        self.experts_layout = ExpertsLayout(first)
+        self.num_experts = self.experts_layout.num_experts
+        self.layout = self.experts_layout.parts
+        self.expert_bytes = self.experts_layout.expert_bytes
+        self.stride = self.experts_layout.slot_bytes
         # experts: per layer, the expert ids packed here (an expert-parallel
         # rank's slice); None packs them all. _row maps (layer, expert) to
         # its row in the buffer, -1 where not packed.
@@ -98,11 +82,10 @@ class HostExperts:
         else:
             from prefetch.checkpoint_experts import fill_from_checkpoint
 
-            if block_names is None or len(block_names) != self.num_layers:
-                raise ValueError("checkpoint needs block_names: the module path of each MoE block")
-            fill_from_checkpoint(self.buffer, self._row, self.stride, self.layout[1].offset, checkpoint, block_names,
-                                 chosen, self.gate_up_shape, self.down_shape, self.dtype, threads=reader_threads,
-                                 progress=progress)
+            if experts_names is None or len(experts_names) != self.num_layers:
+                raise ValueError("checkpoint needs experts_names: the module path of each experts module")
+            fill_from_checkpoint(self.buffer, self._row, self.stride, checkpoint, experts_names, chosen,
+                                 self.experts_layout, threads=reader_threads, progress=progress)
         self.pinned = False
         if pin and total:
             err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self._raw.numel(), 0)
@@ -126,8 +109,9 @@ class HostExperts:
             # one view of the weight; another subset is copied expert by
             # expert (no gathered temporary on the weight's device).
             run = int(ex[-1] - ex[0]) + 1 == ex.shape[0] and bool((np.diff(ex) == 1).all())
-            for part, weight in zip(self.layout, (module.gate_up_proj, module.down_proj)):
-                dst = rows[:, part.offset : part.offset + part.nbytes].view(self.dtype).view(ex.shape[0], *part.shape)
+            for part in self.layout:
+                weight = getattr(module, part.name)
+                dst = rows[:, part.offset : part.offset + part.nbytes].view(part.dtype).view(ex.shape[0], *part.shape)
                 if run:
                     dst.copy_(weight.detach().narrow(0, int(ex[0]), ex.shape[0]))
                 else:
@@ -139,11 +123,8 @@ class HostExperts:
     def matches(self, hf_blocks, experts=None) -> bool:
         """Whether this buffer holds the experts of `hf_blocks`' shapes that an
         offload would pack (`experts`: the same per-layer subset, None = all)."""
-        first = hf_blocks[0][1]
         subset = None if experts is None else tuple(tuple(int(e) for e in ex) for ex in experts)
-        return (len(hf_blocks) == self.num_layers and first.gate_up_proj.shape[0] == self.num_experts
-                and tuple(first.gate_up_proj.shape[1:]) == self.gate_up_shape
-                and tuple(first.down_proj.shape[1:]) == self.down_shape and first.gate_up_proj.dtype == self.dtype
+        return (len(hf_blocks) == self.num_layers and ExpertsLayout(hf_blocks[0][1]).key == self.experts_layout.key
                 and subset == self.experts)
 
     def expert(self, layer: int, expert: int) -> torch.Tensor:
@@ -217,12 +198,9 @@ class Universe:
         last = end - base - host.expert_bytes
         self.rows = last // _ROW_BYTES + 1
         self.arena_row0 = (a - base) // _ROW_BYTES
-        itemsize = torch.empty(0, dtype=host.dtype).element_size()
-        typed = flat[: (end - base) // itemsize * itemsize].view(host.dtype)
-        stride = _ROW_BYTES // itemsize
-        gu, dn = host.gate_up_shape, host.down_shape
-        self.gate_up_proj = typed.as_strided((self.rows, *gu), (stride, gu[1], 1), 0)
-        self.down_proj = typed.as_strided((self.rows, *dn), (stride, dn[1], 1), host.layout[1].offset // itemsize)
+        usable = flat[: (end - base) // 16 * 16]
+        # Rows start every _ROW_BYTES bytes: row r's parts at r * _ROW_BYTES.
+        self.views = host.experts_layout.views(usable, self.rows, _ROW_BYTES)
         # expert -> its host row, per layer (-1: not packed here)
         host_row0 = (h - base) // _ROW_BYTES
         self.host_rows = np.where(host._row >= 0, host._row * (host.stride // _ROW_BYTES) + host_row0, -1)
@@ -230,7 +208,9 @@ class Universe:
         # where a kernel cannot read registered host memory by its address
         # fails here, at offload, not with wrong tokens.
         first = int(np.flatnonzero(host._row[0] >= 0)[0])
-        want = host.expert(0, first)[: min(64, host.expert_bytes)]
-        got = self.gate_up_proj[int(self.host_rows[0, first])].reshape(-1)[: want.numel() // itemsize]
-        if not torch.equal(got.view(torch.uint8).to(torch.int32).cpu(), want.to(torch.int32)):
+        want = host.expert(0, first)[: min(64, host.layout[0].nbytes)]
+        part = host.layout[0]
+        view = self.views[part.name][int(self.host_rows[0, first])]
+        got = view.reshape(-1).view(torch.uint8)[: want.numel()]
+        if not torch.equal(got.to(torch.int32).cpu(), want.to(torch.int32)):
             raise RuntimeError("a kernel read of page-locked host memory by its address gave other bytes")

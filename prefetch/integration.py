@@ -251,6 +251,17 @@ class OffloadedMoEBlock(nn.Module):
 
 
 
+def _transformers_said() -> str:
+    """Which transformers is installed, against the tested range."""
+    import sys
+
+    from prefetch.hf_blocks import TRANSFORMERS_TESTED
+
+    module = sys.modules.get("transformers")
+    have = f"transformers {module.__version__} is installed" if module is not None else "transformers is not loaded"
+    return f"{have}; prefetch supports {TRANSFORMERS_TESTED[0]} to {TRANSFORMERS_TESTED[1]}"
+
+
 def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placement, activation_counts,
                    bad_checkpoint: bool = False) -> None:
     """offload_moe_experts' checks that need no engine: what was found in
@@ -264,10 +275,9 @@ def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placemen
         raise ValueError("this model's OffloadedMoEBlocks are already attached to a controller; offload a "
                          "model once (close the controller and build the model again to change the budget)")
     if not hf_blocks and not generic:
-        raise ValueError(
-            "no MoE block found: expected transformers-5 *Experts modules (gate_up_proj/down_proj) "
-            "or OffloadedMoEBlock instances"
-        )
+        raise ValueError(f"no MoE block found: expected transformers experts modules dispatched through its "
+                         f"experts-implementation interface (use_experts_implementation; {_transformers_said()}), or "
+                         "OffloadedMoEBlock instances")
     if hf_blocks and generic:
         raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
     if sync_free is not None and not isinstance(sync_free, (bool, np.bool_)):  # 1 == True: not by ==

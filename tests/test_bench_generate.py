@@ -55,7 +55,7 @@ def test_smoke_has_every_row(smoke):
     assert smoke["partial"] is False
     assert smoke["machine"]["cpu_count"]
     models = smoke["config"]["models"]
-    assert set(models) == set(generate.SMOKE_MODELS)
+    assert set(models) == set(generate.SMOKE_DEFAULT)
     want = {(m, b, s, r) for m in models for b in smoke["config"]["batches"]
             for r in generate_modes.ROWS
             for s in ([None] if r in generate_modes.SHARE_FREE_ROWS else smoke["config"]["shares"])}
@@ -102,6 +102,18 @@ def test_engine_and_by_hand_generate_the_resident_tokens(smoke):
                 assert row["engine_us_per_layer"] > 0 and row["sync_us_per_layer"] >= 0
         if row["row"] == "resident":
             assert row["tokens_equal"] is True and row["x_resident"] > 0
+
+
+def test_gpt_oss_engine_rows_generate_the_resident_tokens_and_by_hand_says_why_not(tmp_path):
+    # Biased, transposed experts with gpt-oss's clamped activation: the
+    # engine rows run the model's own implementation on them; the by-hand
+    # baseline (grouped_mm on gate_up/down alone) is skipped with a reason.
+    report = _run(tmp_path, "--models", "smoke-gpt-oss", "--rows", "on-demand", "oracle", "torch-by-hand")
+    rows = {r["row"]: r for r in report["rows"]}
+    for name in ("resident", "on-demand", "oracle"):
+        assert rows[name].get("reason") is None and rows[name]["tokens_equal"] is True, rows[name]
+    assert "gate_up_proj_bias" in rows["torch-by-hand"]["reason"]
+    assert rows["torch-by-hand"]["p50_ms"] is None
 
 
 def test_oracle_replays_the_recorded_routing(smoke):

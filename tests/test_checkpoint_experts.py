@@ -14,6 +14,7 @@ import torch
 
 import prefetch
 from prefetch.checkpoint import INDEX_FILE, index_checkpoint
+from prefetch.hf_blocks import ExpertsLayout
 from prefetch.integration import find_hf_moe_blocks, offload_moe_experts
 
 pytest.importorskip("transformers")
@@ -26,7 +27,7 @@ def experts_on_meta(model):
     """The model's expert weights replaced by meta tensors of the same shape
     (nothing to read: an offload that touched them would fail)."""
     for _, experts, _ in find_hf_moe_blocks(model):
-        for name in ("gate_up_proj", "down_proj"):
+        for name in ExpertsLayout(experts).names:
             old = getattr(experts, name)
             setattr(experts, name, torch.nn.Parameter(torch.empty(old.shape, dtype=old.dtype, device="meta"),
                                                       requires_grad=False))
@@ -39,7 +40,7 @@ def saved(model, folder):
 
 
 @pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "batched_mm"),
-                                         ("mixtral", "eager")])
+                                         ("mixtral", "eager"), ("gpt_oss", "grouped_mm"), ("gpt_oss", "eager")])
 def test_experts_from_the_checkpoint_give_the_models_tokens(family, impl, tmp_path):
     ref = build(family_configs()[family], experts_implementation=impl)
     folder = saved(ref, tmp_path / "ckpt")
@@ -59,8 +60,9 @@ def test_experts_from_the_checkpoint_give_the_models_tokens(family, impl, tmp_pa
         host = ctl.host_experts
         _, experts, _ = find_hf_moe_blocks(ref)[-1]
         layer = len(find_hf_moe_blocks(ref)) - 1
-        gate_up = host.expert(layer, 1)[: experts.gate_up_proj[1].numel() * 4].view(torch.float32)
-        assert torch.equal(gate_up.view(experts.gate_up_proj[1].shape), experts.gate_up_proj[1].detach())
+        for part in host.layout:
+            packed = host.expert(layer, 1)[part.offset : part.offset + part.nbytes].view(part.dtype)
+            assert torch.equal(packed.view(part.shape), getattr(experts, part.name)[1].detach()), part.name
     finally:
         ctl.close()
 
@@ -176,7 +178,7 @@ def test_experts_from_the_checkpoint_on_the_gpu_bf16(tmp_path):
 
 
 @pytest.mark.parametrize("family,impl", [("qwen3_moe", "grouped_mm"), ("olmoe", "batched_mm"),
-                                         ("mixtral", "eager")])
+                                         ("mixtral", "eager"), ("gpt_oss", "batched_mm")])
 def test_experts_left_on_disk_give_the_models_tokens(family, impl, tmp_path):
     # Note [Experts on disk]: with host_budget_bytes nothing is packed; the
     # engine reads each expert from the shards through a host tier that holds
@@ -187,7 +189,7 @@ def test_experts_left_on_disk_give_the_models_tokens(family, impl, tmp_path):
     model = experts_on_meta(copy.deepcopy(ref))
     per, num_experts = expert_bytes(ref)
     layers = len(find_hf_moe_blocks(ref))
-    stage = 3 * (-(-per // 4096) + 2) * 4096  # an expert's three extents, each page-aligned with a lead
+    stage = 4 * (-(-per // 4096) + 2) * 4096  # an expert's extents (3 or 4), each page-aligned with a lead
     ctl = offload_moe_experts(model, device_budget_bytes=(num_experts + 3) * (per + 512), backend="host",
                               checkpoint=tmp_path / "ckpt", host_budget_bytes=4 * stage)
     try:
@@ -260,7 +262,7 @@ def test_a_shard_replaced_before_the_engine_opens_it_is_refused(tmp_path):
 
     from prefetch.checkpoint_experts import register_from_disk
     from prefetch.errors import CheckpointError
-    from prefetch.expert_prefetcher import ExpertPrefetcher, expert_layout
+    from prefetch.expert_prefetcher import ExpertPrefetcher
 
     inter, hidden = 4, 8
     names = ("gate_proj", "up_proj", "down_proj")
@@ -293,12 +295,12 @@ def test_a_shard_replaced_before_the_engine_opens_it_is_refused(tmp_path):
         def __getattr__(self, name):
             return getattr(handle, name)
 
-    layout = expert_layout({"gate_up": torch.empty(2 * inter, hidden), "down": torch.empty(hidden, inter)})
+    layout = ExpertsLayout.from_shapes(1, {"gate_up_proj": ((2 * inter, hidden), torch.float32),
+                                           "down_proj": ((hidden, inter), torch.float32)})
     prefetcher = ExpertPrefetcher(handle)
     try:
         with pytest.raises(CheckpointError, match="changed since the checkpoint was indexed"):
-            register_from_disk(prefetcher, Racing(), index, ["model.layers.0.mlp"], [[0]], (2 * inter, hidden),
-                               (hidden, inter), torch.float32, layout, [0])
+            register_from_disk(prefetcher, Racing(), index, ["model.layers.0.mlp.experts"], [[0]], layout, [0])
         assert handle.stats()["registered"] == 0
     finally:
         handle.close()
@@ -342,3 +344,28 @@ def test_a_hub_cache_snapshot_of_symlinked_shards_is_read(on_disk, tmp_path):
             assert s["disk_reads"] > 0 and s["disk_errors"] == 0
     finally:
         ctl.close()
+
+
+def test_fused_expert_tensors_that_do_not_fit_are_refused(tmp_path):
+    # gpt-oss keeps its experts fused, one [experts, ...] tensor per part:
+    # each is checked against the model before anything is read.
+    ref = build(family_configs()["gpt_oss"])
+    per, _ = expert_bytes(ref)
+    folder = saved(ref, tmp_path / "ok")
+    shard = next(p for p in os.listdir(folder) if p.endswith(".safetensors"))
+    on_disk = safetensors_torch.load_file(os.path.join(folder, shard))
+    bias = "model.layers.1.mlp.experts.down_proj_bias"
+    assert bias in on_disk and on_disk[bias].dim() == 2
+
+    def variant(name, change):
+        d = tmp_path / name
+        d.mkdir()
+        tensors = dict(on_disk)
+        change(tensors)
+        safetensors_torch.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
+        return d
+
+    _refused(experts_on_meta(copy.deepcopy(ref)), variant("nobias", lambda t: t.pop(bias)),
+             r"down_proj_bias' is not in the checkpoint", per)
+    _refused(experts_on_meta(copy.deepcopy(ref)), variant("fewer", lambda t: t.update({bias: t[bias][:-1]})),
+             r"down_proj_bias' in .* needs F32", per)

@@ -17,6 +17,7 @@ from conftest import CountingHandle, wait_drained
 from torch import nn
 
 import prefetch
+from prefetch.hf_blocks import ExpertsLayout
 from prefetch.integration import (
     NextLayerGatePredictor,
     OffloadController,
@@ -47,6 +48,10 @@ def family_configs():
     out["qwen2_moe"] = transformers.Qwen2MoeConfig(**COMMON, intermediate_size=64, moe_intermediate_size=40,
                                                    shared_expert_intermediate_size=48, num_experts=8,
                                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
+    # biased, transposed experts and the clamped SwiGLU; a router named `router`
+    out["gpt_oss"] = transformers.GptOssConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=40,
+                                               head_dim=8, num_local_experts=8, num_experts_per_tok=2,
+                                               layer_types=["sliding_attention", "full_attention"], sliding_window=4)
     return out
 
 
@@ -57,9 +62,9 @@ def build(cfg, device="cpu", dtype=torch.float32, experts_implementation="eager"
 
 
 def expert_bytes(model):
-    _, experts, _ = find_hf_moe_blocks(model)[0]
-    per = experts.gate_up_proj[0].numel() + experts.down_proj[0].numel()
-    return per * experts.gate_up_proj.element_size(), experts.gate_up_proj.shape[0]
+    """(bytes of one expert's tensors, experts per layer)."""
+    layout = ExpertsLayout(find_hf_moe_blocks(model)[0][1])
+    return sum(p.nbytes for p in layout.parts), layout.num_experts
 
 
 def greedy(model, ids, steps=4):
@@ -77,7 +82,7 @@ def assert_same_decode(ref, model, ids, steps=4):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("predictor", [None, "next-layer"])
 @pytest.mark.parametrize("impl", ["eager", "grouped_mm", "batched_mm"])
 def test_offloaded_model_matches_original(family, predictor, impl):
@@ -106,7 +111,7 @@ def test_offloaded_model_matches_original(family, predictor, impl):
         ctl.close()
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe"])
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "olmoe", "qwen2_moe", "gpt_oss"])
 @pytest.mark.parametrize("slots", [3, "layer+3", "all"])
 def test_sync_free_decode_matches_original(family, slots):
     # Note [Sync-free decode]: batched_mm calls run on the one strided tensor
