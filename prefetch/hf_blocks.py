@@ -218,22 +218,21 @@ def _dispatcher(cls):
     return None
 
 
-def _dispatches_through_interface(cls) -> bool | None:
-    """Whether `cls`'s experts dispatcher goes through ALL_EXPERTS_FUNCTIONS
-    (True), through another interface (False: quantized experts have their
-    own), or is not a dispatcher prefetch knows (None)."""
+def _dispatches_through_interface(cls, functions) -> bool | None:
+    """Whether `cls`'s experts dispatcher goes through `functions`
+    (transformers' ALL_EXPERTS_FUNCTIONS: True), through another interface
+    (False: quantized experts have their own), or is not a dispatcher
+    prefetch knows (None)."""
     forward = _dispatcher(cls)
     if forward is None:
         return None
-    from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
-
     try:
         interface = inspect.getclosurevars(forward).nonlocals.get("experts_interface")
     except (TypeError, ValueError):
         interface = None
     if interface is None:
         return None
-    return interface is ALL_EXPERTS_FUNCTIONS
+    return interface is functions
 
 
 def _router_of(block: torch.nn.Module, experts: torch.nn.Module):
@@ -263,7 +262,6 @@ def find_hf_moe_blocks(model):
             "change the budget, close the controller and offload a freshly built or loaded model")
     found = experts_blocks(model)
     if found:
-        check_transformers()
         layouts = [ExpertsLayout(e) for _, e, _ in found]
         if any(lay.key != layouts[0].key for lay in layouts):
             kinds = sorted({lay.describe() for lay in layouts})
@@ -280,11 +278,11 @@ def experts_blocks(model) -> list:
     for parent in model.modules():
         for child in parent.children():
             parents.setdefault(id(child), parent)
+    candidates = [m for m in model.modules() if _looks_like_experts(m)]
+    functions = check_transformers() if candidates else None
     found = []
-    for module in model.modules():
-        if not _looks_like_experts(module):
-            continue
-        how = _dispatches_through_interface(type(module))
+    for module in candidates:
+        how = _dispatches_through_interface(type(module), functions)
         if how is None:
             import transformers
 
