@@ -16,7 +16,7 @@ from pathlib import Path
 
 from tox.plugin import impl
 
-HOST_SITE_ENVS = {"gpu", "gpu-soak", "gpu-csan"}
+HOST_SITE_ENVS = {"gpu", "gpu-newest", "gpu-soak", "gpu-csan"}
 
 
 @impl

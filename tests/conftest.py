@@ -1,5 +1,7 @@
 """Markers: `gpu` skips without CUDA; `multi_gpu(n)` skips with fewer than n
-CUDA devices. Both skip cleanly on CI (no GPU)."""
+CUDA devices. Both skip cleanly on CI (no GPU). `hf` marks every test of a
+file that names transformers: .ci/run runs those again on the newest
+supported transformers."""
 import importlib.util
 import os
 import pathlib
@@ -20,9 +22,21 @@ def _cuda_device_count() -> int:
         return 0
 
 
+_USES_TRANSFORMERS: dict = {}
+
+
+def _uses_transformers(path: str) -> bool:
+    """Whether a test file names transformers (the `hf` marker)."""
+    if path not in _USES_TRANSFORMERS:
+        _USES_TRANSFORMERS[path] = "transformers" in pathlib.Path(path).read_text(encoding="utf-8")
+    return _USES_TRANSFORMERS[path]
+
+
 def pytest_collection_modifyitems(config, items):
     count = _cuda_device_count()
     for item in items:
+        if _uses_transformers(str(item.path)):
+            item.add_marker(pytest.mark.hf)
         if "gpu" in item.keywords and count == 0:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         marker = item.get_closest_marker("multi_gpu")

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy gathercost
+# steps: tox toxnewest gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy gathercost
 # abproxy (OLD_TREE)
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
 # interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan csandirect (default: tox bm2 bandwidth overlap). Wheels for tox are
@@ -19,8 +19,16 @@ if [ -d .whl ] && ! python3 -c "import tox" 2>/dev/null; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
   export PYTHONPATH=/tmp/site
 fi
+# .whl/tf: the newest supported transformers and what it needs beyond the machine's own
+# packages. `toxnewest` installs them into tox's gpu-newest env; HF_NEWEST=1 puts them
+# (in /tmp/site_tf) ahead of the machine's transformers for every other step.
+if [ -n "${HF_NEWEST:-}" ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site_tf \
+    .whl/tf/*.whl || exit 1
+  export PYTHONPATH="/tmp/site_tf${PYTHONPATH:+:$PYTHONPATH}"
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
-python3 -c "import torch, Cython, sys; print(sys.version.split()[0], torch.__version__, Cython.__version__)" | tee -a "$out/gpu.txt"
+python3 -c "import torch, Cython, sys, transformers; print(sys.version.split()[0], torch.__version__, Cython.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 # Steps other than tox use the system python3 with an in-place build.
 ls prefetch/_engine.cpython-*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -29,6 +37,10 @@ for step in $steps; do
   case $step in
     tox)
       python3 -m tox -e gpu -- -ra -q tests 2>&1 | tee "$out/tox_gpu.log" | tail -40 || status=1 ;;
+    toxnewest)
+      # tox -e gpu on the newest supported transformers (the wheels in .whl/tf).
+      PREFETCH_HF_WHEELS="$PWD/.whl/tf" python3 -m tox -e gpu-newest -- -ra -q tests 2>&1 \
+        | tee "$out/tox_gpu_newest.log" | tail -40 || status=1 ;;
     bm2)
       bm2_args="--warmup ${BM2_WARMUP:-20} --iterations ${BM2_ITERS:-200}"
       python3 bench/issuance.py --backend host $bm2_args --json "$out/bm2_host.json" 2>&1 | tee "$out/bm2_host.txt"
