@@ -276,7 +276,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         router = self.routers[layer]
         weight = getattr(router, "weight", None)
         if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[-1] == hidden.shape[-1]:
-            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight)
+            bias = getattr(router, "bias", None)  # gpt-oss's router has one
+            bias = bias if isinstance(bias, torch.Tensor) and bias.shape == weight.shape[:1] else None
+            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
         else:
             logits = self.router_logits(layer, hidden)
         return torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices

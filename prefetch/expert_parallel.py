@@ -62,13 +62,13 @@ import hashlib
 import numpy as np
 import torch
 
-from prefetch.checkpoint_experts import model_device
+from prefetch.hf_blocks import ExpertsLayout, model_device
 
 __all__ = ["partition_experts", "activation_counts", "ExpertParallel", "setup_expert_parallel"]
 
 PLACEMENTS = ("balanced", "activations")
-_FIELDS = ("status", "layers", "experts", "gate_up rows", "gate_up cols", "down rows", "down cols", "dtype",
-           "top_k", "world size", "placement", "routers")
+_FIELDS = ("status", "layers", "experts", "expert layout (its tensors' names, shapes and dtypes)", "top_k",
+           "world size", "placement", "routers")
 
 
 def activation_counts(trace, num_layers: int | None = None, num_experts: int | None = None) -> np.ndarray:
@@ -200,13 +200,12 @@ def setup_expert_parallel(group, hf_blocks, *, top_k: int, placement: str = "bal
     world = dist.get_world_size(group)
     if rank < 0:
         raise ValueError("this process is not a member of process_group")
-    first = hf_blocks[0][1]
+    layout = ExpertsLayout(hf_blocks[0][1])
     device = model_device(hf_blocks)  # the experts may be on meta (read from a checkpoint)
-    num_layers, num_experts = len(hf_blocks), first.gate_up_proj.shape[0]
+    num_layers, num_experts = len(hf_blocks), layout.num_experts
     error = None
     owner = None
-    fields = [0, num_layers, num_experts, *first.gate_up_proj.shape[1:], *first.down_proj.shape[1:],
-              _hash63(str(first.gate_up_proj.dtype).encode()), top_k, world, 0, 0]
+    fields = [0, num_layers, num_experts, _hash63(layout.fingerprint().encode()), top_k, world, 0, 0]
     try:
         owner = partition_experts(num_layers, num_experts, world, placement, counts)
         fields[-2] = _hash63(owner.tobytes())

@@ -47,6 +47,7 @@ from prefetch.hf import (
     offload_hf_model,
     offloaded_experts,
 )
+from prefetch.hf_blocks import routed_top_k
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.read_back import to_host
 from prefetch.trace import RoutingTrace, belady_misses
@@ -379,7 +380,7 @@ def offload_moe_experts(
     if process_group is not None:
         from prefetch.expert_parallel import setup_expert_parallel
 
-        top_k = getattr(hf_blocks[0][2], "top_k", None) or getattr(model.config, "num_experts_per_tok", 1)
+        top_k = routed_top_k(model, hf_blocks)
         ep = setup_expert_parallel(process_group, hf_blocks, top_k=top_k, placement=expert_placement,
                                    counts=activation_counts)
     options = layer_handle_options(len(hf_blocks) or len(generic), handle_options)

@@ -30,7 +30,7 @@ from test_integration import build, expert_bytes, family_configs, greedy  # noqa
 
 WORLD = 2
 JOIN_S = 90  # the parent's deadline for a pair of ranks; scenarios take a few seconds
-FAMILIES = ("qwen3_moe", "olmoe")
+FAMILIES = ("qwen3_moe", "olmoe", "gpt_oss")
 IMPLS = ("eager", "grouped_mm", "batched_mm")
 BATCHES = (1, 2)
 CHECKPOINT_ENV = "PREFETCH_TEST_EP_CHECKPOINT"  # the OLMoE checkpoint folder the "tokens" ranks read
@@ -376,15 +376,20 @@ def test_two_ranks_match_one_process(tmp_path, monkeypatch):
                 runs = [g["runs"][(family, impl, batch)] for g in got]
                 for r, run in enumerate(runs):
                     assert torch.equal(run["seq"], seq_ref), (family, impl, batch, r)
-                    # Only its own share: 4 of 8 experts in each of 3 layers.
-                    assert run["registered"] == run["local"].sum() == 3 * 4
+                    # Only its own share: 4 of 8 experts in each layer.
+                    assert run["registered"] == run["local"].sum() == cfg.num_hidden_layers * 4
                     assert run["evictions"] > 0 and run["pinned"] == 0
                 # The two ranks' shares are disjoint and cover every expert.
                 assert (runs[0]["local"] ^ runs[1]["local"]).all()
                 if batch == 2:  # "activations" placement: not the contiguous blocks
                     assert not (runs[0]["local"][:, :4]).all()
-                if impl != "eager":
-                    assert runs[0]["report"]["prediction_recall"] == runs[1]["report"]["prediction_recall"]
+                # The gate guesses on synced steps only, and each rank picks a
+                # step's path from its own cache's misses: where the ranks took
+                # the same paths they scored the same guesses.
+                same_paths = runs[0]["report"]["sync_free_steps"] == runs[1]["report"]["sync_free_steps"]
+                if impl != "eager" and same_paths:
+                    assert runs[0]["report"]["prediction_recall"] == runs[1]["report"]["prediction_recall"], (
+                        family, impl, batch)
 
     refs = {}
     for impl in ("batched_mm", "grouped_mm"):

@@ -49,9 +49,9 @@ def family_configs():
                                                    shared_expert_intermediate_size=48, num_experts=8,
                                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[])
     # biased, transposed experts and the clamped SwiGLU; a router named `router`
-    out["gpt_oss"] = transformers.GptOssConfig(**{**COMMON, "num_hidden_layers": 2}, intermediate_size=40,
-                                               head_dim=8, num_local_experts=8, num_experts_per_tok=2,
-                                               layer_types=["sliding_attention", "full_attention"], sliding_window=4)
+    out["gpt_oss"] = transformers.GptOssConfig(**COMMON, intermediate_size=40, head_dim=8, num_local_experts=8,
+                                               num_experts_per_tok=2, sliding_window=4,
+                                               layer_types=["sliding_attention", "full_attention", "sliding_attention"])
     return out
 
 
