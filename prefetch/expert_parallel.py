@@ -58,17 +58,81 @@ joins the gather, so all ranks raise together.
 from __future__ import annotations
 
 import hashlib
+import time
 
 import numpy as np
 import torch
 
 from prefetch.hf_blocks import ExpertsLayout, model_device
 
-__all__ = ["partition_experts", "activation_counts", "ExpertParallel", "setup_expert_parallel"]
+__all__ = ["partition_experts", "activation_counts", "ExpertParallel", "LayerShare", "setup_expert_parallel"]
 
 PLACEMENTS = ("balanced", "activations")
 _FIELDS = ("status", "layers", "experts", "expert layout (its tensors' names, shapes and dtypes)", "top_k",
            "world size", "placement", "routers")
+
+
+class LayerShare:
+    """One offloaded layer's share on this rank (Note [Expert parallel]):
+    which of its experts the rank owns, the per-(token, k) form of a call
+    and the all-reduce that sums the ranks' outputs."""
+
+    def __init__(self, ep, layer: int, device, controller):
+        self.ep = ep
+        self.controller = controller
+        self.local = ep.local[layer]  # expert -> this rank owns it
+        self.foreign = torch.from_numpy(~self.local).to(device)  # expert -> not ours, on the device
+        self.own_weight = {}  # dtype -> expert -> 1 if ours else 0, on the device (pairs)
+        self.ones = {}  # dtype -> a column of 1s, on the device (the layer's local pairs)
+        self.pair_weights = None  # this call's routing weights, when its output is per (token, k) pair
+
+    def foreign_rows(self, pinned: np.ndarray, rows: np.ndarray) -> None:
+        """Other ranks' experts (weight 0) are still read: from the slot of
+        an expert this call pinned where there is one (HBM, held until this
+        layer's kernel has run), not over PCIe."""
+        held = np.flatnonzero(pinned)
+        if held.shape[0]:
+            rows[~self.local] = rows[held[0]]
+
+    def pairs(self, hidden_states, top_k_index, top_k_weights, routing):
+        """batched_mm and grouped_mm: each (token, k) pair as a row of its
+        own, routed to its one expert with weight 1 where this rank owns the
+        expert (`routing`: the pairs' expert ids) and 0 elsewhere. The
+        output is then the pair's expert output, exact, and on every rank
+        but its expert's an exact 0; the all-reduce adds those zeros and
+        `all_reduce` weights and sums over k as the implementation does.
+        Returns the inputs to call it with: the weights are one gather from
+        a per-expert table of 1s and 0s (one kernel launch, not three)."""
+        k = top_k_index.shape[-1]
+        self.pair_weights = top_k_weights
+        self.ep.rows_routed += top_k_index.numel()
+        self.ep.rows_computed += top_k_index.numel()
+        own = self.own_weight.get(top_k_weights.dtype)
+        if own is None:
+            own = self.own_weight[top_k_weights.dtype] = (~self.foreign).to(top_k_weights.dtype)
+        return (hidden_states.repeat_interleave(k, dim=0), top_k_index.reshape(-1, 1),
+                own[routing.reshape(-1, 1)])
+
+    def all_reduce(self, out):
+        """Sums the layer's output over the group (and finishes a per-pair
+        output). Returns (output, ns spent)."""
+        t0 = time.perf_counter_ns()
+        self.ep.all_reduce(out)
+        comm = time.perf_counter_ns() - t0
+        self.controller.comm_ns += comm
+        if self.pair_weights is not None:
+            out = _weighted_sum(out, self.pair_weights, out.dtype)  # the pair outputs are in the hidden dtype
+            self.pair_weights = None
+        return out, comm
+
+
+def _weighted_sum(pairs, top_k_weights, dtype):
+    """batched_mm's and grouped_mm's last two steps on the [tokens x k,
+    hidden] expert outputs: weight each pair, sum over k, in the same ops
+    and dtypes, so the result is theirs bit for bit."""
+    k = top_k_weights.shape[-1]
+    weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
+    return weighted.view(-1, k, pairs.shape[-1]).sum(dim=1).to(dtype)
 
 
 def activation_counts(trace, num_layers: int | None = None, num_experts: int | None = None) -> np.ndarray:

@@ -36,10 +36,10 @@ import time
 import numpy as np
 import torch
 
-from prefetch._engine import fill_rows, same_offsets
 from prefetch.checkpoint_experts import register_from_disk
 from prefetch.controller import OffloadController
 from prefetch.expert_ids import routed_experts as _routed_experts
+from prefetch.expert_parallel import LayerShare
 from prefetch.hf_blocks import (
     OFFLOAD_ATTR,
     ExpertsLayout,
@@ -51,7 +51,8 @@ from prefetch.hf_blocks import (
     on_slots,
     routed_top_k,
 )
-from prefetch.host_experts import _ROW_BYTES, HostExperts, Universe
+from prefetch.hf_guards import NoBackward, refuse_empty_state
+from prefetch.host_experts import HostExperts, RowMap, StepRows, Universe
 
 __all__ = ["install_experts_backend", "find_hf_moe_blocks", "offload_hf_model", "ExpertsOffload",
            "offloaded_experts", "HostExperts"]
@@ -78,62 +79,6 @@ def _raw_stream(device: torch.device):
 
 def _no_stream():
     return None
-
-
-class _RowMap:
-    """An expert -> row map of the sync-free path (Note [Sync-free decode]):
-    a pinned expert's slot row in the arena, any other's host row
-    (`host_rows`, one per expert). Made in page-locked host memory and sent
-    to the device with one copy when the pins it was made from change (a
-    CPU model reads the host one). Made outside inference mode: written
-    with copy_ at each step, so an offload done inside it does not fail a
-    later generate outside it."""
-
-    def __init__(self, host_rows: np.ndarray, arena_row0: int, device: torch.device):
-        self.host_rows = host_rows
-        self.arena_row0 = arena_row0
-        self.cuda = device.type == "cuda"
-        n = host_rows.shape[0]
-        with torch.inference_mode(False):
-            self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.cuda)
-            self.dev = torch.empty(n, dtype=torch.int64, device=device) if self.cuda else self.host
-        self.np = self.host.numpy()
-        self.last = np.full(n, -2, dtype=np.int64)  # the offsets the map was made from (-2: none yet)
-        self.event = None
-
-    def update(self, offsets: np.ndarray, adjust=None) -> None:
-        """The map for `offsets` (each expert's pinned slot offset, -1: not
-        pinned), sent on the current stream unless it is the last one's
-        (compared and made in C, prefetch/_routing.pxi: np.array_equal
-        alone cost more than the rest of the branch test's layer).
-        `adjust(rows)` edits the host map before it is sent."""
-        if same_offsets(offsets, self.last):
-            return
-        if self.event is not None:
-            self.event.synchronize()  # the buffer's last copy (a step ago: done)
-        fill_rows(offsets, self.host_rows, self.arena_row0, _ROW_BYTES, self.np, self.last)
-        if adjust is not None:
-            adjust(self.np)
-        if self.cuda:
-            self.dev.copy_(self.host, non_blocking=True)
-            if self.event is None:
-                self.event = torch.cuda.Event()
-            self.event.record()
-
-
-class _StepRows(_RowMap):
-    """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
-    row map made at a step's first layer from the pins of the whole step
-    (`update` with every layer's offsets), and sent in one copy, not one a
-    layer; each layer gathers through its slice. Shared by the offloaded
-    layers of one model (no expert parallel)."""
-
-    def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
-        host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
-        if host_rows.shape[0] != num_layers * num_experts or (host_rows < 0).any():
-            raise ValueError("the host experts do not hold every expert of every layer")
-        super().__init__(host_rows, universe.arena_row0, device)
-        self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]
 
 
 class ExpertsOffload:
@@ -173,19 +118,14 @@ class ExpertsOffload:
         self._index_np = None
         # Sync-free decode (Note [Sync-free decode]): set by offload_hf_model.
         self.universe = None
-        self.step_rows = None  # _StepRows (Note [Step pins]); None with expert parallel
+        self.step_rows = None  # StepRows (Note [Step pins]); None with expert parallel
         self._on_universe = None  # (views, rows) of the sync-free path's one tensor
-        self._rowmap = None  # this layer's _RowMap, for steps not pinned whole
+        self._rowmap = None  # this layer's RowMap, for steps not pinned whole
         # Expert parallel (Note [Expert parallel] in prefetch/expert_parallel.py):
-        # the experts this rank owns; None without a process group.
+        # this rank's share of the layer; None without a process group.
         self.ep = ep
-        self._local = None
-        self._pair_weights = None  # this call's routing weights, when its output is per (token, k) pair
-        if ep is not None:
-            self._local = ep.local[layer]
-            self._foreign = torch.from_numpy(~self._local).to(device)  # expert -> not ours, on the device
-            self._own_weight = {}  # dtype -> expert -> 1 if ours else 0, on the device (_pairs)
-            self._ones = {}  # dtype -> a column of 1s, on the device (_local_pairs)
+        self.share = None if ep is None else LayerShare(ep, layer, device, controller)
+        self._local = None if ep is None else self.share.local
 
     def enable_sync_free(self, universe: Universe, max_rows: int) -> None:
         self.universe = universe
@@ -201,15 +141,7 @@ class ExpertsOffload:
             if not own.size or (own < 0).any():
                 raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
             host_rows[~self._local] = own[0]
-        self._rowmap = _RowMap(host_rows, universe.arena_row0, self.device)
-
-    def _foreign_rows(self, pinned: np.ndarray, rows: np.ndarray) -> None:
-        """Expert parallel: other ranks' experts (weight 0) are still read:
-        from the slot of an expert this call pinned where there is one
-        (HBM, held until this layer's kernel has run), not over PCIe."""
-        held = np.flatnonzero(pinned)
-        if held.shape[0]:
-            rows[~self._local] = rows[held[0]]
+        self._rowmap = RowMap(host_rows, universe.arena_row0, self.device)
 
     def _forward_sync_free(self, fn, hidden_states, top_k_index, top_k_weights):
         """Note [Sync-free decode]: pin the layer's resident experts, map
@@ -233,13 +165,14 @@ class ExpertsOffload:
             # Row of each expert: its slot when pinned, else its host row. In
             # a steady decode the pins are the same every step: the map on
             # the device is still right and nothing is sent.
-            self._rowmap.update(offsets, None if self._local is None else functools.partial(self._foreign_rows, pinned))
+            adjust = None if self.share is None else functools.partial(self.share.foreign_rows, pinned)
+            self._rowmap.update(offsets, adjust)
             rowmap = self._rowmap.dev
         # torch.take: the same gather as indexing, through less dispatch.
         index = torch.take(rowmap, top_k_index)
         routing = top_k_index
         if self.ep is not None:  # this rank's experts, per (token, k) pair (Note [Expert parallel])
-            hidden_states, index, top_k_weights = self._pairs(hidden_states, index, top_k_weights, routing)
+            hidden_states, index, top_k_weights = self.share.pairs(hidden_states, index, top_k_weights, routing)
         t2 = time.perf_counter_ns()
         out = self._run(fn, self._on_universe, hidden_states, index, top_k_weights)
         t3 = time.perf_counter_ns()
@@ -248,8 +181,8 @@ class ExpertsOffload:
             ctl.queue_read_back()
             ctl.release_held(stream)
         comm = 0
-        if self.ep is not None:
-            out, comm = self._all_reduce(out)
+        if self.share is not None:
+            out, comm = self.share.all_reduce(out)
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
         # As on the synced path: the engine calls, the routing read-back and
@@ -257,40 +190,6 @@ class ExpertsOffload:
         engine, sync = ctl.engine_ns - engine_before, ctl.sync_ns - sync_before
         ctl.host_ns += (t_end - t_start) - (t3 - t2) - engine - sync - comm
         return out
-
-    def _pairs(self, hidden_states, top_k_index, top_k_weights, routing):
-        """Expert parallel, batched_mm and grouped_mm: each (token, k) pair
-        as a row of its own, routed to its one expert with weight 1 where
-        this rank owns the expert (`routing`: the pairs' expert ids) and 0
-        elsewhere. The output is then the pair's expert output, exact, and
-        on every rank but its expert's an exact 0; the all-reduce adds
-        those zeros and `_all_reduce` weights and sums over k as the
-        implementation does (Note [Expert parallel]). Returns the inputs to
-        call it with: the weights are one gather from a per-expert table of
-        1s and 0s (one kernel launch, not three)."""
-        k = top_k_index.shape[-1]
-        self._pair_weights = top_k_weights
-        self.ep.rows_routed += top_k_index.numel()
-        self.ep.rows_computed += top_k_index.numel()
-        own = self._own_weight.get(top_k_weights.dtype)
-        if own is None:
-            own = self._own_weight[top_k_weights.dtype] = (~self._foreign).to(top_k_weights.dtype)
-        return (hidden_states.repeat_interleave(k, dim=0), top_k_index.reshape(-1, 1),
-                own[routing.reshape(-1, 1)])
-
-    def _all_reduce(self, out):
-        """Expert parallel: sums the layer's output over the group (and
-        finishes a per-pair output). Returns (output, ns spent)."""
-        if self.ep is None:
-            return out, 0
-        t0 = time.perf_counter_ns()
-        self.ep.all_reduce(out)
-        comm = time.perf_counter_ns() - t0
-        self.controller.comm_ns += comm
-        if self._pair_weights is not None:
-            out = _weighted_sum(out, self._pair_weights, out.dtype)  # the pair outputs are in the hidden dtype
-            self._pair_weights = None
-        return out, comm
 
     def _slot_index(self, routed: np.ndarray, shape) -> torch.Tensor:
         """The routing with expert ids replaced by slots (self._remap), on the
@@ -359,9 +258,9 @@ class ExpertsOffload:
         np.take(self._remap, routed[rows], out=staged[n : 2 * n])
         staged[2 * n :] = rows
         sent = self._send(staged)
-        ones = self._ones.get(top_k_weights.dtype)
+        ones = self.share.ones.get(top_k_weights.dtype)
         if ones is None or ones.shape[0] < n:
-            ones = self._ones[top_k_weights.dtype] = torch.ones((max(n, routed.shape[0]), 1),
+            ones = self.share.ones[top_k_weights.dtype] = torch.ones((max(n, routed.shape[0]), 1),
                                                                 dtype=top_k_weights.dtype, device=self.device)
         picked = hidden_states.index_select(0, sent[:n])
         t0 = time.perf_counter_ns()
@@ -481,7 +380,7 @@ class ExpertsOffload:
             t3 = t2 + inner_ns
         if self.last_layer:
             ctl.release_held(stream)
-        out, comm = self._all_reduce(out)
+        out, comm = self.share.all_reduce(out) if self.share is not None else (out, 0)
         t_end = time.perf_counter_ns()
         ctl.layers_run += 1
         engine = ctl.engine_ns - engine_before
@@ -498,13 +397,13 @@ class ExpertsOffload:
         multiplies by 0). Returns
         (partial output, t before compute, t after compute)."""
         ctl = self.controller
-        self._pair_weights = None  # nothing left from a call that raised
+        self.share.pair_weights = None  # nothing left from a call that raised
         per_pair = name in _PER_PAIR
         mine = experts[self._local[experts]]
         # batched_mm in one piece: only this rank's pairs (_local_pairs).
         local_pairs = name == "batched_mm" and mine.shape[0] <= self.slots
         if per_pair and not local_pairs:  # every rank takes this form, whatever its pieces
-            hidden_states, top_k_index, top_k_weights = self._pairs(hidden_states, top_k_index, top_k_weights,
+            hidden_states, top_k_index, top_k_weights = self.share.pairs(hidden_states, top_k_index, top_k_weights,
                                                                     top_k_index)
         if mine.shape[0] > self.slots:
             t2 = time.perf_counter_ns()
@@ -513,7 +412,7 @@ class ExpertsOffload:
             return out, t2, t2 + inner_ns
         where = ctl.exchange(self.layer, mine, guesses, hints, stream=stream)
         if local_pairs:
-            self._pair_weights = top_k_weights
+            self.share.pair_weights = top_k_weights
             stand = self._stand_for(name, self._slot_ids(where), mine) if mine.shape[0] else None
             out, inner = self._local_pairs(fn, stand, hidden_states, routed, top_k_weights)
             t2 = time.perf_counter_ns()
@@ -532,7 +431,7 @@ class ExpertsOffload:
         self._remap[~self._local] = self._remap[mine[0]]
         index = self._slot_index(routed, top_k_index.shape)
         # Per pair, other ranks' weights are 0 already (_pairs).
-        weights = top_k_weights if per_pair else top_k_weights.masked_fill(self._foreign[top_k_index], 0)
+        weights = top_k_weights if per_pair else top_k_weights.masked_fill(self.share.foreign[top_k_index], 0)
         t2 = time.perf_counter_ns()
         out = self._run(fn, stand, hidden_states, index, weights)
         return out, t2, time.perf_counter_ns()
@@ -570,42 +469,6 @@ class ExpertsOffload:
 # weighted then summed in one reshape + sum (transformers.integrations.moe):
 # expert parallel reproduces that op on the all-reduced pair outputs.
 _PER_PAIR = ("batched_mm", "grouped_mm")
-
-
-class NoBackward(torch.autograd.Function):
-    """Note [No backward through the cache]
-    An offloaded layer computes on cache slots that are released after the
-    layer and then hold other experts, and its experts' parameters are
-    empty. A backward through it read whatever the slots held by then: with
-    the model in training mode (or a plain forward outside torch.no_grad)
-    a backward gave every earlier parameter a wrong gradient and the
-    experts none, without a word (a review: 27 of the tiny OLMoE's
-    parameters). The forward still runs, without autograd, and its output
-    stands for a backward that raises, naming the way out. The routing
-    weights count as inputs too: with frozen hidden states and a router
-    that trains, the router's gradient would be right but the experts
-    would not train, without a word; an offloaded layer is for inference
-    and says so either way."""
-
-    @staticmethod
-    def forward(ctx, compute, *inputs):
-        return compute(*inputs)
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("backward through MoE experts offloaded by prefetch is not supported: their weights are "
-                           "cache slots reused after each layer and get no gradient; train or fine-tune the model "
-                           "before offloading it, and run offloaded models under torch.no_grad() or "
-                           "torch.inference_mode()")
-
-
-def _weighted_sum(pairs, top_k_weights, dtype):
-    """batched_mm's and grouped_mm's last two steps on the [tokens x k,
-    hidden] expert outputs: weight each pair, sum over k, in the same ops
-    and dtypes, so the result is theirs bit for bit."""
-    k = top_k_weights.shape[-1]
-    weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
-    return weighted.view(-1, k, pairs.shape[-1]).sum(dim=1).to(dtype)
 
 
 def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=False, progress=True,
@@ -679,7 +542,7 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
                 raise ValueError(f"sync_free=True, but the sync-free decode path cannot run here: {err}") from err
             universe = None
         if universe is not None:
-            step_rows = None if ep is not None else _StepRows(universe, len(hf_blocks), num_experts, device)
+            step_rows = None if ep is not None else StepRows(universe, len(hf_blocks), num_experts, device)
             for offload in offloads:
                 offload.enable_sync_free(universe, sync_free_max_rows)
                 offload.step_rows = step_rows
@@ -695,22 +558,6 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         experts.__dict__[OFFLOAD_ATTR] = offload
         offload._params = experts._parameters  # a later model.to(...) shows in them
         if not experts.__dict__.get("_prefetch_state_hook") and hasattr(experts, "register_state_dict_pre_hook"):
-            experts.register_state_dict_pre_hook(_refuse_empty_state)
+            experts.register_state_dict_pre_hook(refuse_empty_state)
             experts.__dict__["_prefetch_state_hook"] = True
     return controller
-
-
-def _refuse_empty_state(module, prefix, keep_vars) -> None:
-    """Note [No state of offloaded experts]
-    An offloaded experts module keeps empty parameters (the weights live in
-    the engine's host copy and cache), so `model.save_pretrained` after
-    offloading wrote zero-size expert tensors without a word, and the
-    checkpoint failed only when loaded again (a review). Its state_dict is
-    refused instead, naming the way out; a module whose weights were put
-    back (BM6's restore) gives its state as ever."""
-    offload = module.__dict__.get(OFFLOAD_ATTR)
-    if offload is not None and getattr(module, offload.layout.names[0]).numel() == 0:
-        where = prefix.rstrip(".") or "this module"
-        raise RuntimeError(f"{where}: its experts are offloaded by prefetch (their weights are in the engine, not in "
-                           "the module), so its state_dict would hold empty expert tensors: save or copy the model "
-                           "before offload_moe_experts, or use its checkpoint")

@@ -8,11 +8,11 @@ import weakref
 import numpy as np
 import torch
 
-from prefetch._engine import SLOT_ALIGNMENT
+from prefetch._engine import SLOT_ALIGNMENT, fill_rows, same_offsets
 from prefetch.hf_blocks import ExpertsLayout
 from prefetch.progress import report_progress
 
-__all__ = ["HostExperts", "Universe"]
+__all__ = ["HostExperts", "Universe", "RowMap", "StepRows"]
 
 # The slot alignment of the engine (kSlotAlignmentBytes) and of HostExperts:
 # the row grid of the sync-free path's one tensor (Note [Sync-free decode]).
@@ -214,3 +214,59 @@ class Universe:
         got = view.reshape(-1).view(torch.uint8)[: want.numel()]
         if not torch.equal(got.to(torch.int32).cpu(), want.to(torch.int32)):
             raise RuntimeError("a kernel read of page-locked host memory by its address gave other bytes")
+
+
+class RowMap:
+    """An expert -> row map of the sync-free path (Note [Sync-free decode]):
+    a pinned expert's slot row in the arena, any other's host row
+    (`host_rows`, one per expert). Made in page-locked host memory and sent
+    to the device with one copy when the pins it was made from change (a
+    CPU model reads the host one). Made outside inference mode: written
+    with copy_ at each step, so an offload done inside it does not fail a
+    later generate outside it."""
+
+    def __init__(self, host_rows: np.ndarray, arena_row0: int, device: torch.device):
+        self.host_rows = host_rows
+        self.arena_row0 = arena_row0
+        self.cuda = device.type == "cuda"
+        n = host_rows.shape[0]
+        with torch.inference_mode(False):
+            self.host = torch.empty(n, dtype=torch.int64, pin_memory=self.cuda)
+            self.dev = torch.empty(n, dtype=torch.int64, device=device) if self.cuda else self.host
+        self.np = self.host.numpy()
+        self.last = np.full(n, -2, dtype=np.int64)  # the offsets the map was made from (-2: none yet)
+        self.event = None
+
+    def update(self, offsets: np.ndarray, adjust=None) -> None:
+        """The map for `offsets` (each expert's pinned slot offset, -1: not
+        pinned), sent on the current stream unless it is the last one's
+        (compared and made in C, prefetch/_routing.pxi: np.array_equal
+        alone cost more than the rest of the branch test's layer).
+        `adjust(rows)` edits the host map before it is sent."""
+        if same_offsets(offsets, self.last):
+            return
+        if self.event is not None:
+            self.event.synchronize()  # the buffer's last copy (a step ago: done)
+        fill_rows(offsets, self.host_rows, self.arena_row0, _ROW_BYTES, self.np, self.last)
+        if adjust is not None:
+            adjust(self.np)
+        if self.cuda:
+            self.dev.copy_(self.host, non_blocking=True)
+            if self.event is None:
+                self.event = torch.cuda.Event()
+            self.event.record()
+
+
+class StepRows(RowMap):
+    """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
+    row map made at a step's first layer from the pins of the whole step
+    (`update` with every layer's offsets), and sent in one copy, not one a
+    layer; each layer gathers through its slice. Shared by the offloaded
+    layers of one model (no expert parallel)."""
+
+    def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
+        host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
+        if host_rows.shape[0] != num_layers * num_experts or (host_rows < 0).any():
+            raise ValueError("the host experts do not hold every expert of every layer")
+        super().__init__(host_rows, universe.arena_row0, device)
+        self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]

@@ -41,13 +41,13 @@ from prefetch.controller import OffloadController, check_predictor
 from prefetch.expert_prefetcher import cache_slot_bytes, expert_layout
 from prefetch.hf import (
     HostExperts,
-    NoBackward,
     find_hf_moe_blocks,
     install_experts_backend,
     offload_hf_model,
     offloaded_experts,
 )
 from prefetch.hf_blocks import routed_top_k
+from prefetch.hf_guards import NoBackward
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.read_back import to_host
 from prefetch.trace import RoutingTrace, belady_misses
