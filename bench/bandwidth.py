@@ -38,7 +38,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, raw_copy_gbps, write_json  # noqa: E402
+from bench.lib.common import fmt, machine_info, raw_copy_gbps, write_json  # noqa: E402
 
 MIB = 1 << 20
 

@@ -67,7 +67,7 @@ from collections import deque
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.lib.common import fmt, machine_info, write_json  # noqa: E402
 
 MIB = 1 << 20
 ALIGN = 4096  # buffers and ranges; a multiple of every O_DIRECT alignment seen

@@ -13,7 +13,7 @@ for the expert list), residual adds. --expert-compute grouped (default)
 runs the layer's routed experts in two batched matmuls, their weights
 gathered by every provider from its slot tensor (the resident pool,
 the engine's arena, the by-hand LRU's slots) with one kernel per weight,
-so no provider pays a tensor op per expert (bench/e2e_providers.py);
+so no provider pays a tensor op per expert (bench/lib/e2e_providers.py);
 "loop" runs one expert at a time as transformers' eager MoE does, which on a
 slow host CPU makes the step Python launch time rather than GPU time. Weights are
 random bf16 (never zeros); expert (layer, e) uses the bytes of one of
@@ -61,7 +61,7 @@ the one after the policies, the compute-only step), and
 x_adjacent the median of each round's p50 over its all-resident p50
 (resident_runs_ms): the host's speed drifts over a block; x_adjacent_best
 the fastest round's p50 over the fastest all-resident round's (Note [Best
-of the repeats] in bench/common.py); x_floor_adjacent (printed as "x rnd
+of the repeats] in bench/lib/common.py); x_floor_adjacent (printed as "x rnd
 fl") the median of each round's p50 over max(that round's all-resident
 p50, the IO floor), x_floor_runs those ratios (Note [A round's own
 floor]). Each row also has
@@ -69,7 +69,7 @@ host_us_per_layer (the first round's host time per decode layer by phase of
 the step: speculate, sync, acquire, compute launch, release, and the engine
 calls' share of them; an engine row's acquire also in its parts,
 acquire.route_l0, acquire.route and acquire.gather: Note [The acquire's
-parts] in bench/e2e_providers.py), late (acquires that found their copy under way),
+parts] in bench/lib/e2e_providers.py), late (acquires that found their copy under way),
 speculation_paused_layers (Note [Speculation by its precision]) and the
 engine's counts of where the copies and guesses went (ENGINE_COUNTS).
 The engine policies use --eviction (default "cyclic", Note [Cyclic eviction]
@@ -97,7 +97,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import (  # noqa: E402
+from bench.lib.common import (  # noqa: E402
     ENGINE_COUNTS,
     best_of_ratio,
     fmt,
@@ -107,16 +107,16 @@ from bench.common import (  # noqa: E402
     round_floor_ratio,
     write_json,
 )
-from bench.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps, profile_steps  # noqa: E402
-from bench.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E402
-from bench.e2e_providers import (  # noqa: E402
+from bench.lib.e2e_decoder import MODELS, POLICIES, Decoder, measure_steps, profile_steps  # noqa: E402
+from bench.lib.e2e_floor import io_floor, settle_compute_only, settle_raw  # noqa: E402
+from bench.lib.e2e_providers import (  # noqa: E402
     make_provider,
     policy_eviction,
     split_policy,
 )
-from bench.e2e_report import format_table, plot_latency, timeline  # noqa: E402
+from bench.lib.e2e_report import format_table, plot_latency, timeline  # noqa: E402
 
-# ENGINE_COUNTS (bench/common.py): over the measured steps, null for the
+# ENGINE_COUNTS (bench/lib/common.py): over the measured steps, null for the
 # rows without the engine.
 
 
@@ -261,7 +261,7 @@ def main(argv=None) -> int:
     parser.add_argument("--policies", nargs="+", default=list(POLICIES), type=policy_arg, metavar="POLICY",
                         help=f"of {', '.join(POLICIES)}; an engine policy may carry PrefetchHandle options, "
                              "as oracle:copy_poll_us=0 (a row of its own), and step_plan=0 or resident_gather=1 "
-                             "(bench/e2e_providers.py's split_policy)")
+                             "(bench/lib/e2e_providers.py's split_policy)")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--train", type=int, default=3, help="past requests the trace predictor learns from")

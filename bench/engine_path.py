@@ -60,7 +60,7 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine_info, write_json  # noqa: E402
+from bench.lib.common import machine_info, write_json  # noqa: E402
 
 
 def main(argv=None) -> int:

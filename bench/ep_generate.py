@@ -25,7 +25,7 @@ bf16 weights, same seed). Per model:
 
 Before any row every rank runs the resident model over the measured lengths
 on other prompts (Note [Warm every sequence length] in
-bench/generate_model.py). Each row: a warm-up generate on another prompt,
+bench/lib/generate_model.py). Each row: a warm-up generate on another prompt,
 then the measured generate
 of --new-tokens tokens (min = max, no eos). Figures (rank 0's clock, read
 after --timer-sync's wait: device, the default, torch.cuda.synchronize;
@@ -62,11 +62,11 @@ from datetime import timedelta
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, gpu_time_split, machine_info, own_gpu, percentile, write_json  # noqa: E402
+from bench.lib.common import fmt, gpu_time_split, machine_info, own_gpu, percentile, write_json  # noqa: E402
 
 if "--smoke-cpu" not in sys.argv:
     own_gpu()  # before anything imports torch
-from bench.generate_model import (  # noqa: E402
+from bench.lib.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_MODELS,
     ModelState,

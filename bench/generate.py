@@ -20,13 +20,13 @@ one process. Prompts are fixed random ids; decoding is greedy with
 min_new_tokens = max_new_tokens (no eos), so every row generates the same
 count. Each block first runs the resident model over the measured and TTFT
 lengths on other prompts (Note [Warm every sequence length] in
-bench/generate_model.py); each row then runs a warm-up generate on a
+bench/lib/generate_model.py); each row then runs a warm-up generate on a
 different prompt, the measured generate, then the time-to-first-token
 generate.
 
 --trace-in: the model routes as a real routing trace says (../shared/traces,
-copied to traces/ here; Note [Forced routing] in bench/generate_trace.py):
-the models are then bench/generate_trace.py's TRACE_MODELS of the trace's
+copied to traces/ here; Note [Forced routing] in bench/lib/generate_trace.py):
+the models are then bench/lib/generate_trace.py's TRACE_MODELS of the trace's
 layer and expert counts (gemma4-26b-a4b; gpt-oss-120b-narrow, its experts
 a quarter as wide so that they fit), top-k from the trace, and each
 generate's decode token i routes as the trace's step --trace-from + i. The
@@ -138,7 +138,7 @@ Figures per row:
                     allocator's retries (a full device: cached blocks freed
                     and the allocation tried again) during the measured and
                     repeated generates and during the paired ones (Note
-                    [Allocator retries] in bench/generate_rows.py)
+                    [Allocator retries] in bench/lib/generate_rows.py)
   host_us_per_layer over the measured generate's decode steps (first token on):
                     engine rows: the controller's host time per offloaded
                     layer (report()'s host_us_per_layer, also
@@ -162,12 +162,12 @@ Figures per row:
                     apart
   x_adjacent_best   the fastest of the row's --repeats p50s over the fastest
                     of those resident generates (Note [Best of the repeats]
-                    in bench/common.py: slow spells of the host only
+                    in bench/lib/common.py: slow spells of the host only
                     add time)
   x_paired          with --paired N: the median over N pairs of the row's
                     generate's p50 over a second resident copy's, run
                     right after or before it (Note [Paired generates] in
-                    bench/generate_rows.py); paired_runs_ms the pairs; the
+                    bench/lib/generate_twin.py); paired_runs_ms the pairs; the
                     resident row's own x_paired is the estimator's bias
   profile           with --profile DIR: one more generate of --profile-tokens
                     tokens after the paired ones, under torch.profiler from
@@ -176,7 +176,7 @@ Figures per row:
                     and .txt (ops by self device time); per decode token:
                     wall ms (profiled), GPU busy, compute, host-to-device
                     and idle ms, kernels launched, and count and host us of
-                    the CUDA runtime calls (bench/generate_profile.py)
+                    the CUDA runtime calls (bench/lib/generate_profile.py)
   steal_runs_ms     host CPU time the hypervisor gave to others during each
                     measured generate (/proc/stat; null where unreadable);
                     resident_adjacent_steal_ms likewise
@@ -185,7 +185,7 @@ Figures per row:
                     slots) x expert bytes / raw H2D GB/s / decode tokens;
                     floor_ms = max(resident ref p50, io_floor_ms); over_floor =
                     p50_ms / floor_ms
-  raw H2D           bench.common.raw_copy_gbps, pinned copies of expert-sized
+  raw H2D           bench.lib.common.raw_copy_gbps, pinned copies of expert-sized
                     rows, measured when a model is built and after its rows;
                     the faster of the two
 A row that cannot run reports null figures with a reason; rows not started
@@ -214,7 +214,7 @@ generates), pairs_detail (per pair and side: the generate's wall ms,
 host steal, allocator retries, and its engine counters' change: Note
 [Where a pair's time went]),
 parked_resident_experts, twin ("resident" or "lean") and a reason where it did not run (Note [Two rows side by side] in
-bench/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
+bench/lib/generate_ab.py). --ab-lockstep N adds N pairs whose two generates
 run in lockstep, a token each in turn, in "lockstep": the same figures,
 the same of the two prefills (prefill_pairs_ms, prefill_x_ab, ...) and
 handoffs_with_copies (Note [Lockstep pairs]). --ab-control runs the
@@ -243,10 +243,10 @@ import time
 if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import machine_info, raw_h2d_gbps, write_json  # noqa: E402
-from bench.generate_ab import ab_rows, run_ab  # noqa: E402
-from bench.generate_figures import settle  # noqa: E402
-from bench.generate_model import (  # noqa: E402
+from bench.lib.common import machine_info, raw_h2d_gbps, write_json  # noqa: E402
+from bench.lib.generate_ab import ab_rows, run_ab  # noqa: E402
+from bench.lib.generate_figures import settle  # noqa: E402
+from bench.lib.generate_model import (  # noqa: E402
     MODELS,
     SMOKE_DEFAULT,
     SMOKE_MODELS,
@@ -256,21 +256,22 @@ from bench.generate_model import (  # noqa: E402
     moe_blocks,
     warm_lengths,
 )
-from bench.generate_modes import (  # noqa: E402
+from bench.lib.generate_modes import (  # noqa: E402
     _HOST_EXPERTS,
     ROWS,
     SHARE_FREE_ROWS,
     SHARE_ROWS,
 )
-from bench.generate_report import explain_nulls, format_table, plot  # noqa: E402
-from bench.generate_rows import Block, make_twin, restore_check, run_planned_row  # noqa: E402
-from bench.generate_trace import FORCED_FAMILIES, TRACE_MODELS, ForcedRouting, force_routing, trace_shape  # noqa: E402
+from bench.lib.generate_report import explain_nulls, format_table, plot  # noqa: E402
+from bench.lib.generate_rows import Block, restore_check, run_planned_row  # noqa: E402
+from bench.lib.generate_trace import FORCED_FAMILIES, TRACE_MODELS, ForcedRouting, force_routing, trace_shape  # noqa: E402
+from bench.lib.generate_twin import make_twin  # noqa: E402
 
 
 def build(torch, name, family, shape, args, cuda, device, dtype, trace=None):
     """The model `name` and its state, what is known of it, and the first
     raw H2D reading (CUDA only). `trace` (--trace-in): the model routes as
-    it says (Note [Forced routing] in bench/generate_trace.py), set up
+    it says (Note [Forced routing] in bench/lib/generate_trace.py), set up
     before the state is saved, so every row keeps it."""
     t_build = time.perf_counter()
     model = build_model(torch, family, shape, args.vocab, device, dtype)
@@ -326,7 +327,7 @@ def run_model(torch, name, family, shape, args, cuda, device, dtype, started, ro
             block_rows.append(run_planned_row(block, name, row, share, started))
             if checkpoint is not None:
                 checkpoint(model_rows + block_rows)
-        # Note [Two rows side by side] in bench/generate_ab.py: uses up the twin, restores the model.
+        # Note [Two rows side by side] in bench/lib/generate_ab.py: uses up the twin, restores the model.
         ab = run_ab(block, name, args.ab_share, started) if args.ab else None
         blocks.append({**restore_check(block, name), **({"ab": ab} if ab is not None else {})})
         model_rows.extend(block_rows)
@@ -373,7 +374,7 @@ def main(argv=None) -> int:
                              "drifts over seconds)")
     parser.add_argument("--paired", type=int, default=0,
                         help="pairs of generates per row against a second resident copy of the model; x_paired is "
-                             "the median of the pairs' ratios (Note [Paired generates] in bench/generate_rows.py)")
+                             "the median of the pairs' ratios (Note [Paired generates] in bench/lib/generate_twin.py)")
     parser.add_argument("--paired-tokens", type=int, default=None, help="tokens of each paired generate "
                         "(default 32; smoke 4; accelerate's rows: --accelerate-tokens); a row takes about "
                         "2 x --paired x this x its ms per token more")
@@ -382,12 +383,12 @@ def main(argv=None) -> int:
                              "the twin (--paired's resident copy, or with --park-resident-experts and no such copy a "
                              "lean one) as ROW_B, --ab-pairs pairs of generates alternating; the "
                              "block's 'ab' has the pairs and x_ab, the median A/B ratio (Note [Two rows side by "
-                             "side] in bench/generate_ab.py)")
+                             "side] in bench/lib/generate_ab.py)")
     parser.add_argument("--ab-pairs", type=int, default=8, help="pairs of generates of --ab (default 8)")
     parser.add_argument("--ab-lockstep", type=int, default=0,
                         help="after --ab's alternating pairs, this many pairs in lockstep: the two sides' "
                              "generates in two threads taking turns a token at a time (Note [Lockstep pairs] in "
-                             "bench/generate_ab.py; default 0)")
+                             "bench/lib/generate_ab.py; default 0)")
     parser.add_argument("--ab-control", action="store_true",
                         help="before --ab's A/B, the same pairs with ROW_B on both sides (the model and the twin): "
                              "what the estimators give two sides doing the same work, in the block's "
@@ -395,15 +396,15 @@ def main(argv=None) -> int:
     parser.add_argument("--ab-swap", action="store_true",
                         help="after --ab's A/B, the same pairs with the rows on the other copies (ROW_B on the "
                              "model, ROW_A on the twin), in the block's ab.swapped, and both A/Bs' pairs "
-                             "together in ab.pooled (Note [Two rows side by side] in bench/generate_ab.py)")
+                             "together in ab.pooled (Note [Two rows side by side] in bench/lib/generate_ab.py)")
     parser.add_argument("--ab-share", type=float, default=None,
                         help="the cache share of --ab's rows (default: the first of --shares)")
     parser.add_argument("--park-resident-experts", action="store_true",
                         help="engine rows free the resident model's expert weights on the device while they run "
                              "and copy them back from the packed host copy after (Note [Parked resident experts] "
-                             "in bench/generate_model.py): a cache of every expert then fits beside a second "
+                             "in bench/lib/generate_model.py): a cache of every expert then fits beside a second "
                              "resident copy (--paired) or a larger batch; without --paired's copy, --ab's second "
-                             "side is a lean one (Note [A lean twin] in bench/generate_ab.py)")
+                             "side is a lean one (Note [A lean twin] in bench/lib/generate_ab.py)")
     parser.add_argument("--timer-sync", choices=["device", "stream"], default="device",
                         help="what the per-token clock waits for: every stream of the GPU (default; the engine's "
                              "background copies too) or the compute stream only (what a caller reading tokens "
@@ -411,13 +412,13 @@ def main(argv=None) -> int:
     parser.add_argument("--smoke-cpu", action="store_true",
                         help="tiny configs on the CPU in float32: checks the logic, measures nothing")
     parser.add_argument("--trace-in", metavar="TRACE.json",
-                        help="route as this routing trace says (Note [Forced routing] in bench/generate_trace.py): "
+                        help="route as this routing trace says (Note [Forced routing] in bench/lib/generate_trace.py): "
                              f"models from {list(TRACE_MODELS)} (smoke: smoke-qwen3-moe) with the trace's layer "
                              "and expert counts, top-k from its decode steps")
     parser.add_argument("--profile", metavar="DIR",
                         help="after each row's paired generates, one more generate under torch.profiler, its "
                              "decode steps only: Chrome traces and op tables in DIR, the row's 'profile' says "
-                             "where the time went (bench/generate_profile.py)")
+                             "where the time went (bench/lib/generate_profile.py)")
     parser.add_argument("--profile-tokens", type=int, default=None,
                         help="tokens of the profiled generate (default 16; smoke 3)")
     parser.add_argument("--trace-from", type=int, default=1,
@@ -517,7 +518,7 @@ def main(argv=None) -> int:
                         "random weights; routing is the random model's, not a trained one's" if trace is None else
                         f"random weights; routing forced from {os.path.basename(args.trace_in)} (decode token i of "
                         f"each generate routes as its step {args.trace_from} + i; Note [Forced routing] in "
-                        "bench/generate_trace.py)"],
+                        "bench/lib/generate_trace.py)"],
               "models": {}, "blocks": [], "rows": None}
     if not smoke and not cuda:
         print("BM6 needs a CUDA device (or --smoke-cpu): not measured", file=sys.stderr)

@@ -46,7 +46,7 @@ if __package__ in (None, ""):
     # installed (compiled) prefetch wins over the source folder.
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from bench.common import fmt, machine_info, write_json  # noqa: E402
+from bench.lib.common import fmt, machine_info, write_json  # noqa: E402
 
 MODES = ("python-per-expert", "batched-cython", "cpp-internal")
 # Beside the modes: the plain-PyTorch way a user would write by hand (a Python

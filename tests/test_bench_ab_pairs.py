@@ -1,11 +1,12 @@
-"""tools/ab_pairs.py on BM5 result files written here: two trees compared
+"""bench/diagnostics/ab_pairs.py on BM5 result files written here: two trees compared
 round by round through each one's own floor, as stop 43's A/B was."""
 from __future__ import annotations
 
 import json
 
 import pytest
-from conftest import load_tool
+
+from bench.diagnostics import ab_pairs
 
 
 def _write(folder, trace, tree, rnd, p50, resident, io_floor=28.0, x_floor_runs=None, policy="oracle"):
@@ -19,7 +20,7 @@ def _write(folder, trace, tree, rnd, p50, resident, io_floor=28.0, x_floor_runs=
 
 
 def test_each_round_goes_to_the_tree_with_the_lower_ratio_to_its_own_floor(tmp_path, capsys):
-    ab = load_tool("ab_pairs")
+    ab = ab_pairs
     run = tmp_path / "run1"
     # Round 1: "new" has the higher p50 (40 against 35) but ran beside a slow
     # resident step (38 ms, over the 28 ms IO floor): 40/38 = 1.05 against
@@ -42,7 +43,7 @@ def test_each_round_goes_to_the_tree_with_the_lower_ratio_to_its_own_floor(tmp_p
 
 
 def test_aliases_pool_runs_that_named_the_trees_differently(tmp_path):
-    ab = load_tool("ab_pairs")
+    ab = ab_pairs
     older, newer = tmp_path / "run140", tmp_path / "run143"
     _write(older, "gemma4-26b-a4b", "5f62246", 1, 30.0, 25.0)
     _write(older, "gemma4-26b-a4b", "0bf545f", 1, 33.0, 25.0)
@@ -57,7 +58,7 @@ def test_aliases_pool_runs_that_named_the_trees_differently(tmp_path):
 
 
 def test_bad_files_are_refused_by_name(tmp_path, capsys):
-    ab = load_tool("ab_pairs")
+    ab = ab_pairs
     run = tmp_path / "run"
     _write(run, "t", "new", 1, 30.0, 20.0, policy="on-demand")
     _write(run, "t", "old", 1, 30.0, 20.0)
@@ -83,7 +84,7 @@ def test_two_rows_of_one_run_are_paired_round_by_round(tmp_path, capsys):
     # --rows: two policies of the same BM5 run (--repeats 3), each round's
     # pair beside that round's resident run. Round 2's resident run was
     # slow (40 ms, over the 28 ms IO floor): both rows are judged against it.
-    ab = load_tool("ab_pairs")
+    ab = ab_pairs
     run = tmp_path / "run149"
     resident = [25.0, 40.0, 26.0]
     a = {"policy": "oracle", "p50_runs_ms": [30.0, 44.0, 36.0], "resident_runs_ms": resident, "io_floor_ms": 28.0}
@@ -101,7 +102,7 @@ def test_two_rows_of_one_run_are_paired_round_by_round(tmp_path, capsys):
 
 
 def test_rows_that_are_not_both_measured_are_refused(tmp_path, capsys):
-    ab = load_tool("ab_pairs")
+    ab = ab_pairs
     run = tmp_path / "run"
     _write_e2e(run, "gemma4-26b-a4b", [{"policy": "oracle", "p50_runs_ms": [30.0], "resident_runs_ms": [25.0],
                                        "io_floor_ms": 9.0}])

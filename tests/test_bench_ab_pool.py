@@ -1,4 +1,4 @@
-"""tools/ab_pool.py on BM6 result files written here: --ab pairs of several
+"""bench/diagnostics/ab_pool.py on BM6 result files written here: --ab pairs of several
 runs pooled, per model, batch, share and rows."""
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import re
 import statistics
 
 import pytest
-from conftest import load_tool
+
+from bench.diagnostics import ab_pool
 
 
 def _ab(pairs, rows=("gate", "on-demand"), model="olmoe-1b-7b", share=0.25, **parts):
@@ -22,7 +23,7 @@ def _write(path, *abs_, paired_tokens=16):
 
 
 def test_pairs_pool_per_cell_with_the_figures_bm6_gives_one_run(tmp_path, capsys):
-    tool = load_tool("ab_pool")
+    tool = ab_pool
     one = [[10.0, 10.0], [9.0, 10.0], [12.0, 10.0], [10.0, 11.0], [10.0, 9.0], [20.0, 10.0]]
     two = [[10.0, 10.5], [11.0, 10.0], [9.5, 10.0], [10.0, 10.0], [10.2, 10.0], [10.0, 12.0], [8.0, 10.0]]
     other = [[5.0, 4.0], [5.0, 4.5]]
@@ -49,7 +50,7 @@ def test_pairs_pool_per_cell_with_the_figures_bm6_gives_one_run(tmp_path, capsys
 
 
 def test_parts_and_lockstep_pick_their_pairs_and_swapped_ones_turn_round(tmp_path):
-    tool = load_tool("ab_pool")
+    tool = ab_pool
     ab = _ab([[10.0, 11.0]], lockstep={"pairs_ms": [[7.0, 8.0], [8.0, 7.5]]},
              control={"rows": ["on-demand", "on-demand"], "pairs_ms": [[10.0, 10.1]], "lockstep": None},
              swapped={"rows": ["on-demand", "gate"], "pairs_ms": [[11.0, 10.0], [12.0, 9.0]], "lockstep": None},
@@ -90,7 +91,7 @@ def test_parts_and_lockstep_pick_their_pairs_and_swapped_ones_turn_round(tmp_pat
     ('{"config": 3, "blocks": []}', "not a BM6 result"),
 ])
 def test_a_malformed_result_gets_a_clear_error_naming_it(tmp_path, capsys, content, message):
-    tool = load_tool("ab_pool")
+    tool = ab_pool
     path = tmp_path / "bad.json"
     path.write_text(content)
     part = "swapped" if '"swapped"' in content else "ab"
@@ -103,7 +104,7 @@ def test_a_malformed_result_gets_a_clear_error_naming_it(tmp_path, capsys, conte
 
 
 def test_all_ties_print_no_sign_test_p(tmp_path, capsys):
-    tool = load_tool("ab_pool")
+    tool = ab_pool
     f = _write(tmp_path / "a.json", _ab([[10.0, 10.0], [9.0, 9.0]]))
     assert tool.pool([f])[0]["pooled"]["sign_p"] is None
     assert tool.main([f]) == 0
@@ -114,7 +115,7 @@ def test_all_ties_print_no_sign_test_p(tmp_path, capsys):
 @pytest.mark.parametrize("part, flag", [("swapped", "--ab-swap?"), ("pooled", "--ab-swap?"),
                                         ("control", "--ab-control?")])
 def test_a_missing_part_names_the_flag_that_writes_it(tmp_path, part, flag):
-    tool = load_tool("ab_pool")
+    tool = ab_pool
     f = _write(tmp_path / "a.json", _ab([[10.0, 11.0]]))
     with pytest.raises(ValueError, match="not in this file") as err:
         tool.load(f, part)
@@ -122,7 +123,7 @@ def test_a_missing_part_names_the_flag_that_writes_it(tmp_path, part, flag):
 
 
 def test_the_part_flags_exist_in_generate(capsys):
-    tool = load_tool("ab_pool")
+    tool = ab_pool
     from bench import generate
 
     with pytest.raises(SystemExit):

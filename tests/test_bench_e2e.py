@@ -129,7 +129,7 @@ def _cpu_main_loop(monkeypatch):
     (host backend, a tiny model) so the loop itself runs."""
     from functools import partial
 
-    from bench.e2e_decoder import Decoder
+    from bench.lib.e2e_decoder import Decoder
 
     monkeypatch.setitem(e2e.MODELS, "tiny", dict(layers=3, experts=8, top_k=2, hidden=16, inter=8))
     monkeypatch.setattr(e2e, "Decoder", partial(Decoder, device="cpu"))
@@ -196,8 +196,8 @@ def test_profile_steps_split_a_step_on_the_cpu(tmp_path):
 
     import torch
 
-    from bench.e2e_decoder import profile_steps
-    from bench.e2e_providers import ResidentProvider, make_provider
+    from bench.lib.e2e_decoder import profile_steps
+    from bench.lib.e2e_providers import ResidentProvider, make_provider
 
     spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="t")
     dec = e2e.Decoder(torch, spec, pool=5, device="cpu")
@@ -231,7 +231,7 @@ def test_gpu_time_split_takes_unions():
 
     import torch
 
-    from bench.common import gpu_time_split
+    from bench.lib.common import gpu_time_split
 
     def ev(name, start, end, cuda=True):
         device = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
@@ -260,7 +260,7 @@ def test_on_demand_disk_reads_the_experts_from_a_file(tmp_path):
     # reads, and the file gone afterwards.
     import torch
 
-    from bench.e2e_providers import ResidentProvider, make_provider
+    from bench.lib.e2e_providers import ResidentProvider, make_provider
 
     spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="t")
     dec = e2e.Decoder(torch, spec, pool=5, device="cpu")
@@ -285,7 +285,7 @@ def test_slot_views_start_at_the_flat_tensors_own_first_byte():
     are read from that tensor's bytes, not from the storage's start."""
     import torch
 
-    from bench.e2e_providers import slot_views
+    from bench.lib.e2e_providers import slot_views
     from prefetch.expert_prefetcher import expert_layout
 
     parts = {"gate_up": torch.empty(4, 2, dtype=torch.bfloat16), "down": torch.empty(2, 2, dtype=torch.bfloat16)}
@@ -314,7 +314,7 @@ def test_slot_rows_gather_each_calls_slots(device):
     # as index_select with the same slots gives, also when later gathers
     # (of other lengths, repeated slots) were queued behind it before any
     # ran, and after the slot tensor is written again (copies, not views).
-    from bench.e2e_providers import SlotRows
+    from bench.lib.e2e_providers import SlotRows
 
     dev = torch.device(device)
     gate_up = torch.randn(50, 6, 4, device=dev).to(torch.bfloat16)
@@ -335,7 +335,7 @@ def test_slot_rows_gather_each_calls_slots(device):
 def test_engine_provider_gather_refuses_offsets_off_the_grid():
     # EngineProvider.gather makes its slot numbers with slot_numbers: an
     # offset that is not a whole number of slots is refused, not rounded.
-    from bench.e2e_providers import make_provider
+    from bench.lib.e2e_providers import make_provider
 
     spec = dict(layers=2, experts=8, top_k=2, hidden=16, inter=8, name="t")
     dec = e2e.Decoder(torch, spec, pool=3, device="cpu")
@@ -354,7 +354,7 @@ def test_engine_provider_gather_refuses_offsets_off_the_grid():
 
 
 def test_policies_carry_handle_options():
-    from bench.e2e_providers import policy_eviction, split_policy
+    from bench.lib.e2e_providers import policy_eviction, split_policy
 
     assert split_policy("oracle") == ("oracle", {})
     assert split_policy("oracle:copy_poll_us=0,copy_lanes=1") == ("oracle", {"copy_poll_us": 0, "copy_lanes": 1})
@@ -377,12 +377,12 @@ def test_policies_carry_handle_options():
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_routed_experts_match_unique_without_waiting_for_the_gpu(device):
-    # Note [No hidden sync in the routing] (bench/e2e_decoder.py): the
+    # Note [No hidden sync in the routing] (bench/lib/e2e_decoder.py): the
     # decoder's routed experts are torch.unique's, sorted and distinct, for
     # one row and for many, with a row of fewer than top-k (a forced
     # routing) and with none; on CUDA nothing in routed_keys waits for
     # the GPU (sync debug mode "error" raises on a synchronizing call).
-    from bench.e2e_decoder import Decoder
+    from bench.lib.e2e_decoder import Decoder
 
     dec = Decoder.__new__(Decoder)  # the two methods need only these
     dec.torch, dec.spec, dec._expert_ids = torch, {"experts": 64}, {}
@@ -427,7 +427,7 @@ def test_engine_calls_with_resident_weights_compute_the_resident_step():
     # oracle makes its engine calls (hits, copies) and computes from the
     # resident pool: every step's output is the resident row's, bit for bit,
     # and the acquire's parts are still timed.
-    from bench.e2e_providers import ResidentProvider, make_provider
+    from bench.lib.e2e_providers import ResidentProvider, make_provider
 
     spec = dict(layers=3, experts=8, top_k=2, hidden=16, inter=8, name="t")
     dec = e2e.Decoder(torch, spec, pool=5, device="cpu")

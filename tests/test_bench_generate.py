@@ -14,7 +14,8 @@ import pytest
 
 pytest.importorskip("transformers")
 
-from bench import generate, generate_modes  # noqa: E402
+from bench import generate  # noqa: E402
+from bench.lib import generate_modes  # noqa: E402
 
 ENGINE_AND_BY_HAND = (*generate_modes.ENGINE_ROWS, "torch-by-hand")
 
@@ -70,7 +71,7 @@ def test_smoke_figures(smoke):
 
 
 def test_engine_rows_say_where_their_copies_went_over_the_decode_steps(smoke):
-    from bench import generate_figures
+    from bench.lib import generate_figures
 
     counts = generate_figures.DECODE_ENGINE_COUNTS
     engine = [r for r in smoke["rows"] if r["row"] in generate_modes.ENGINE_ROWS and not r.get("reason")]
@@ -303,7 +304,7 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
     # pairs, both sides the resident tokens, the model restored after.
     import statistics
 
-    from bench import generate_ab
+    from bench.lib import generate_ab
 
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
                   "--paired-tokens", "4", "--new-tokens", "4", "--ab", "gate", "on-demand", "--ab-pairs", "1",
@@ -355,7 +356,7 @@ def test_ab_lockstep_pairs_run_both_sides_in_turns(tmp_path, capsys):
 def _record_engine_modes(monkeypatch, what):
     """--ab's EngineMode replaced by a subclass that appends what(model,
     row) to a list as each side is offloaded: (the list, the subclass)."""
-    from bench import generate_ab
+    from bench.lib import generate_ab
 
     made = []
 
@@ -375,7 +376,7 @@ def test_ab_swap_runs_each_row_on_each_copy_and_pools_the_pairs(tmp_path, monkey
     # half of them. The model comes back bit-equal, parked or not.
     import statistics
 
-    from bench import generate_ab
+    from bench.lib import generate_ab
 
     made, Recording = _record_engine_modes(monkeypatch, lambda model, row: (model, row))
     report = _run(tmp_path, "--models", "smoke-olmoe", "--rows", "resident", "--paired", "1",
@@ -533,7 +534,7 @@ def test_lockstep_sides_never_run_at_once_and_alternate(monkeypatch):
 
     import torch
 
-    from bench import generate_ab
+    from bench.lib import generate_ab
 
     log, lock, runs = [], threading.Lock(), []
 
@@ -574,7 +575,7 @@ def test_lockstep_a_failing_side_raises_its_error_and_wakes_the_other(monkeypatc
 
     import torch
 
-    from bench import generate_ab
+    from bench.lib import generate_ab
 
     def fake_generate(torch_, model, prompt, tokens, sync, timer):
         for t in range(tokens):
@@ -610,7 +611,7 @@ def test_a_failed_ab_says_where_and_restores_the_model(tmp_path, monkeypatch):
     # The twin's side fails to set up (the model's side did): the A/B says
     # in which phase, closes what it made, and the block's check finds the
     # model restored.
-    from bench import generate_ab
+    from bench.lib import generate_ab
 
     made = []
 
@@ -666,7 +667,7 @@ def test_a_row_crowded_out_by_the_twin_runs_again_unpaired(tmp_path, monkeypatch
     # there on are unpaired, and the block says which row dropped it.
     import torch
 
-    from bench import generate_rows
+    from bench.lib import generate_rows
 
     real = generate_rows.run_row
     calls = []
@@ -779,7 +780,7 @@ def test_parked_resident_experts_come_back_bit_equal():
     import torch
 
     import prefetch
-    from bench.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
+    from bench.lib.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
     from prefetch.hf import find_hf_moe_blocks
     from prefetch.host_experts import HostExperts
 
@@ -822,7 +823,7 @@ def test_a_restore_that_failed_half_way_resumes():
     import numpy as np
     import torch
 
-    from bench.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
+    from bench.lib.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
     from prefetch.hf import find_hf_moe_blocks
     from prefetch.host_experts import HostExperts
 
@@ -857,7 +858,7 @@ def test_park_refuses_weights_that_share_storage():
     # other tensors too is refused, and nothing is parked.
     import torch
 
-    from bench.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
+    from bench.lib.generate_model import SMOKE_MODELS, ModelState, build_model, moe_blocks
     from prefetch.hf import find_hf_moe_blocks
     from prefetch.host_experts import HostExperts
 
@@ -900,8 +901,8 @@ def test_shared_host_experts_go_with_their_model():
     # "the packed host experts are not every expert of this model").
     import torch
 
-    from bench.generate_model import SMOKE_MODELS, build_model
-    from bench.generate_modes import _HOST_EXPERTS, shared_host_experts
+    from bench.lib.generate_model import SMOKE_MODELS, build_model
+    from bench.lib.generate_modes import _HOST_EXPERTS, shared_host_experts
 
     gc.collect()
     before = len(_HOST_EXPERTS)
@@ -920,7 +921,7 @@ def test_shared_host_experts_go_with_their_model():
 def test_referrer_chains_name_who_keeps_an_object_alive():
     # BM6's out-of-memory report follows what holds the largest CUDA
     # storages up to their owner (run 109's report stopped at "list").
-    from bench.generate_model import referrer_chains
+    from bench.lib.generate_model import referrer_chains
 
     class Handle:
         def __init__(self):
@@ -942,7 +943,7 @@ def test_storage_kinds_add_up_the_middle_sized_storages():
     # 138 unnamed: the report also groups every storage by kind.
     import torch
 
-    from bench.generate_model import storage_kinds
+    from bench.lib.generate_model import storage_kinds
 
     small = [torch.empty(2, 3) for _ in range(5)]  # 5 x 24 bytes
     big = torch.empty(100, dtype=torch.uint8)  # one of 100 bytes
@@ -962,7 +963,7 @@ def test_a_failed_rows_frames_let_go_of_what_they_held():
     # run 109: a row that failed kept its cache alive through the restore
     # and the retry. clear_exception_frames drops the locals of the failed
     # calls' frames, of the exception and of the one it was raised during.
-    from bench.generate_rows import clear_exception_frames
+    from bench.lib.generate_rows import clear_exception_frames
 
     class Cache:
         pass
@@ -992,7 +993,7 @@ def test_a_failed_rows_frames_let_go_of_what_they_held():
 def _track_arenas(monkeypatch) -> list:
     """A weak reference to each engine row's cache arena, in the order the
     rows set up."""
-    from bench import generate_modes
+    from bench.lib import generate_modes
 
     arenas = []
     init = generate_modes.EngineMode.__init__
@@ -1012,7 +1013,7 @@ def test_a_row_crowded_out_by_the_twin_runs_again_without_it(tmp_path, monkeypat
     # (run 109: it was still alive through the retry).
     import torch
 
-    from bench import generate_rows
+    from bench.lib import generate_rows
 
     arenas = _track_arenas(monkeypatch)
     tries = []
@@ -1044,7 +1045,7 @@ def test_a_rows_cache_is_gone_before_its_restore(tmp_path, monkeypatch):
     # the 54 GiB cache was still alive and the restore ran out of memory
     # beside the twin. Each row's cache must be unreachable when the
     # restore starts.
-    from bench import generate_model
+    from bench.lib import generate_model
 
     arenas = _track_arenas(monkeypatch)
     alive_at_restore = []
@@ -1066,7 +1067,7 @@ def test_a_failed_row_names_the_phase_it_failed_in(tmp_path, monkeypatch):
     # A failed row's reason says what it was doing (run 106-109's rows
     # reported only "out of memory"), and, where the restore after it failed
     # too, both.
-    from bench import generate_rows
+    from bench.lib import generate_rows
 
     def paired(block, mode, new_tokens):
         raise RuntimeError("injected")
@@ -1086,7 +1087,7 @@ def test_a_failed_row_names_the_phase_it_failed_in(tmp_path, monkeypatch):
 
 
 def test_ab_sign_test_counts_the_pairs_and_gives_the_exact_p():
-    from bench.generate_ab import sign_test
+    from bench.lib.generate_ab import sign_test
 
     # Runs 168-169's splits: 7 and 4 of 12 (p from the binomial by hand).
     assert sign_test([[1, 2]] * 7 + [[2, 1]] * 5) == (7, 12, pytest.approx(2 * 1586 / 4096))
@@ -1098,7 +1099,7 @@ def test_ab_sign_test_counts_the_pairs_and_gives_the_exact_p():
 
 
 def test_ab_median_ci_takes_the_order_statistics_of_the_binomial_law():
-    from bench.generate_ab import median_ci
+    from bench.lib.generate_ab import median_ci
 
     # Run 168's 12 pair ratios: the 3rd smallest and 3rd largest, covering
     # 1 - 2 (1 + 12 + 66) / 4096 = 96.1 % (the 4th would cover 85.4 %).

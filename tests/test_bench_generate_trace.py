@@ -1,5 +1,5 @@
 """BM6 with routing forced from a trace (bench/generate.py --trace-in, Note
-[Forced routing] in bench/generate_trace.py) on the CPU: a tiny Qwen3-MoE
+[Forced routing] in bench/lib/generate_trace.py) on the CPU: a tiny Qwen3-MoE
 routes as the trace says in transformers' own generate, every row keeps
 that routing, and a bad trace is refused. No timing assertions."""
 from __future__ import annotations
@@ -13,9 +13,9 @@ pytest.importorskip("transformers")
 torch = pytest.importorskip("torch")
 
 from bench import generate  # noqa: E402
-from bench.generate_model import SMOKE_MODELS, RoutingRecorder, build_model, moe_blocks  # noqa: E402
-from bench.generate_model import generate as run_generate  # noqa: E402
-from bench.generate_trace import ForcedRouting, force_routing, trace_shape  # noqa: E402
+from bench.lib.generate_model import SMOKE_MODELS, RoutingRecorder, build_model, moe_blocks  # noqa: E402
+from bench.lib.generate_model import generate as run_generate  # noqa: E402
+from bench.lib.generate_trace import ForcedRouting, force_routing, trace_shape  # noqa: E402
 from prefetch.integration import RoutingTrace  # noqa: E402
 
 LAYERS, EXPERTS, TOP_K = 4, 8, 2  # smoke-qwen3-moe's

@@ -1,9 +1,9 @@
 """The pairs of a same-run A/B of two trees (`tools/h200_run.sh OUT
 abtraces`), or of two rows of one BM5 run, round by round:
 
-    python3 tools/ab_pairs.py FOLDER [FOLDER ...] [--policy oracle]
+    python3 bench/diagnostics/ab_pairs.py FOLDER [FOLDER ...] [--policy oracle]
         [--alias new=5f62246 old=0bf545f] [--json OUT]
-    python3 tools/ab_pairs.py FOLDER [FOLDER ...] --rows ROW_A ROW_B [--json OUT]
+    python3 bench/diagnostics/ab_pairs.py FOLDER [FOLDER ...] --rows ROW_A ROW_B [--json OUT]
 
 With --rows the two sides are two policies of the same BM5 runs (e.g.
 oracle and oracle:max_speculative_bytes_in_flight=8388608, stop 44): each
@@ -31,9 +31,10 @@ import re
 import statistics
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: this tree's bench package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.common import round_floor_ratio  # noqa: E402
+from bench.lib.common import round_floor_ratio  # noqa: E402
 
 _NAME = re.compile(r"^ab_(?P<trace>[^_]+)_(?P<tree>[^_]+)_(?P<round>\d+)\.json$")
 

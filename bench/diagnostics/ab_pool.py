@@ -1,7 +1,7 @@
 """BM6 `--ab` pairs of several runs pooled: the gate against on-demand (or
 any two rows) over more pairs than one device call holds.
 
-    python3 tools/ab_pool.py BM6.json [BM6.json ...] [--part ab] [--lockstep] [--json OUT]
+    python3 bench/diagnostics/ab_pool.py BM6.json [BM6.json ...] [--part ab] [--lockstep] [--json OUT]
 
 Each file is a BM6 result (`bench/generate.py --ab ... --json`); each of
 its blocks with an `ab` gives that part's pairs ([A, B] ms a decode
@@ -9,7 +9,7 @@ token): `--part ab` (default) the A/B as run, `control` its --ab-control,
 `swapped` the --ab-swap run taken as [A, B], `pooled` the A/B and its swap
 together; `--lockstep` the lockstep pairs of that part instead of the
 alternating ones. Prints, per file and pooled, the pairs, x_ab (the median
-A/B ratio), its distribution-free interval (bench/generate_ab.py's
+A/B ratio), its distribution-free interval (bench/lib/generate_ab.py's
 median_ci) and the pairs A won, computed the same way as BM6 does for one
 run. Pairs pool only where model, batch, share and rows agree; a pair is
 a ratio of two generates a second apart, so pairs of different leases
@@ -26,10 +26,11 @@ import math
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if __package__ in (None, ""):  # run as a script: this tree's bench package
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from bench.common import write_json  # noqa: E402
-from bench.generate_ab import _pair_figures  # noqa: E402
+from bench.lib.common import write_json  # noqa: E402
+from bench.lib.generate_ab import _pair_figures  # noqa: E402
 
 PARTS = ("ab", "control", "swapped", "pooled")
 # bench/generate.py's flag that writes each part other than the A/B itself.

@@ -159,7 +159,7 @@ def best_of_ratio(runs, resident_runs) -> float:
     generates. Reported as x_adjacent_best next to x_adjacent (medians),
     not instead of it. Run 80 found spells as long as a row's three
     generates, so the best of three does not cancel them either: Note
-    [Paired generates] in bench/generate_rows.py pairs each generate with a
+    [Paired generates] in bench/lib/generate_twin.py pairs each generate with a
     resident one a second apart."""
     return min(runs) / min(resident_runs)
 

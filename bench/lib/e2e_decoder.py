@@ -4,16 +4,12 @@ from __future__ import annotations
 
 import math
 import os
-import sys
 import tempfile
 import time
 
 import numpy as np
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from prefetch.read_back import to_host  # noqa: E402
+from prefetch.read_back import to_host
 
 MODELS = {
     "olmoe-1b-7b": dict(layers=16, experts=64, top_k=8, hidden=2048, inter=1024),
@@ -209,6 +205,14 @@ class Decoder:
         finally:
             self._step_streams = None
 
+    # In _layers: the routing weights are a dense [batch, experts] matrix:
+    # each routed expert runs on the whole batch, weighted by its (possibly
+    # zero) weight, so the only host sync per layer is reading the expert
+    # list the CPU needs to acquire. That routing read-back is made as a
+    # serving stack should make it (Note [Read-back without a pageable copy]
+    # in prefetch/read_back.py): a blocking .tolist() would hold up the
+    # engine's copy workers while the host waits. The same for every
+    # provider.
     def _layers(self, h, provider, forced, k):
         torch = self.torch
         if forced is not None:
@@ -230,12 +234,8 @@ class Decoder:
                 masked[:, allowed] = probs[:, allowed]
                 top_w, top_i = torch.topk(masked, min(k, len(forced[layer])), dim=-1)
             top_w = (top_w / top_w.sum(-1, keepdim=True)).to(x.dtype)
-            # Routing weights as a dense [batch, experts] matrix: each routed
-            # expert runs on the whole batch, weighted by its (possibly zero)
-            # weight, so the only host sync per layer is reading the expert
-            # list the CPU needs to acquire.
             dense = torch.zeros(x.shape[0], self.spec["experts"], dtype=x.dtype, device=x.device)
-            dense.scatter_(1, top_i, top_w)
+            dense.scatter_(1, top_i, top_w)  # dense routing weights (see above _layers)
             keys = self.routed_keys(top_i)  # queued; read back below (Note [No hidden sync in the routing])
             timers = self.timers
             before_sync = getattr(provider, "before_sync", None)
@@ -247,11 +247,7 @@ class Decoder:
                     timers["speculate"] = timers.get("speculate", 0.0) + time.perf_counter() - ts
             if timers is not None:
                 t0 = time.perf_counter()
-            # The routing read-back, as a serving stack should make it
-            # (Note [Read-back without a pageable copy] in
-            # prefetch/read_back.py): a blocking .tolist() would hold up the
-            # engine's copy workers while the host waits. The same for
-            # every provider.
+            # The routing read-back (see above _layers).
             experts, routed = self.read_routed(keys)
             if timers is not None:
                 t1 = time.perf_counter()
@@ -302,12 +298,12 @@ def profile_steps(dec, provider, inputs, warmup, steps, route, path):
     figure; run_policy passes a fresh provider, so they start from the
     state the measured steps started from. Writes `path`.json (Chrome
     trace) and `path`.txt (ops by device time). Returns, per step: wall ms,
-    the GPU's split (bench.common.gpu_time_split; null without CUDA), idle
+    the GPU's split (bench.lib.common.gpu_time_split; null without CUDA), idle
     ms (wall - GPU busy) and the decoder's host phases in ms; and over the
     profiled steps the provider's hits, misses and bytes copied."""
     from torch.profiler import ProfilerActivity, profile
 
-    from bench.common import gpu_time_split
+    from bench.lib.common import gpu_time_split
 
     torch = dec.torch
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)

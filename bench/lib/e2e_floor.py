@@ -2,14 +2,9 @@
 bandwidth, settled after each model's two raw readings."""
 from __future__ import annotations
 
-import os
 import statistics
-import sys
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import percentile, round_floor_ratio  # noqa: E402
+from bench.lib.common import percentile, round_floor_ratio
 
 
 def io_floor(belady_bytes_each, raw_each) -> float:

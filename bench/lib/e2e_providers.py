@@ -18,19 +18,13 @@ provider's own bookkeeping (the engine's one call per layer,
 route_and_acquire, the by-hand LRU's Python dict)."""
 from __future__ import annotations
 
-import os
-import sys
 import tempfile
 import time
 
 import numpy as np
+from prefetch._engine import slot_numbers
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from prefetch._engine import slot_numbers  # noqa: E402
-
-from bench.common import LruSlots  # noqa: E402
+from bench.lib.common import LruSlots
 
 
 def slot_views(torch, flat, slot_bytes: int, layout) -> dict:
@@ -420,7 +414,7 @@ def split_policy(policy: str):
     resident pool after the engine calls (Note [Engine calls, resident
     weights]), the others
     are the handle's."""
-    from bench.e2e_decoder import ENGINE_POLICIES, POLICIES
+    from bench.lib.e2e_decoder import ENGINE_POLICIES, POLICIES
 
     base, _, rest = policy.partition(":")
     if base not in POLICIES:
@@ -462,7 +456,7 @@ def make_provider(dec, policy, budget, trace, eviction="cyclic", handle_options=
                                     hints=None if policy == "oracle" else False)
     disk = None
     if policy == "on-demand-disk":
-        from bench.e2e_decoder import DISK_HOST_SHARE
+        from bench.lib.e2e_decoder import DISK_HOST_SHARE
 
         total = spec["layers"] * spec["experts"] * dec.slot_bytes
         disk = (disk_dir or tempfile.gettempdir(), max(int(DISK_HOST_SHARE * total), 3 * dec.slot_bytes + 3 * 4096))

@@ -4,14 +4,10 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import finish_panel, fmt, save_panels  # noqa: E402
-from bench.e2e_decoder import POLICIES  # noqa: E402
-from bench.e2e_providers import make_provider  # noqa: E402
+from bench.lib.common import finish_panel, fmt, save_panels
+from bench.lib.e2e_decoder import POLICIES
+from bench.lib.e2e_providers import make_provider
 
 
 def timeline(torch, dec, inputs, budget, path_png, path_json, eviction):

@@ -11,10 +11,10 @@ import sys
 import threading
 import time
 
-from bench.common import fmt
-from bench.generate_model import ModelState, generate
-from bench.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
-from bench.generate_rows import Block, alternate_p50s, clear_exception_frames, decode_p50, oracle_trace
+from bench.lib.common import fmt
+from bench.lib.generate_model import ModelState, generate
+from bench.lib.generate_modes import ENGINE_ROWS, EngineMode, shared_host_experts
+from bench.lib.generate_rows import Block, alternate_p50s, clear_exception_frames, decode_p50, oracle_trace
 
 # -- Note [Two rows side by side]
 # "The gate never slower than on-demand" asks for a ratio of two offloaded
@@ -253,6 +253,18 @@ def _copies_pending(mode) -> bool:
     return bool(s["queue_depth"] or s["bytes_in_flight"])
 
 
+def _raise_side_errors(errors: list, ran: int, total: int) -> None:
+    """Raises what stopped a lockstep run: the error of the side that
+    failed first (the other one was only woken by it), or a RuntimeError
+    where fewer than `total` pairs ran."""
+    woken = (_OtherSideFailed, threading.BrokenBarrierError)
+    failed = [e for e in errors if e is not None and not isinstance(e, woken)]
+    if failed:  # the side that failed first; the other one was only woken by it
+        raise failed[0]
+    if any(e is not None for e in errors) or ran != total:
+        raise RuntimeError(f"lockstep: {ran} of {total} pairs ran (errors: {errors})")
+
+
 def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeout_s: float = 300.0,
                   warmup: int = 1) -> dict:
     """`pairs` lockstep pairs (Note [Lockstep pairs]) of generates of
@@ -328,12 +340,7 @@ def lockstep_p50s(block: Block, sides, pairs: int, tokens: int, want=None, timeo
             gate.abort()
         for t in threads:
             t.join(timeout_s)
-    woken = (_OtherSideFailed, threading.BrokenBarrierError)
-    failed = [e for e in errors if e is not None and not isinstance(e, woken)]
-    if failed:  # the side that failed first; the other one was only woken by it
-        raise failed[0]
-    if any(e is not None for e in errors) or ran != total:
-        raise RuntimeError(f"lockstep: {ran} of {total} pairs ran (errors: {errors})")
+    _raise_side_errors(errors, ran, total)
     return {"pairs_ms": out, "prefill_pairs_ms": prefills, "tokens_equal": equal,
             "handoffs_with_copies": [p / (pairs * tokens) if pairs else None for p in pending]}
 
@@ -542,14 +549,21 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
         gc.collect()
         if block.cuda:
             block.torch.cuda.empty_cache()
+    _print_figures(name, block, share, out)
+    return out
+
+
+def _print_figures(name: str, block: Block, share: float, out: dict) -> None:
+    """run_ab's figures to stderr: the control, the A/B, the swapped copies
+    and the pooled pairs (those that ran), each lockstep too, with the
+    reason the A/B stopped, if it did."""
     reason = f" ({out['reason']})" if out["reason"] else ""
     for res, how in ((out["control"], " (control)"), (out, ""), (out["swapped"], " (swapped copies)"),
                      (out["pooled"], " (pooled with the swapped copies)")):
         if res is None:
             continue
-        rows = res.get("rows", [a, b])
+        rows = res.get("rows", out["rows"])
         print(_figures_line(name, block, share, rows, res, how) + reason, file=sys.stderr, flush=True)
         if res["lockstep"] is not None:
             print(_figures_line(name, block, share, rows, res["lockstep"], how + " in lockstep") + reason,
                   file=sys.stderr, flush=True)
-    return out

@@ -3,7 +3,7 @@ figures over its decode steps, and within a block the ratios to the resident
 reference and the TTFT and decode floors."""
 from __future__ import annotations
 
-from bench.common import ENGINE_COUNTS
+from bench.lib.common import ENGINE_COUNTS
 
 
 def delta(a, b, key):

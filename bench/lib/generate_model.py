@@ -4,16 +4,10 @@ recording routing."""
 from __future__ import annotations
 
 import contextlib
-import os
 import sys
 import time
 
 import numpy as np
-
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
 
 MODELS = {
     # OLMoE-1B-7B-0924's config.json: intermediate_size is the expert width.

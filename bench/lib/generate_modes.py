@@ -4,17 +4,12 @@ moe-policylang) and the row names."""
 from __future__ import annotations
 
 import contextlib
-import os
-import sys
 import time
 import weakref
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import LruSlots  # noqa: E402
-from bench.generate_model import ModelState, RowSkipped  # noqa: E402
-from prefetch.hf import _GROUPED_MM_MAX_GROUPS  # noqa: E402
+from bench.lib.common import LruSlots
+from bench.lib.generate_model import ModelState, RowSkipped
+from prefetch.hf import _GROUPED_MM_MAX_GROUPS
 
 SHARE_FREE_ROWS = ("resident", "resident-eager", "accelerate-cpu-offload")
 SHARE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced", "torch-by-hand",
@@ -189,7 +184,7 @@ class ByHandCache:
         read through typed views: a user's own page-locked copy would hold
         the same bytes, and two copies of Qwen3-30B-A3B's experts do not fit
         the one-H200 machine."""
-        from bench.e2e_providers import slot_views
+        from bench.lib.e2e_providers import slot_views
 
         self.torch = torch
         self.cuda = cuda

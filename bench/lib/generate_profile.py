@@ -4,13 +4,9 @@ from __future__ import annotations
 
 import os
 import re
-import sys
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import gpu_time_split  # noqa: E402
-from bench.generate_model import StepTimer, generate  # noqa: E402
+from bench.lib.common import gpu_time_split
+from bench.lib.generate_model import StepTimer, generate
 
 # The CUDA runtime calls whose host time the profile reports (count and us
 # per decode token): kernel launches, copies, the waits and the events.
@@ -33,7 +29,7 @@ def profile_generate(block, mode, path: str, tokens: int) -> dict:
     `path`.json (Chrome trace) and `path`.txt (ops by self device time on
     CUDA, else self CPU time). Returns, per decode token: wall ms (median,
     profiled), the GPU's busy, compute and host-to-device ms
-    (bench.common.gpu_time_split; null without CUDA) and the time it was
+    (bench.lib.common.gpu_time_split; null without CUDA) and the time it was
     idle, the kernels launched, and count and host us of the CUDA runtime
     calls in RUNTIME_CALLS."""
     from torch.profiler import ProfilerActivity, profile

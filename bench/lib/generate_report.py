@@ -1,14 +1,8 @@
 """BM6's output (bench/generate.py): why a figure is null, the table, the plot."""
 from __future__ import annotations
 
-import os
-import sys
-
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from bench.common import finish_panel, fmt, save_panels  # noqa: E402
-from bench.generate_modes import ENGINE_ROWS, FIGURES, SHARE_ROWS  # noqa: E402
+from bench.lib.common import finish_panel, fmt, save_panels
+from bench.lib.generate_modes import ENGINE_ROWS, FIGURES, SHARE_ROWS
 
 
 def why_null(row: str, key: str, cuda: bool, share) -> str:

@@ -5,22 +5,17 @@ resident row, and check the model was restored after the block."""
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import gc
-import os
 import statistics
 import sys
 import time
 import traceback
 
-if __package__ in (None, ""):
-    sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-import prefetch  # noqa: E402
-from bench.common import best_of_ratio, fmt, host_steal_s, percentile  # noqa: E402
-from bench.generate_figures import decode_counters, delta  # noqa: E402
-from bench.generate_model import (  # noqa: E402
+import prefetch
+from bench.lib.common import best_of_ratio, fmt, host_steal_s, percentile
+from bench.lib.generate_figures import decode_counters, delta
+from bench.lib.generate_model import (
     RoutingRecorder,
     RowSkipped,
     StepTimer,
@@ -28,7 +23,7 @@ from bench.generate_model import (  # noqa: E402
     gpu_memory_report,
     make_sync,
 )
-from bench.generate_modes import (  # noqa: E402
+from bench.lib.generate_modes import (
     ENGINE_ROWS,
     FIGURES,
     MPL_ROWS,
@@ -40,7 +35,8 @@ from bench.generate_modes import (  # noqa: E402
     cpu_sync_noop,
     shared_host_experts,
 )
-from bench.generate_profile import profile_generate, profile_path  # noqa: E402
+from bench.lib.generate_profile import profile_generate, profile_path
+from bench.lib.generate_twin import drop_twin
 
 
 class Block:
@@ -86,7 +82,7 @@ def make_mode(block: Block, row: str, budget, trace, out: dict):
         return ResidentMode(model, "eager")
     if row in ENGINE_ROWS:
         out["parked_resident_experts"] = bool(block.args.park_resident_experts)
-        if block.args.park_resident_experts:  # Note [Parked resident experts] in bench/generate_model.py
+        if block.args.park_resident_experts:  # Note [Parked resident experts] in bench/lib/generate_model.py
             state.park(shared_host_experts(model, block.cuda))
         mode = EngineMode(model, budget, row, trace, block.cuda)
         out["device_expert_bytes"] = budget
@@ -121,7 +117,7 @@ class Measured:
     ttft_s: float
     steal: list  # host steal (ms or None) during the measured generate and each repeat
     pairs: list  # Note [Paired generates]: [row p50, twin p50] (ms) per pair
-    profile: dict | None = None  # --profile: bench/generate_profile.profile_generate's figures
+    profile: dict | None = None  # --profile: bench/lib/generate_profile.profile_generate's figures
 
 
 def repeat_p50s(block: Block, mode, new_tokens: int, steal: list) -> list:
@@ -173,60 +169,6 @@ def decode_p50(block: Block, model, new_tokens: int, steal: list | None = None):
         steal.append(steal_ms(s0))
     decode = [b - a for a, b in zip(timer.times, timer.times[1:])]
     return ids, (statistics.median(decode) * 1e3 if decode else None)
-
-
-def make_twin(block: Block) -> None:
-    """Note [Paired generates]
-    Best-of and adjacent ratios still moved by 0.1-0.3 between cells that
-    should match (run 80): the H200 host's slow spells last seconds, as
-    long as a row's three generates, and the resident generates that follow
-    the row land in another spell. With --paired N a block keeps a second
-    resident copy of the model (the twin: the same weights, never
-    offloaded), and each row, after its measured and repeated generates,
-    runs N pairs of --paired-tokens generates: the row's model, then the
-    twin (odd pairs the twin first), each pair within a second or so. A
-    pair's ratio compares two generates made in the same spell most of the
-    time, and x_paired, the median of the N ratios, drops the pairs a
-    spell change split. The resident row is paired with the twin too: its
-    x_paired is the estimator's own bias and spread (ideally 1.00). Both
-    copies are on the GPU at once, so the twin is made only where the
-    device has room for it and the block's largest cache (Qwen3-30B-A3B's
-    57 GiB twice and a cache of every expert do not fit a 140 GiB H200; at
-    a quarter they should); without it x_paired is null with the
-    reason. The room is an estimate (the saved resident experts stay on the
-    GPU during a row unless --park-resident-experts frees them for the
-    engine rows, Note [Parked resident experts] in bench/generate_model.py,
-    and a row needs more than its cache): at Qwen3-30B-A3B
-    and a quarter the offloaded rows ran out of memory beside the twin (run
-    85), so a row that runs out of memory while the twin exists frees it
-    and runs again, and the rows from there on are unpaired (the block's
-    twin_reason says which row). The twin's generated ids are checked
-    against the resident row's."""
-    args, torch, model = block.args, block.torch, block.model
-    if not args.paired:
-        return
-    if block.cuda:
-        weights = sum(p.numel() * p.element_size() for p in model.parameters())
-        need = weights + max(args.shares, default=0) * block.state.total_bytes + (2 << 30)
-        if args.park_resident_experts:  # an engine row frees them (Note [Parked resident experts])
-            need -= block.state.total_bytes
-        free, _ = torch.cuda.mem_get_info(block.device)
-        if free < need:
-            block.twin_reason = (f"not measured: a second resident copy and the largest cache need "
-                                 f"{need / 2**30:.1f} GiB, {free / 2**30:.1f} GiB free")
-            return
-    block.twin = copy.deepcopy(model)
-    block.twin_ids = generate(torch, block.twin, block.prompt, args.new_tokens, block.sync)[0]
-    block.twin_reason = None
-
-
-def drop_twin(block: Block, reason: str) -> None:
-    """Frees the twin; the rows after this are not paired (`reason`)."""
-    print(f"  twin {reason}", file=sys.stderr, flush=True)
-    block.twin = None
-    block.twin_reason = reason
-    if block.cuda:
-        block.torch.cuda.empty_cache()
 
 
 # Counters of an engine row whose change over one generate says where its

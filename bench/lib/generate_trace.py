@@ -10,7 +10,7 @@ import numpy as np
 
 # The trace's own layer and expert counts; top-k is set from the trace's
 # decode steps. The expert widths are BM5's for the same trace
-# (bench/e2e_decoder.py: hidden 2816, expert intermediate 704, quoted from
+# (bench/lib/e2e_decoder.py: hidden 2816, expert intermediate 704, quoted from
 # the published config, not checked here). The rest is qwen3_moe's
 # architecture with an attention chosen here (gemma-4: 16 heads of 176, 8
 # kv heads; gpt-oss: 64 heads of 64, 8 kv heads), not the real model's:
