@@ -32,6 +32,7 @@ from prefetch.errors import (
     UnknownIdError,
 )
 from prefetch.expert_prefetcher import ExpertPrefetcher, pack_expert
+from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.read_back import to_host
 
 
@@ -45,6 +46,10 @@ def __getattr__(name):
     raise AttributeError(f"module 'prefetch' has no attribute {name!r}")
 
 __all__ = [
+    "NextLayerGatePredictor",
+    "OraclePredictor",
+    "RoutePredictor",
+    "TracePredictor",
     "AcquireTimeoutError",
     "AlreadyRegisteredError",
     "BackendUnavailableError",

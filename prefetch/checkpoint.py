@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prefetch.errors import CheckpointError
+from prefetch.errors import CheckpointError, InvalidArgumentError
 from prefetch.untrusted_files import RepeatedKeyError, no_repeated_keys, open_regular
 
 __all__ = ["TensorLocation", "read_safetensors_header", "index_checkpoint", "read_tensor", "DTYPE_BYTES"]
@@ -218,7 +218,7 @@ def read_tensor(loc: TensorLocation, out=None) -> np.ndarray:
         out = np.empty(loc.nbytes, dtype=np.uint8)
     elif not (isinstance(out, np.ndarray) and out.dtype == np.uint8 and out.flags.c_contiguous
               and out.flags.writeable and out.nbytes == loc.nbytes):
-        raise ValueError(f"out must be a writable C-contiguous uint8 array of {loc.nbytes} bytes")
+        raise InvalidArgumentError(f"out must be a writable C-contiguous uint8 array of {loc.nbytes} bytes")
     try:
         fd = os.open(loc.path, os.O_RDONLY)
     except OSError as err:

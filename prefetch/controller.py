@@ -19,7 +19,7 @@ from collections import deque
 import numpy as np
 
 from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, distinct_ids, hint_arrays, take_ids
-from prefetch.errors import UnknownIdError
+from prefetch.errors import InvalidArgumentError, UnknownIdError
 from prefetch.expert_ids import EMPTY as _EMPTY
 from prefetch.expert_ids import Guesses
 from prefetch.expert_ids import distinct as _distinct
@@ -800,7 +800,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         them (a layer larger than the cache); `acquire_more` takes the rest,
         piece by piece."""
         if first is not None and first < 1:
-            raise ValueError(f"first must be >= 1, got {first}")
+            raise InvalidArgumentError(f"first must be >= 1, got {first}")
         self.speculate(with_next_acquire=True)
         if (not layer or self._plan_step is not None) and self._plan_applies(layer, stream):
             got = self._route_planned(layer, experts, stream, timeout, first)  # Note [Host-routed step pins]
@@ -908,8 +908,9 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         predictor file the finished request (the sync-free path's last
         routings are read first: they belong to it)."""
         self.flush()
-        if hasattr(self._predictor, "end_request"):
-            self._predictor.end_request()
+        end = getattr(self._predictor, "end_request", None)
+        if end is not None:
+            end()
         self.step = 0
         self._seen_layer0 = False
         self._pending.clear()
@@ -969,7 +970,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         After close() it raises HandleClosedError, as every engine call
         does."""
         if timeout is not None and not timeout >= 0:
-            raise ValueError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
+            raise InvalidArgumentError(f"timeout must be None or >= 0 seconds, not {timeout!r}")
         start = time.monotonic()
         next_report = start  # the first report at once, then about once a second
         while True:

@@ -38,6 +38,11 @@ class InvalidArgumentError(PrefetchError, ValueError):
 class UnknownIdError(PrefetchError, KeyError):
     """A tensor id that is not registered."""
 
+    def __str__(self) -> str:
+        # KeyError's str() quotes its argument (it is meant to be a key); this
+        # one's argument is a message.
+        return str(self.args[0]) if len(self.args) == 1 else super().__str__()
+
 
 class AlreadyRegisteredError(PrefetchError, ValueError):
     """A tensor id registered twice."""

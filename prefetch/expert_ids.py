@@ -6,6 +6,7 @@ from __future__ import annotations
 import numpy as np
 
 from prefetch._engine import distinct_short
+from prefetch.errors import InvalidArgumentError
 from prefetch.read_back import to_host
 
 __all__ = ["EMPTY", "Guesses", "routed_experts", "distinct"]
@@ -37,7 +38,7 @@ def distinct(experts, num_experts: int) -> np.ndarray:
         # array path's five numpy calls, and this runs once per layer or more.
         distinct = sorted({int(e) for e in experts})
         if distinct and (distinct[0] < 0 or distinct[-1] >= num_experts):
-            raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
+            raise InvalidArgumentError(f"expert ids must be in 0..{num_experts - 1}")
         return np.array(distinct, dtype=np.int64)
     if hasattr(experts, "detach"):  # a torch tensor: on the host (Note [Read-back without a pageable copy])
         experts = to_host(experts)
@@ -45,7 +46,7 @@ def distinct(experts, num_experts: int) -> np.ndarray:
     if arr.shape[0] == 0:
         return arr
     if arr.min() < 0 or arr.max() >= num_experts:
-        raise ValueError(f"expert ids must be in 0..{num_experts - 1}")
+        raise InvalidArgumentError(f"expert ids must be in 0..{num_experts - 1}")
     mask = np.zeros(num_experts, dtype=bool)
     mask[arr] = True
     return np.flatnonzero(mask)

@@ -63,6 +63,7 @@ import time
 import numpy as np
 import torch
 
+from prefetch.errors import InvalidArgumentError
 from prefetch.hf_blocks import ExpertsLayout, model_device
 
 __all__ = ["partition_experts", "activation_counts", "ExpertParallel", "LayerShare", "setup_expert_parallel"]
@@ -165,32 +166,36 @@ def partition_experts(num_layers: int, num_experts: int, world_size: int, placem
     lower expert id and the lower rank, so every rank computes the same
     table."""
     if placement not in PLACEMENTS:
-        raise ValueError(f"expert_placement must be one of {PLACEMENTS}, got {placement!r}")
+        raise InvalidArgumentError(f"expert_placement must be one of {PLACEMENTS}, got {placement!r}")
     if world_size < 1:
-        raise ValueError(f"world size must be >= 1, got {world_size}")
+        raise InvalidArgumentError(f"world size must be >= 1, got {world_size}")
     if world_size > num_experts:
-        raise ValueError(f"expert parallel over {world_size} ranks needs at least {world_size} experts per layer; "
-                         f"this model has {num_experts}: use a group of at most {num_experts} ranks")
+        raise InvalidArgumentError(
+            f"expert parallel over {world_size} ranks needs at least {world_size} experts per layer; "
+            f"this model has {num_experts}: use a group of at most {num_experts} ranks")
     sizes = _block_sizes(num_experts, world_size)
     if placement == "balanced":
         if counts is not None:
-            raise ValueError('activation_counts is only used with expert_placement="activations"')
+            raise InvalidArgumentError('activation_counts is only used with expert_placement="activations"')
         row = np.repeat(np.arange(world_size, dtype=np.int64), sizes)
         return np.tile(row, (num_layers, 1))
     if counts is None:
-        raise ValueError('expert_placement="activations" needs activation_counts (a [layers, experts] array or '
-                         "a RoutingTrace)")
+        raise InvalidArgumentError(
+            'expert_placement="activations" needs activation_counts (a [layers, experts] array or '
+            "a RoutingTrace)")
     if hasattr(counts, "steps"):
         if counts.num_layers != num_layers or counts.num_experts != num_experts:
-            raise ValueError(f"the trace has {counts.num_layers} layers x {counts.num_experts} experts, the model "
-                             f"{num_layers} x {num_experts}")
+            raise InvalidArgumentError(
+                f"the trace has {counts.num_layers} layers x {counts.num_experts} experts, the model "
+                f"{num_layers} x {num_experts}")
         counts = activation_counts(counts)
     counts = np.asarray(counts)
     if counts.shape != (num_layers, num_experts):
-        raise ValueError(f"activation_counts must have shape ({num_layers}, {num_experts}) (layers, experts), "
-                         f"got {counts.shape}")
+        raise InvalidArgumentError(
+            f"activation_counts must have shape ({num_layers}, {num_experts}) (layers, experts), "
+            f"got {counts.shape}")
     if not np.issubdtype(counts.dtype, np.number) or not np.isfinite(counts).all() or (counts < 0).any():
-        raise ValueError("activation_counts must be finite and non-negative")
+        raise InvalidArgumentError("activation_counts must be finite and non-negative")
     owner = np.empty((num_layers, num_experts), dtype=np.int64)
     for layer in range(num_layers):
         load = np.zeros(world_size, dtype=np.float64)
@@ -245,7 +250,7 @@ def _collective_device(group, device: torch.device) -> torch.device:
     backend = str(torch.distributed.get_backend(group))
     if "nccl" in backend and "gloo" not in backend:
         if device.type != "cuda":
-            raise ValueError(f"an NCCL process group needs the model on a CUDA device, got {device}")
+            raise InvalidArgumentError(f"an NCCL process group needs the model on a CUDA device, got {device}")
         return device
     return torch.device("cpu")
 
@@ -263,7 +268,7 @@ def setup_expert_parallel(group, hf_blocks, *, top_k: int, placement: str = "bal
     rank = dist.get_rank(group)
     world = dist.get_world_size(group)
     if rank < 0:
-        raise ValueError("this process is not a member of process_group")
+        raise InvalidArgumentError("this process is not a member of process_group")
     layout = ExpertsLayout(hf_blocks[0][1])
     device = model_device(hf_blocks)  # the experts may be on meta (read from a checkpoint)
     num_layers, num_experts = len(hf_blocks), layout.num_experts
@@ -299,7 +304,8 @@ def setup_expert_parallel(group, hf_blocks, *, top_k: int, placement: str = "bal
     for r, row in enumerate(rows):
         if row != rows[0]:
             diff = [f"{name}: rank 0 {a}, rank {r} {b}" for name, a, b in zip(_FIELDS, rows[0], row) if a != b]
-            raise ValueError("the ranks of the process group do not offload the same model with the same expert "
-                             f"placement ({'; '.join(diff)}): load the same checkpoint on every rank and pass the "
-                             "same expert_placement and activation_counts")
+            raise InvalidArgumentError(
+                "the ranks of the process group do not offload the same model with the same expert "
+                f"placement ({'; '.join(diff)}): load the same checkpoint on every rank and pass the "
+                "same expert_placement and activation_counts")
     return ExpertParallel(group, owner, rank, world)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, DEFAULT_PRIORITY, SLOT_ALIGNMENT, as_id_array
+from prefetch.errors import InvalidArgumentError, UnknownIdError
 
 PART_ALIGNMENT_BYTES = SLOT_ALIGNMENT  # each packed weight starts on the engine's slot boundary
 
@@ -47,7 +48,7 @@ def _weight_items(weights) -> dict:
     else:
         items = {str(i): w for i, w in enumerate(weights)}
     if not items:
-        raise ValueError("an expert needs at least one weight tensor")
+        raise InvalidArgumentError("an expert needs at least one weight tensor")
     return items
 
 
@@ -62,7 +63,7 @@ def expert_layout(weights) -> tuple[PartLayout, ...]:
         if not isinstance(tensor, torch.Tensor):
             raise TypeError(f"weight {name!r} must be a torch.Tensor, got {type(tensor).__name__}")
         if tensor.device.type != "cpu":
-            raise ValueError(f"weight {name!r} must be on the CPU, got {tensor.device}")
+            raise InvalidArgumentError(f"weight {name!r} must be on the CPU, got {tensor.device}")
         nbytes = tensor.numel() * tensor.element_size()
         layout.append(PartLayout(name, tensor.dtype, tuple(tensor.shape), offset, nbytes))
         offset = _align(offset + nbytes)
@@ -81,7 +82,7 @@ def stacked_views(flat, rows: int, row_bytes: int, layout) -> dict:
     for part in layout:
         itemsize = torch.empty(0, dtype=part.dtype).element_size()
         if row_bytes % itemsize or part.offset % itemsize:
-            raise ValueError(f"part {part.name!r} is not aligned to its {itemsize}-byte items")
+            raise InvalidArgumentError(f"part {part.name!r} is not aligned to its {itemsize}-byte items")
         typed = flat[: flat.numel() // itemsize * itemsize].view(part.dtype)
         strides = [1] * len(part.shape)
         for i in range(len(part.shape) - 2, -1, -1):
@@ -125,7 +126,7 @@ class ExpertPrefetcher:
         self.engine = engine
         has_batched = callable(getattr(engine, "prefetch_tensors", None))
         if use_batched and not has_batched:
-            raise ValueError("use_batched=True but the engine has no prefetch_tensors")
+            raise InvalidArgumentError("use_batched=True but the engine has no prefetch_tensors")
         self.batched = has_batched if use_batched is None else bool(use_batched)
         self._next_id = 0 if first_tensor_id is None else int(first_tensor_id)
         # Automatic ids skip the engine's: needs `in` (PrefetchHandle has it).
@@ -173,7 +174,8 @@ class ExpertPrefetcher:
         layout = tuple(layout)
         need = layout[-1].offset + layout[-1].nbytes
         if buffer.numel() * buffer.element_size() < need:
-            raise ValueError(f"buffer holds {buffer.numel() * buffer.element_size()} bytes, layout needs {need}")
+            raise InvalidArgumentError(
+                f"buffer holds {buffer.numel() * buffer.element_size()} bytes, layout needs {need}")
         tensor_id = self._free_id()
         self.engine.register_external(tensor_id, buffer, device=device)
         return self._remember(layer_id, expert_id, tensor_id, layout, device, buffer.numel() * buffer.element_size())
@@ -201,9 +203,9 @@ class ExpertPrefetcher:
         layer_id, expert_id = self._check_new(layer_id, expert_id)
         tensor_id = int(tensor_id)
         if tensor_id not in self.engine:
-            raise KeyError(f"tensor id {tensor_id} is not registered on the handle")
+            raise UnknownIdError(f"tensor id {tensor_id} is not registered on the handle")
         if any(tensor_id in table for table in self._ids.values()):
-            raise ValueError(f"tensor id {tensor_id} already stands for an expert")
+            raise InvalidArgumentError(f"tensor id {tensor_id} already stands for an expert")
         next_id = self._next_id
         self._remember(layer_id, expert_id, tensor_id, (), None, None)
         self._next_id = max(next_id, tensor_id + 1)
@@ -213,9 +215,9 @@ class ExpertPrefetcher:
         layer_id = int(layer_id)
         expert_id = int(expert_id)
         if layer_id < 0 or expert_id < 0:
-            raise ValueError("layer and expert ids must be >= 0")
+            raise InvalidArgumentError("layer and expert ids must be >= 0")
         if self._lookup(layer_id, expert_id) >= 0:
-            raise ValueError(f"expert ({layer_id}, {expert_id}) is already registered")
+            raise InvalidArgumentError(f"expert ({layer_id}, {expert_id}) is already registered")
         return layer_id, expert_id
 
     def _free_id(self) -> int:
@@ -281,7 +283,7 @@ class ExpertPrefetcher:
     def tensor_id(self, layer_id: int, expert_id: int) -> int:
         tid = self._lookup(int(layer_id), int(expert_id))
         if tid < 0:
-            raise KeyError(f"expert ({layer_id}, {expert_id}) is not registered")
+            raise UnknownIdError(f"expert ({layer_id}, {expert_id}) is not registered")
         return tid
 
     def tensor_ids(self, layer_id: int, expert_list) -> np.ndarray:
@@ -292,14 +294,14 @@ class ExpertPrefetcher:
         if table is None:
             if experts.shape[0] == 0:
                 return experts
-            raise KeyError(f"layer {layer_id} has no registered experts")
+            raise UnknownIdError(f"layer {layer_id} has no registered experts")
         if experts.shape[0] and (experts.min() < 0 or experts.max() >= table.shape[0]):
             bad = experts[(experts < 0) | (experts >= table.shape[0])][0]
-            raise KeyError(f"expert ({layer_id}, {int(bad)}) is not registered")
+            raise UnknownIdError(f"expert ({layer_id}, {int(bad)}) is not registered")
         ids = table[experts]
         if ids.shape[0] and ids.min() < 0:
             bad = experts[ids < 0][0]
-            raise KeyError(f"expert ({layer_id}, {int(bad)}) is not registered")
+            raise UnknownIdError(f"expert ({layer_id}, {int(bad)}) is not registered")
         return ids
 
     def layout(self, tensor_id: int) -> tuple[PartLayout, ...]:
@@ -335,8 +337,9 @@ class ExpertPrefetcher:
     def _acquire_ids(self, ids: np.ndarray, *, stream, timeout: float):
         for tid in ids.tolist():  # before anything is pinned
             if not self._layouts[tid]:
-                raise ValueError(f"tensor id {tid} was adopted without a layout of weights: acquire it on the "
-                                 "handle (PrefetchHandle.acquire) instead")
+                raise InvalidArgumentError(
+                    f"tensor id {tid} was adopted without a layout of weights: acquire it on the "
+                    "handle (PrefetchHandle.acquire) instead")
         if self._slot_views:
             return self._acquire_cached(ids, stream=stream, timeout=timeout)
         import torch

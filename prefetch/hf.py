@@ -38,6 +38,7 @@ import torch
 
 from prefetch.checkpoint_experts import register_from_disk
 from prefetch.controller import OffloadController
+from prefetch.errors import HandleClosedError, InvalidArgumentError
 from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_parallel import LayerShare
 from prefetch.hf_blocks import (
@@ -100,7 +101,8 @@ class ExpertsOffload:
             arena = torch.from_numpy(arena)
         self.slots = arena.numel() // self.slot_bytes
         if self.slots < 1:
-            raise ValueError(f"device_budget_bytes={arena.numel()} holds no expert of {self.slot_bytes} bytes")
+            raise InvalidArgumentError(
+                f"device_budget_bytes={arena.numel()} holds no expert of {self.slot_bytes} bytes")
         # (views of each part, experts in them): the whole arena as slots
         self.on_cache = (layout.views(arena[: self.slots * self.slot_bytes], self.slots, self.slot_bytes),
                          self.slots)
@@ -139,7 +141,7 @@ class ExpertsOffload:
             # written), or at a pinned slot (_forward_sync_free).
             own = host_rows[self._local]
             if not own.size or (own < 0).any():
-                raise ValueError(f"layer {self.layer}: this rank's experts are not all in its host experts")
+                raise InvalidArgumentError(f"layer {self.layer}: this rank's experts are not all in its host experts")
             host_rows[~self._local] = own[0]
         self._rowmap = RowMap(host_rows, universe.arena_row0, self.device)
 
@@ -321,6 +323,11 @@ class ExpertsOffload:
             weight = self._params.get(first) if self._params is not None else None
             if weight is not None and (weight.dtype is not self.dtypes[first] or weight.device != self.device):
                 raise self._converted(weight)
+            if self.controller.handle.closed:
+                raise HandleClosedError(
+                    "this model's experts were offloaded by a controller that is now closed (controller.close()): "
+                    "their weights lived in its engine and are gone with it, so the model cannot run. Build or load "
+                    "the model again and offload it anew (offload_moe_experts)")
         if (hidden_states.requires_grad or top_k_weights.requires_grad) and torch.is_grad_enabled():
             # Note [No backward through the cache]
             return NoBackward.apply(functools.partial(self._forward, fn, name), hidden_states, top_k_index,
@@ -488,28 +495,31 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
     top_k = routed_top_k(model, hf_blocks)
     budget = handle.budget_bytes(0)
     if layout.expert_bytes > budget:
-        raise ValueError(f"device_budget_bytes={budget} is smaller than one expert ({layout.expert_bytes} bytes: "
-                         f"{layout.describe()})")
+        raise InvalidArgumentError(
+            f"device_budget_bytes={budget} is smaller than one expert ({layout.expert_bytes} bytes: "
+            f"{layout.describe()})")
     device = model_device(hf_blocks)
     if ep is not None and handle.backend == "cuda" and device != torch.device("cuda", 0):
-        raise ValueError(f"the engine's cache is on CUDA device 0 of this process, the model on {device}: run one "
-                         "process per GPU, each seeing only its own (CUDA_VISIBLE_DEVICES=<local rank>), with the "
-                         "model on cuda:0")
+        raise InvalidArgumentError(
+            f"the engine's cache is on CUDA device 0 of this process, the model on {device}: run one "
+            "process per GPU, each seeing only its own (CUDA_VISIBLE_DEVICES=<local rank>), with the "
+            "model on cuda:0")
     mine = None if ep is None else [ep.local_experts(layer) for layer in range(len(hf_blocks))]
     # Note [Experts on disk]: a checkpoint and a host tier: nothing is packed.
     on_disk = checkpoint is not None and handle.stats()["host_tier_budget_bytes"] > 0
     if on_disk:
         if sync_free:
-            raise ValueError("sync_free=True reads missing experts from their packed host copy, and experts left "
-                             "on disk (a host tier, host_budget_bytes) have none: leave sync_free at None or False")
+            raise InvalidArgumentError(
+                "sync_free=True reads missing experts from their packed host copy, and experts left "
+                "on disk (a host tier, host_budget_bytes) have none: leave sync_free at None or False")
         sync_free = False
     elif host_experts is None:
         names = experts_names(model, hf_blocks) if checkpoint is not None else None
         host_experts = HostExperts(hf_blocks, pin=handle.backend == "cuda", progress=progress, experts=mine,
                                    checkpoint=checkpoint, experts_names=names)
     elif not host_experts.matches(hf_blocks, mine):
-        raise ValueError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
-                         "for another rank's slice of the experts")
+        raise InvalidArgumentError("host_experts was packed from a model with other expert shapes, counts or dtype, or "
+                                   "for another rank's slice of the experts")
     controller = OffloadController(handle, num_layers=len(hf_blocks), num_experts=num_experts, top_k=top_k,
                                    predictor=predictor, routers=[r for _, _, r in hf_blocks],
                                    record_trace=record_trace, device=device,
@@ -529,35 +539,49 @@ def offload_hf_model(model, hf_blocks, handle, *, predictor=None, record_trace=F
         offloads.append(ExpertsOffload(controller, layer, experts, layout, model_device(hf_blocks, layer), ep=ep))
     controller.read_ahead_slots = offloads[0].slots  # Note [Prefill read-ahead]
     controller.cache_slots = offloads[0].slots
+    if sync_free is not False:
+        _enable_sync_free(controller, offloads, host_experts, layout, device, ep, sync_free, sync_free_max_rows)
+    for (_, experts, _), offload in zip(hf_blocks, offloads):
+        _attach(experts, offload, layout)
+    return controller
+
+
+def _enable_sync_free(controller, offloads, host_experts, layout, device, ep, sync_free, max_rows) -> None:
+    """Note [Sync-free decode]: the one tensor over the arena and the host
+    experts, each layer's row maps, the controller's path choice."""
+    num_experts = layout.num_experts
     # A predictor whose guesses are device tensors (the router of a later
     # layer) guesses only on synced steps: its guesses reach the engine
     # through the routing's sync. Sync-free steps are those whose experts
     # are nearly all cached, where a guess has nothing left to fetch (Note
     # [Which path a step takes]); auto lets the gate take them as well.
-    if sync_free is not False:
-        try:
-            universe = Universe(handle.arena(0), host_experts, offloads[0].slot_bytes, device)
-        except (ValueError, RuntimeError) as err:
-            if sync_free is True:
-                raise ValueError(f"sync_free=True, but the sync-free decode path cannot run here: {err}") from err
-            universe = None
-        if universe is not None:
-            step_rows = None if ep is not None else StepRows(universe, len(hf_blocks), num_experts, device)
-            for offload in offloads:
-                offload.enable_sync_free(universe, sync_free_max_rows)
-                offload.step_rows = step_rows
-            controller.enable_sync_free(offloads[0].num_experts, layout.data_bytes,
-                                        adaptive=sync_free is None)
-    for (_, experts, _), offload in zip(hf_blocks, offloads):
-        for name in layout.names:
-            empty = torch.empty(0, dtype=offload.dtypes[name], device=offload.device)
-            if name in experts._parameters:
-                experts._parameters[name] = torch.nn.Parameter(empty, requires_grad=False)
-            else:
-                experts._buffers[name] = empty
-        experts.__dict__[OFFLOAD_ATTR] = offload
-        offload._params = experts._parameters  # a later model.to(...) shows in them
-        if not experts.__dict__.get("_prefetch_state_hook") and hasattr(experts, "register_state_dict_pre_hook"):
-            experts.register_state_dict_pre_hook(refuse_empty_state)
-            experts.__dict__["_prefetch_state_hook"] = True
-    return controller
+    try:
+        universe = Universe(controller.handle.arena(0), host_experts, offloads[0].slot_bytes, device)
+    except (ValueError, RuntimeError) as err:
+        if sync_free is True:
+            raise InvalidArgumentError(
+                f"sync_free=True, but the sync-free decode path cannot run here: {err}") from err
+        universe = None
+    if universe is not None:
+        step_rows = None if ep is not None else StepRows(universe, len(offloads), num_experts, device)
+        for offload in offloads:
+            offload.enable_sync_free(universe, max_rows)
+            offload.step_rows = step_rows
+        controller.enable_sync_free(offloads[0].num_experts, layout.data_bytes,
+                                    adaptive=sync_free is None)
+
+
+def _attach(experts, offload, layout) -> None:
+    """The module's offloaded parts become empty tensors, and the module
+    goes through `offload` from now on."""
+    for name in layout.names:
+        empty = torch.empty(0, dtype=offload.dtypes[name], device=offload.device)
+        if name in experts._parameters:
+            experts._parameters[name] = torch.nn.Parameter(empty, requires_grad=False)
+        else:
+            experts._buffers[name] = empty
+    experts.__dict__[OFFLOAD_ATTR] = offload
+    offload._params = experts._parameters  # a later model.to(...) shows in them
+    if not experts.__dict__.get("_prefetch_state_hook") and hasattr(experts, "register_state_dict_pre_hook"):
+        experts.register_state_dict_pre_hook(refuse_empty_state)
+        experts.__dict__["_prefetch_state_hook"] = True

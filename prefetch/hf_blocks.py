@@ -337,8 +337,8 @@ def model_device(hf_blocks, layer: int = 0) -> torch.device:
         found = next((p for p in source.parameters() if p.device.type != "meta"), None)
         if found is not None:
             return found.device
-    raise ValueError(f"the experts and the router of MoE layer {layer} are on the meta device: put the "
-                     "model's other weights on their device first")
+    raise InvalidArgumentError(f"the experts and the router of MoE layer {layer} are on the meta device: put the "
+                               "model's other weights on their device first")
 
 
 # Config fields that hold how many experts a token is routed to, by family.

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from prefetch._engine import SLOT_ALIGNMENT, fill_rows, same_offsets
+from prefetch.errors import InvalidArgumentError, OutOfMemoryError, UnknownIdError
 from prefetch.hf_blocks import ExpertsLayout
 from prefetch.progress import report_progress
 
@@ -63,8 +64,9 @@ class HostExperts:
             if len(chosen) != self.num_layers or any(
                     ex.shape[0] and (ex.min() < 0 or ex.max() >= self.num_experts
                                      or np.unique(ex).shape[0] != ex.shape[0]) for ex in chosen):
-                raise ValueError(f"experts must list, for each of the {self.num_layers} layers, distinct expert ids "
-                                 f"in 0..{self.num_experts - 1}")
+                raise InvalidArgumentError(
+                    f"experts must list, for each of the {self.num_layers} layers, distinct expert ids "
+                    f"in 0..{self.num_experts - 1}")
             self.experts = tuple(tuple(int(e) for e in ex) for ex in chosen)
         self._row = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)
         rows_before = 0
@@ -83,15 +85,15 @@ class HostExperts:
             from prefetch.checkpoint_experts import fill_from_checkpoint
 
             if experts_names is None or len(experts_names) != self.num_layers:
-                raise ValueError("checkpoint needs experts_names: the module path of each experts module")
+                raise InvalidArgumentError("checkpoint needs experts_names: the module path of each experts module")
             fill_from_checkpoint(self.buffer, self._row, self.stride, checkpoint, experts_names, chosen,
                                  self.experts_layout, threads=reader_threads, progress=progress)
         self.pinned = False
         if pin and total:
             err = torch.cuda.cudart().cudaHostRegister(self._raw.data_ptr(), self._raw.numel(), 0)
             if int(getattr(err, "value", err)) != 0:
-                raise MemoryError(f"could not page-lock {total} bytes of host memory for the experts "
-                                  f"(cudaHostRegister error {err})")
+                raise OutOfMemoryError(f"could not page-lock {total} bytes of host memory for the experts "
+                                       f"(cudaHostRegister error {err})")
             self.pinned = True
             weakref.finalize(self, _unregister_host, self._raw)
 
@@ -130,7 +132,7 @@ class HostExperts:
     def expert(self, layer: int, expert: int) -> torch.Tensor:
         row = int(self._row[layer, expert])
         if row < 0:
-            raise KeyError(f"expert {expert} of layer {layer} is not in this HostExperts (another rank's slice)")
+            raise UnknownIdError(f"expert {expert} of layer {layer} is not in this HostExperts (another rank's slice)")
         start = row * self.stride
         return self.buffer[start : start + self.expert_bytes]
 
@@ -183,11 +185,11 @@ class Universe:
 
     def __init__(self, arena, host: HostExperts, slot_bytes: int, device: torch.device):
         if host.stride != slot_bytes:
-            raise ValueError("host experts and cache slots differ in stride")
+            raise InvalidArgumentError("host experts and cache slots differ in stride")
         a, h = _address(arena), host.buffer.data_ptr()
         size_a = arena.numel() if isinstance(arena, torch.Tensor) else arena.nbytes
         if a % _ROW_BYTES or h % _ROW_BYTES:
-            raise ValueError(f"the arena or the host experts are not {_ROW_BYTES}-byte aligned")
+            raise InvalidArgumentError(f"the arena or the host experts are not {_ROW_BYTES}-byte aligned")
         base = min(a, h)
         end = max(a + size_a, h + host.buffer.numel())
         cuda = device.type == "cuda"
@@ -267,6 +269,6 @@ class StepRows(RowMap):
     def __init__(self, universe: Universe, num_layers: int, num_experts: int, device: torch.device):
         host_rows = np.ascontiguousarray(universe.host_rows[:num_layers], dtype=np.int64).reshape(-1)
         if host_rows.shape[0] != num_layers * num_experts or (host_rows < 0).any():
-            raise ValueError("the host experts do not hold every expert of every layer")
+            raise InvalidArgumentError("the host experts do not hold every expert of every layer")
         super().__init__(host_rows, universe.arena_row0, device)
         self.layers = [self.dev[la * num_experts : (la + 1) * num_experts] for la in range(num_layers)]

@@ -38,6 +38,7 @@ from torch import nn
 
 from prefetch._engine import PrefetchHandle
 from prefetch.controller import OffloadController, check_predictor
+from prefetch.errors import InvalidArgumentError
 from prefetch.expert_prefetcher import cache_slot_bytes, expert_layout
 from prefetch.hf import (
     HostExperts,
@@ -88,9 +89,9 @@ class OffloadedMoEBlock(nn.Module):
     def __init__(self, router: nn.Module, experts, top_k: int, *, normalize: bool = True):
         super().__init__()
         if not experts:
-            raise ValueError("an MoE block needs at least one expert")
+            raise InvalidArgumentError("an MoE block needs at least one expert")
         if top_k < 1 or top_k > len(experts):
-            raise ValueError(f"top_k must be in 1..{len(experts)}")
+            raise InvalidArgumentError(f"top_k must be in 1..{len(experts)}")
         self.router = router
         self.top_k = top_k
         self.normalize = normalize
@@ -100,7 +101,7 @@ class OffloadedMoEBlock(nn.Module):
         self._shapes = _parameter_shapes(experts[0])
         for e in experts[1:]:
             if _parameter_shapes(e) != self._shapes:
-                raise ValueError("all experts of a block must have the same parameters (names and shapes)")
+                raise InvalidArgumentError("all experts of a block must have the same parameters (names and shapes)")
         # The experts' weights are read when the block is offloaded (attach),
         # so a load into the expert modules after building the block and
         # before offloading it is what the engine holds. A tuple: not
@@ -145,8 +146,8 @@ class OffloadedMoEBlock(nn.Module):
         for expert_id, expert in enumerate(self._experts):
             shapes = _parameter_shapes(expert)
             if shapes != self._shapes:
-                raise ValueError(f"expert {expert_id} of MoE layer {layer} has the parameters {shapes}, not "
-                                 f"those the block was built with ({self._shapes})")
+                raise InvalidArgumentError(f"expert {expert_id} of MoE layer {layer} has the parameters {shapes}, not "
+                                           f"those the block was built with ({self._shapes})")
 
     def _attach(self, controller: OffloadController, layer: int) -> None:
         """The block's own change, made once every block's experts are
@@ -269,24 +270,27 @@ def _check_offload(hf_blocks, generic, sync_free, process_group, expert_placemen
     the model and the options that go with it (`bad_checkpoint`: checkpoint
     given with host_experts, or for a model of OffloadedMoEBlocks)."""
     if bad_checkpoint:
-        raise ValueError("checkpoint= reads a transformers model's experts into a new host copy: not with "
-                         "host_experts=, and not for OffloadedMoEBlock models (their experts are registered from "
-                         "the modules)")
+        raise InvalidArgumentError(
+            "checkpoint= reads a transformers model's experts into a new host copy: not with "
+            "host_experts=, and not for OffloadedMoEBlock models (their experts are registered from "
+            "the modules)")
     if any(b.controller is not None for b in generic):
-        raise ValueError("this model's OffloadedMoEBlocks are already attached to a controller; offload a "
-                         "model once (close the controller and build the model again to change the budget)")
+        raise InvalidArgumentError("this model's OffloadedMoEBlocks are already attached to a controller; offload a "
+                                   "model once (close the controller and build the model again to change the budget)")
     if not hf_blocks and not generic:
-        raise ValueError(f"no MoE block found: expected transformers experts modules dispatched through its "
-                         f"experts-implementation interface (use_experts_implementation; {_transformers_said()}), or "
-                         "OffloadedMoEBlock instances")
+        raise InvalidArgumentError(
+            f"no MoE block found: expected transformers experts modules dispatched through its "
+            f"experts-implementation interface (use_experts_implementation; {_transformers_said()}), or "
+            "OffloadedMoEBlock instances")
     if hf_blocks and generic:
-        raise ValueError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
+        raise InvalidArgumentError("a model mixing transformers MoE blocks and OffloadedMoEBlock is not supported")
     if sync_free is not None and not isinstance(sync_free, (bool, np.bool_)):  # 1 == True: not by ==
         raise TypeError(f"sync_free must be None, True or False, got {sync_free!r}")
     if sync_free and generic:
-        raise ValueError("sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
+        raise InvalidArgumentError(
+            "sync_free=True needs transformers MoE blocks (OffloadedMoEBlock routes on the host)")
     if process_group is None and (expert_placement != "balanced" or activation_counts is not None):
-        raise ValueError("expert_placement and activation_counts need a process_group")
+        raise InvalidArgumentError("expert_placement and activation_counts need a process_group")
     if process_group is not None and generic:
         raise NotImplementedError("expert parallel (process_group) supports transformers MoE blocks only, not "
                                   "OffloadedMoEBlock")
@@ -386,7 +390,8 @@ def offload_moe_experts(
     options = layer_handle_options(len(hf_blocks) or len(generic), handle_options)
     if host_budget_bytes is not None:
         if checkpoint is None:
-            raise ValueError("host_budget_bytes is the host tier of experts left on disk: it needs checkpoint=")
+            raise InvalidArgumentError(
+                "host_budget_bytes is the host tier of experts left on disk: it needs checkpoint=")
         options["host_budget_bytes"] = host_budget_bytes
     handle = PrefetchHandle(device_budget_bytes=device_budget_bytes, backend=backend, **options)
     try:
@@ -462,8 +467,8 @@ def _offload_generic(generic, handle, predictor, record_trace) -> OffloadControl
                                   f"layer: {counts})")
     small = [layer for layer, block in enumerate(generic) if block.capacity(handle.budget_bytes(0)) < 1]
     if small:
-        raise ValueError(f"device_budget_bytes={handle.budget_bytes(0)} is smaller than one expert of MoE "
-                         f"layer(s) {small}")
+        raise InvalidArgumentError(f"device_budget_bytes={handle.budget_bytes(0)} is smaller than one expert of MoE "
+                                   f"layer(s) {small}")
     controller = OffloadController(handle, num_layers=len(generic), num_experts=generic[0].num_experts,
                                    top_k=generic[0].top_k, predictor=predictor,
                                    routers=[b.router for b in generic], record_trace=record_trace)

@@ -34,22 +34,61 @@ or None where it cannot tell them that way (Note [The oracle's plan]).
 """
 from __future__ import annotations
 
-from typing import Protocol
-
 import numpy as np
 
 from prefetch._engine import NO_NEXT_USE, hint_times
+from prefetch.errors import InvalidArgumentError
 
 __all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor"]
 
 
-class RoutePredictor(Protocol):
-    def predict(self, controller, step: int, layer: int, hidden) -> dict: ...
+class RoutePredictor:
+    """Base of route-ahead predictors: every member the controller reads,
+    with the default it assumes where a predictor does not set it.
+    Subclassing is optional (any object with `predict` and `observe` is a
+    predictor); a subclass overrides what it offers.
 
-    def observe(self, controller, step: int, layer: int, experts: np.ndarray) -> list | None: ...
+    - `predict(controller, step, layer, hidden)`: required; {later layer:
+      experts} (see the module's docstring).
+    - `observe(controller, step, layer, experts)`: next-use hints or None.
+    - `reads_routing` (False): `predict` runs after `observe`, on the host.
+    - `observes` (True): False says `observe` does nothing, so it is not
+      called (Note [Routings nobody reads]).
+    - `host_guesses` (False): guesses are host data, made after the
+      routing's read-back in one go with `observe`.
+    - `distinct_guesses` (False): guesses come without repeats and within
+      the model's experts, so the controller takes them as they are.
+    - `plan` (None): `plan(controller, step, layer, experts, predict)`,
+      guesses and hints in one go (Note [The oracle's plan]).
+    - `step_reads` (None): `step_reads(step, num_layers, num_experts,
+      ahead=True)`, every expert a whole step reads, for a predictor that
+      knows it (the oracle): steps pinned at once (Note [Step pins]).
+    - `start_hints` (None) and `observe_step` (None): a step plan's hints
+      (Note [Host-routed step pins]).
+    - `end_request()`: called when a request ends (controller.new_sequence);
+      does nothing here.
+    """
+
+    reads_routing = False
+    observes = True
+    host_guesses = False
+    distinct_guesses = False
+    plan = None
+    step_reads = None
+    start_hints = None
+    observe_step = None
+
+    def predict(self, controller, step: int, layer: int, hidden) -> dict:
+        raise NotImplementedError(f"{type(self).__name__} must implement predict()")
+
+    def observe(self, controller, step: int, layer: int, experts: np.ndarray) -> list | None:
+        return None
+
+    def end_request(self) -> None:
+        return None
 
 
-class NextLayerGatePredictor:
+class NextLayerGatePredictor(RoutePredictor):
     """The router of layer L+d applied to layer L's hidden state (the MoE
     input), for d = 1..distance: hidden states change slowly across layers, so
     the next router's choice on this layer's input is a good guess. The
@@ -59,9 +98,9 @@ class NextLayerGatePredictor:
 
     def __init__(self, distance: int = 1, extra_per_token: int = 0):
         if distance < 1:
-            raise ValueError("distance must be >= 1")
+            raise InvalidArgumentError("distance must be >= 1")
         if extra_per_token < 0:
-            raise ValueError("extra_per_token must be >= 0")
+            raise InvalidArgumentError("extra_per_token must be >= 0")
         self.distance = distance
         self.extra_per_token = extra_per_token  # prefetch top_k + extra per token
 
@@ -78,7 +117,7 @@ class NextLayerGatePredictor:
         return None
 
 
-class TracePredictor:
+class TracePredictor(RoutePredictor):
     """MoE-Infinity's activation-matrix idea: remember each past request's
     expert activation matrix (layers x experts, counts); during a request,
     match its partial matrix (layers seen so far) against the past ones by
@@ -89,11 +128,11 @@ class TracePredictor:
 
     def __init__(self, distance: int = 2, max_experts: int | None = None, history: int = 256):
         if distance < 1:
-            raise ValueError("distance must be >= 1")
+            raise InvalidArgumentError("distance must be >= 1")
         if max_experts is not None and max_experts < 1:
-            raise ValueError(f"max_experts must be None (twice top_k) or >= 1, got {max_experts!r}")
+            raise InvalidArgumentError(f"max_experts must be None (twice top_k) or >= 1, got {max_experts!r}")
         if history < 1:
-            raise ValueError(f"history must be >= 1 (past requests kept), got {history!r}")
+            raise InvalidArgumentError(f"history must be >= 1 (past requests kept), got {history!r}")
         self.distance = distance
         self.max_experts = max_experts
         self.history = history
@@ -140,7 +179,7 @@ class TracePredictor:
         return out
 
 
-class OraclePredictor:
+class OraclePredictor(RoutePredictor):
     """Replays a recorded routing trace: predicts exactly what step s, layer
     L+d will use (the ceiling of any predictor). With hints it also says
     when each expert will next be read, on the controller's routing clock,
@@ -170,7 +209,7 @@ class OraclePredictor:
 
     def __init__(self, trace, distance: int = 1, hints: bool | None = None):
         if distance < 1:
-            raise ValueError("distance must be >= 1")
+            raise InvalidArgumentError("distance must be >= 1")
         self.trace = trace
         self.distance = distance
         self.hints = hints
@@ -182,8 +221,8 @@ class OraclePredictor:
         for s, row in enumerate(self._experts):
             for la, experts in enumerate(row):
                 if experts.shape[0] and (experts[0] < 0 or experts[-1] >= trace.num_experts):
-                    raise ValueError(f"trace step {s}, layer {la}: expert ids must be in "
-                                     f"0..{trace.num_experts - 1}, got {experts.tolist()}")
+                    raise InvalidArgumentError(f"trace step {s}, layer {la}: expert ids must be in "
+                                               f"0..{trace.num_experts - 1}, got {experts.tolist()}")
         # Per layer, every read as the key expert * stride + step, sorted: the
         # next read of e after step s is the first key above e * stride + s,
         # if it is still e's (memory: one int64 per read of the trace).
@@ -387,8 +426,9 @@ class OraclePredictor:
         if self.trace.num_experts > controller.num_experts:
             # The controller takes these guesses as they are (distinct_guesses):
             # an id past the model's experts has no tensor id.
-            raise ValueError(f"OraclePredictor: its trace has {self.trace.num_experts} experts a layer, the model "
-                             f"{controller.num_experts}: a trace recorded on another model")
+            raise InvalidArgumentError(
+                f"OraclePredictor: its trace has {self.trace.num_experts} experts a layer, the model "
+                f"{controller.num_experts}: a trace recorded on another model")
         out = {}
         hints = self._sends_hints(controller)
         if hints and not self._primed:

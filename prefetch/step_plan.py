@@ -234,7 +234,7 @@ class HostStepPlan:
         layers route), and the predictor has `observe_step`; else None."""
         plan = self._plan_now
         if (plan is None or not self._plan_kept or len(planned) != self.num_layers or planned[0][0] != plan[0]
-                or not hasattr(self._predictor, "observe_step")):
+                or getattr(self._predictor, "observe_step", None) is None):
             return None
         return plan[0]
 

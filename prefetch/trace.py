@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from prefetch.errors import InvalidArgumentError
 from prefetch.untrusted_files import NotRegularFileError, RepeatedKeyError, no_repeated_keys, open_regular
 
 __all__ = ["RoutingTrace", "belady_misses"]
@@ -70,42 +71,44 @@ class RoutingTrace:
         try:
             f = open_regular(path)  # a missing file raises its OSError
         except NotRegularFileError:
-            raise ValueError(f"{path}: not a prefetch routing trace (not a regular file)") from None
+            raise InvalidArgumentError(f"{path}: not a prefetch routing trace (not a regular file)") from None
         with f:
             raw = f.read()
         try:
             data = json.loads(raw.decode("utf-8"), object_pairs_hook=no_repeated_keys)
         except RepeatedKeyError as exc:  # the last one would win: the file says two things
-            raise ValueError(f"{path}: not a prefetch routing trace (the key {exc.key!r} is repeated)") from None
+            raise InvalidArgumentError(
+                f"{path}: not a prefetch routing trace (the key {exc.key!r} is repeated)") from None
         except (ValueError, RecursionError) as exc:  # JSONDecodeError and UnicodeDecodeError are ValueErrors
-            raise ValueError(f"{path}: not a prefetch routing trace (not JSON: {exc})") from None
+            raise InvalidArgumentError(f"{path}: not a prefetch routing trace (not JSON: {exc})") from None
         if not isinstance(data, dict):
-            raise ValueError(f"{path}: not a prefetch routing trace (a JSON {type(data).__name__}, not an object)")
+            raise InvalidArgumentError(
+                f"{path}: not a prefetch routing trace (a JSON {type(data).__name__}, not an object)")
         if data.get("format") != "prefetch-routing-trace/1":
-            raise ValueError(f"{path}: not a prefetch routing trace (format {data.get('format')!r})")
+            raise InvalidArgumentError(f"{path}: not a prefetch routing trace (format {data.get('format')!r})")
         num_layers = _count(data, "num_layers", path)
         num_experts = _count(data, "num_experts", path)
         steps = data.get("steps")
         if not isinstance(steps, list):
-            raise ValueError(f"{path}: steps must be a list, got {type(steps).__name__}")
+            raise InvalidArgumentError(f"{path}: steps must be a list, got {type(steps).__name__}")
         trace = cls(num_layers, num_experts, [])
         for s, step in enumerate(steps):
             if not isinstance(step, list) or len(step) != num_layers:
                 got = f"{len(step)} layers" if isinstance(step, list) else f"a {type(step).__name__}"
-                raise ValueError(f"{path}: step {s} has {got}, expected a list of {num_layers} layers")
+                raise InvalidArgumentError(f"{path}: step {s} has {got}, expected a list of {num_layers} layers")
             layers = []
             for layer, experts in enumerate(step):
                 where = f"{path}: step {s}, layer {layer}"
                 if not isinstance(experts, list):
-                    raise ValueError(f"{where}: expected a list of experts, got {type(experts).__name__}")
+                    raise InvalidArgumentError(f"{where}: expected a list of experts, got {type(experts).__name__}")
                 if any(type(e) is not int for e in experts):  # bools and floats are not expert indices
                     bad = next(e for e in experts if type(e) is not int)
-                    raise ValueError(f"{where}: expert indices must be integers, got {bad!r}")
+                    raise InvalidArgumentError(f"{where}: expert indices must be integers, got {bad!r}")
                 if any(not 0 <= e < num_experts for e in experts):
-                    raise ValueError(f"{where}: expert index out of range 0..{num_experts - 1}")
+                    raise InvalidArgumentError(f"{where}: expert index out of range 0..{num_experts - 1}")
                 ordered = sorted(experts)
                 if any(a == b for a, b in zip(ordered, ordered[1:])):
-                    raise ValueError(f"{where}: an expert is listed twice (a layer lists distinct experts)")
+                    raise InvalidArgumentError(f"{where}: an expert is listed twice (a layer lists distinct experts)")
                 layers.append(ordered)
             trace.steps.append(layers)
         return trace
@@ -115,7 +118,7 @@ def _count(data: dict, key: str, path: str) -> int:
     """A trace header's positive integer `key`."""
     value = data.get(key)
     if type(value) is not int or value < 1:
-        raise ValueError(f"{path}: {key} must be a positive integer, got {value!r}")
+        raise InvalidArgumentError(f"{path}: {key} must be a positive integer, got {value!r}")
     return value
 
 
@@ -125,7 +128,7 @@ def belady_misses(trace: RoutingTrace, capacity: int, start_step: int = 0) -> in
     the floor for bytes that had to move. Loads before `start_step` (a
     warm-up) are not counted, though the cache fills during them."""
     if capacity < 1:
-        raise ValueError("capacity must be >= 1 expert")
+        raise InvalidArgumentError("capacity must be >= 1 expert")
     seq = []
     first_counted = None
     for s, step in enumerate(trace.steps):

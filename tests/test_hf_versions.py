@@ -1,4 +1,4 @@
-"""The transformers releases prefetch supports: a release whose experts
+"""The transformers releases prefetch supports, and what a user meets at offload: a release whose experts
 interface differs from what the integration expects is refused at offload
 with a RuntimeError naming the installed version and the tested range,
 never an AttributeError inside a forward; one outside the range whose
@@ -113,3 +113,16 @@ def test_a_release_outside_the_range_with_the_expected_interface_warns_once_and_
             assert torch.equal(model.generate(ids, **kw), ref.generate(ids, **kw))
     finally:
         ctl.close()
+
+
+def test_a_model_whose_controller_was_closed_says_so_and_how_to_start_again():
+    model = tiny()
+    ctl = offload_moe_experts(model, device_budget_bytes=budget(model), backend="host", progress=False)
+    ctl.close()
+    ids = torch.randint(0, 64, (1, 4), generator=torch.Generator().manual_seed(0))
+    import prefetch
+
+    with pytest.raises(prefetch.HandleClosedError, match="controller that is now closed.*offload it anew"):
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=2, do_sample=False, pad_token_id=0)
+    with pytest.raises(prefetch.InvalidArgumentError, match="by a controller that is closed"):
+        offload_moe_experts(model, device_budget_bytes=budget(model), backend="host", progress=False)

@@ -1,5 +1,6 @@
-"""Every ```python block of README.md runs as written (CPU only here; the
-blocks use CUDA only when it is present), and does what its comments say."""
+"""Every ```python block of README.md and docs/api.md runs as written (CPU
+only here; the blocks use CUDA only when it is present), and does what its
+comments say."""
 import re
 from pathlib import Path
 
@@ -7,10 +8,11 @@ import pytest
 import torch
 
 README = Path(__file__).resolve().parent.parent / "README.md"
+API = README.parent / "docs" / "api.md"
 
 
-def python_blocks() -> list[str]:
-    return re.findall(r"^```python\n(.*?)^```$", README.read_text(), re.S | re.M)
+def python_blocks(docs=(README, API)) -> list[str]:
+    return [b for doc in docs for b in re.findall(r"^```python\n(.*?)^```$", doc.read_text(), re.S | re.M)]
 
 
 def check_end_to_end(ns, printed):
@@ -42,7 +44,7 @@ CHECKS = {"offload_moe_experts": check_end_to_end, "ExpertPrefetcher(handle)": c
 
 
 def test_the_readme_has_the_examples_this_file_checks():
-    blocks = python_blocks()
+    blocks = python_blocks((README,))
     for key in CHECKS:
         assert sum(key in b for b in blocks) == 1, f"no README block (or several) with {key}"
 
