@@ -318,11 +318,29 @@ def offload_moe_experts(
     memory on CUDA) and rewires the MoE blocks to acquire their routed
     experts from a device cache of `device_budget_bytes`. The model's other
     weights stay where they are (put the model on its device first).
+
+    Arguments, in short (each is described in full below):
+      device_budget_bytes: bytes of device memory for the expert cache.
+      backend: "auto" (CUDA where there is a GPU, else the host backend),
+        "cuda", or "host" (copies into host memory: the CPU, and tests).
+      predictor: what to prefetch while a layer runs, or None for on-demand
+        only. prefetch.NextLayerGatePredictor (the next layers' routers on
+        this layer's input), prefetch.TracePredictor (past requests'
+        expert activations), prefetch.OraclePredictor (a recorded
+        RoutingTrace: a benchmark's upper bound), or any
+        prefetch.RoutePredictor. Assign controller.predictor to change it.
+      handle_options: options of the PrefetchHandle made here.
+      record_trace: record each step's routed experts (controller.trace, a
+        RoutingTrace), for an OraclePredictor or a trace file.
+      progress: print how far packing is on models with over 1 GiB of experts.
+      host_experts, sync_free, checkpoint, host_budget_bytes, preload,
+        process_group, expert_placement, activation_counts: below.
+
     `handle_options` go to PrefetchHandle; the eviction policy defaults to
     "cyclic" (each MoE block acquires once per forward, layers in a fixed
     order: Note [Cyclic eviction]). A budget smaller than what one call
     routes to is fine (the layer runs in pieces); one expert larger than the
-    whole budget is refused with ValueError. Returns the controller; the
+    whole budget is refused with InvalidArgumentError. Returns the controller; the
     model is modified in place, and offloading it a second time is refused.
     transformers models: the experts are packed once into page-locked host
     memory (``controller.host_experts``, see prefetch.hf.HostExperts); pass
