@@ -216,7 +216,7 @@ class OffloadedMoEBlock(nn.Module):
         # block's (Note [Speculation rides on the next acquire]). The
         # routing is read back whole and made distinct on the host: on the
         # GPU, unique() waits for it first, in a pageable copy of its length
-        # (Note [No hidden sync in the routing] in bench/e2e_decoder.py).
+        # (Note [No hidden sync in the routing] in bench/lib/e2e_decoder.py).
         ctl.speculate(with_next_acquire=True)
         routing = to_host(top_i)
         experts, where = ctl.route_and_acquire(self.layer, h, routing, stream=stream, first=cap)

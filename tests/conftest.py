@@ -144,12 +144,3 @@ class CountingHandle:
 
             return counted
         return attr
-
-
-def load_tool(name: str):
-    """tools/NAME.py as a module (the tools are scripts, not a package)."""
-    path = pathlib.Path(__file__).resolve().parent.parent / "tools" / f"{name}.py"
-    spec = importlib.util.spec_from_file_location(name, path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module

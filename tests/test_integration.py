@@ -2082,7 +2082,7 @@ def test_distinct_takes_any_tensor():
 
 @pytest.mark.gpu
 def test_generic_block_waits_for_the_gpu_once_a_layer():
-    # Note [No hidden sync in the routing] (bench/e2e_decoder.py): the
+    # Note [No hidden sync in the routing] (bench/lib/e2e_decoder.py): the
     # generic block took its experts from unique() and each expert's tokens
     # from torch.where, and both wait for the GPU in a pageable copy of a
     # count: one wait before the speculation meant to overlap the GPU's

@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # One device-machine session: GPU suite through tox, then the benchmarks.
 # Usage (on the GPU machine, from the repo root): bash tools/h200_run.sh OUTDIR [steps]
-# steps: tox toxnewest gputests enginepath syncprobe bm6 bm6traces bm7 ssp e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu hostproxy gathercost
-# abproxy (OLD_TREE)
+# steps: tox toxnewest gputests enginepath bm6 bm6traces bm7 e2etraces bm2 bandwidth bandwidth16 bandwidth1lane bandwidth2gpu
 # bandwidth2proc abcompare abengine abbm6 abtraces (OLD_TREE=folder)
-# interference overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan csandirect (default: tox bm2 bandwidth overlap). Wheels for tox are
+# overlap disk e2edisk e2e e2e2gpu soak toxsoak sanitizer toxcsan csandirect (default: tox bm2 bandwidth overlap). Wheels for tox are
 # taken from .whl/ when present (the machine has no network).
 set -uo pipefail
 final=${1:?output folder}
@@ -153,10 +152,6 @@ for step in $steps; do
       done ;;
     enginepath)
       python3 bench/engine_path.py --backend cuda --json "$out/engine_path.json" 2>&1 | tee "$out/engine_path.txt" ;;
-    syncprobe)
-      # Synchronizing calls on the serving thread, by call site (SYNC_ARGS: model, share, rows).
-      python3 tools/sync_probe.py ${SYNC_ARGS:-} --json "$out/sync_probe.json" 2>"$out/sync_probe.log" \
-        | tee "$out/sync_probe.txt" || status=1 ;;
     bm6)
       # BM6_ARGS picks models, batches, shares (one model per device call fits its limit);
       # BM6_PROFILE=1 adds --profile (a profiled generate per row, bench/generate_profile.py).
@@ -182,24 +177,19 @@ for step in $steps; do
       # BM5 replaying the real routing traces of ../shared/traces (copied to traces/ for the run);
       # TRACES_PROFILE=1 adds --profile (GPU and host split of a few more steps per policy);
       # TRACES_POLICIES replaces the policies, TRACES_ARGS adds arguments (--oracle-distance 4),
-      # TRACES_AB_ROWS="ROW_A ROW_B" pairs two of the policies round by round at the end (tools/ab_pairs.py --rows).
+      # TRACES_AB_ROWS="ROW_A ROW_B" pairs two of the policies round by round at the end (bench/diagnostics/ab_pairs.py --rows).
       for t in ${TRACES:-traces/*.json}; do
         python3 bench/e2e.py --trace-in "$t" --trace-from 1 --models "$(basename "$t" .json)" --shares ${TRACES_SHARES:-0.25} --batches 1 --warmup 2 --steps "${E2E_STEPS:-24}" \
           --policies ${TRACES_POLICIES:-all-resident on-demand next-layer-gate oracle torch-by-hand} --budget-s "${TRACES_BUDGET_S:-150}" ${TRACES_ARGS:-} \
           --repeats "${TRACES_REPEATS:-1}" ${TRACES_PROFILE:+--profile "$out/prof_$(basename "$t" .json)" --profile-steps "${TRACES_PROFILE_STEPS:-4}"} \
           --json "$out/e2e_$(basename "$t" .json).json" 2>"$out/e2e_$(basename "$t" .json).log" \
           | tee "$out/e2e_$(basename "$t" .json).txt" || status=1
-        # The Chrome traces are too large to bring back; the op tables (.txt), the rows' "profile" and
-        # tools/link_gaps.py's reading of each trace stay.
-        if [ -n "${TRACES_PROFILE:-}" ]; then
-          python3 tools/link_gaps.py "$out/prof_$(basename "$t" .json)"/*.json --tokens "${TRACES_PROFILE_STEPS:-4}" \
-            2>&1 | tee "$out/link_gaps_$(basename "$t" .json).txt"
-        fi
+        # The Chrome traces are too large to bring back; the op tables (.txt) and the rows' "profile" stay.
         rm -f "$out/prof_$(basename "$t" .json)"/*.json
       done
       # TRACES_AB_ROWS="ROW_A ROW_B": the two rows round by round, each against its round's floor.
       if [ -n "${TRACES_AB_ROWS:-}" ]; then
-        python3 tools/ab_pairs.py "$out" --rows $TRACES_AB_ROWS --json "$out/ab_rows.json" 2>&1 | tee "$out/ab_rows.txt"
+        python3 bench/diagnostics/ab_pairs.py "$out" --rows $TRACES_AB_ROWS --json "$out/ab_rows.json" 2>&1 | tee "$out/ab_rows.txt"
       fi ;;
     abtraces)
       # BM5 trace replays (TRACES, TRACES_POLICIES, E2E_STEPS, TRACES_BUDGET_S) of an older tree (OLD_TREE,
@@ -226,10 +216,10 @@ for step in $steps; do
           done
         done
       done
-      # Round by round, each tree against the floor of its own moment (tools/ab_pairs.py).
+      # Round by round, each tree against the floor of its own moment (bench/diagnostics/ab_pairs.py).
       for p in $ab_policies; do
         [ "$p" = all-resident ] && continue
-        python3 tools/ab_pairs.py "$out" --policy "$p" 2>&1 | tee -a "$out/ab_pairs.txt" || status=1
+        python3 bench/diagnostics/ab_pairs.py "$out" --policy "$p" 2>&1 | tee -a "$out/ab_pairs.txt" || status=1
       done ;;
     e2edisk)
       # #15's BM5 cell: on-demand with the experts in host memory against the same read from disk
@@ -241,37 +231,6 @@ for step in $steps; do
         --warmup "${DISK_WARMUP:-2}" --steps "${E2E_STEPS:-24}" --policies all-resident on-demand on-demand-disk --repeats "${TRACES_REPEATS:-1}" \
         --disk-dir "${DISK_DIR:-$PWD}" --budget-s "${TRACES_BUDGET_S:-150}" --json "$out/e2e_disk.json" \
         2>"$out/e2e_disk.log" | tee "$out/e2e_disk.txt" || status=1 ;;
-    ssp)
-      # tools/speculation_start_probe.py: the engine alone, one layer's misses then a GPU chain of
-      # each length, the next layer's guesses queued (SSP_ARGS: shapes; a rank's share by default).
-      python3 tools/speculation_start_probe.py ${SSP_ARGS:-} --json "$out/ssp${SSP_TAG:-}.json" 2>&1 \
-        | tee "$out/ssp${SSP_TAG:-}.txt" || status=1 ;;
-    interference)
-      # tools/copy_interference_probe.py: BM5's resident decoder with copy traffic beside it (INTERFERENCE_ARGS).
-      python3 tools/copy_interference_probe.py ${INTERFERENCE_ARGS:-} --json "$out/interference.json" 2>&1 \
-        | tee "$out/interference.txt" || status=1 ;;
-    gathercost)
-      # tools/gather_cost_probe.py: host us of each way to gather a layer's expert slots (GATHER_ARGS).
-      python3 tools/gather_cost_probe.py ${GATHER_ARGS:-} --json "$out/gather_cost.json" 2>&1 \
-        | tee "$out/gather_cost.txt" || status=1 ;;
-    hostproxy)
-      # tools/bm5_host_proxy.py on this machine's CPU (PROXY_ARGS: trace, --share, --rounds, --policies):
-      # BM5's host work per layer with nothing copied, on the host the GPU runs depend on.
-      python3 tools/bm5_host_proxy.py ${PROXY_ARGS:-traces/gemma4-26b-a4b.json} --json "$out/hostproxy${PROXY_TAG:-}.json" 2>&1 \
-        | tee "$out/hostproxy${PROXY_TAG:-}.txt" || status=1 ;;
-    abproxy)
-      # tools/bm5_host_proxy.py (PROXY_ARGS) of an older tree (OLD_TREE, built here) and of this one,
-      # alternating (AB_ROUNDS, default 2), this one first: same-run figures of a host-path change.
-      (cd "${OLD_TREE:?}" && python3 setup.py -q build_ext --inplace >"$out/build_old.log" 2>&1) || status=1
-      old_dir=$(cd "$OLD_TREE" && pwd)
-      for i in $(seq 1 "${AB_ROUNDS:-2}"); do
-        for side in new old; do
-          dir=$PWD
-          [ "$side" = old ] && dir=$old_dir
-          (cd "$dir" && PYTHONPATH="$dir" python3 tools/bm5_host_proxy.py ${PROXY_ARGS:-traces/gemma4-26b-a4b.json} \
-            --json "$out/abproxy_${side}_$i.json" 2>&1 | sed "s/^/$side $i: /") | tee -a "$out/abproxy.txt"
-        done
-      done ;;
     overlap)
       python3 bench/overlap.py --json "$out/overlap.json" 2>&1 | tee "$out/overlap.txt" ;;
     disk)
