@@ -192,12 +192,11 @@ cdef Py_ssize_t _sorted_distinct(object experts, int64_t num_experts, int64_t* b
     and made distinct by insertion into `buf` (64 places) in one pass.
     Returns how many, or -1 for input of another kind (the caller's
     general path takes it). Inside a decode step each numpy call costs
-    several times what it does alone (BM5's host proxy, tools/
-    bm5_host_proxy.py: a layer's numpy work took 6.5 us in a loop of its
-    own and 25-35 us more than the resident row's inside the step; stop
-    37 in docs/results.md), so a layer's id bookkeeping is one C pass
-    here, not a set, a sort and a fancy index. An id outside
-    0..num_experts-1 raises ValueError."""
+    several times what it does alone (a host-only BM5 replay on the
+    development VM: a layer's numpy work took 6.5 us in a loop of its own
+    and 25-35 us more than the resident row's inside the step), so a
+    layer's id bookkeeping is one C pass here, not a set, a sort and a
+    fancy index. An id outside 0..num_experts-1 raises ValueError."""
     cdef Py_ssize_t n, i, j, k = 0
     cdef int64_t v
     cdef const int64_t[::1] arr_v

@@ -481,7 +481,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         gate on the real routing traces (its routers random, the routing
         forced from the trace) guessed right 1.5-5 % of the time, moved
         2.0-3.3x the bytes of on-demand and ran 1.22-1.50x slower than it
-        (run 39; 0.89-1.23x in run 36),
+        on the H200 host (0.89-1.23x in an earlier run there),
         while on BM6's models it is right 72-76 % of the time and can be the
         fastest row. So the controller keeps the precision of the recent
         guesses (each scored layer's hits and guesses, decayed by
@@ -494,8 +494,8 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         probes after a long wrong run); on the other layers it does not run
         at all, since making a guess costs host time as well: the paused
         gate's router and read-back still left it 1.04-1.11x slower than
-        on-demand on the real traces while it moved the same bytes (run 44,
-        every layer still predicting). Hints and the prefill read-ahead are
+        on-demand on the real traces while it moved the same bytes (every
+        layer still predicting). Hints and the prefill read-ahead are
         not guesses and go on. `report()` counts the layers whose guesses
         were held back or not made. Speculation pauses the same way while
         most of its copies are wasted (Note [Speculation by what its copies
@@ -513,12 +513,12 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         right most of the time and still waste most of its copies: where
         the cache is small, its right guesses mostly name cached experts
         and its wrong ones mostly do not. BM6, OLMoE-1B-7B at batch 1 and a
-        tenth of the experts cached (runs 155-157): the next-layer gate,
+        tenth of the experts cached, on the H200 host: the next-layer gate,
         precision 0.68-0.72, copied 2.4x what on-demand copied, 57-61 % of its
         prefetched copies evicted unused, for the same hit rate (0.72-0.75
         against 0.74); its decode p50 was 29.1-34.4 ms against on-demand's
         24.5-25.1. Where it did not lose (a quarter cached, batch 8: 45 %
-        wasted, 2 % faster than on-demand, run 153; batch 1: 11 %) or won,
+        wasted, 2 % faster than on-demand; batch 1: 11 %) or won,
         fewer were wasted. So the controller keeps the engine's copies made
         for prefetches and those of them evicted unused (counted at each
         step's start, decayed by _WASTE_DECAY a step) and, once the recent
@@ -551,7 +551,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         experts already resident: the predictor's host work buys nothing.
         That work is not free: BM6's oracle spent 107-117 us a layer of
         host work at a cache of 100 %, against on-demand's 60-64, and ran
-        1.19-1.27x the resident model against 1.13-1.19 (run 49). So at the
+        1.19-1.27x the resident model against 1.13-1.19 on the H200. So at the
         start of each step the controller reads how many copies the engine
         was asked for (ids newly queued by prefetches and by misses) and how
         many still wait in its queue, not how many completed: a copy worker
@@ -768,19 +768,19 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         after a step's last layer: the next call is the next step's first,
         after the lm head and the token's read-back, too late for guesses
         aimed at the next step's first layers, so the last layer speculates
-        right after its launch (run 34 ran without that exception: the
+        right after its launch (without that exception, on the H200 host, the
         oracle's hit rate fell from 1.000 to 0.997 on gemma-4 and from
         0.856 to 0.847 on gpt-oss-120b). What the later moment costs: the
         guesses made there for the layer about to be acquired are dropped
         (its acquire takes them at band 0), so a host-guess predictor of
         distance d prefetches d - 1 layers ahead in effect. Where the copies
-        set the pace that decides the step: on tools/link_sim.py's CPU model
-        of BM5's gpt-oss-120b replay at 25 %, the oracle ran 1.27-1.33x the
+        set the pace that decides the step: on a CPU model of the link under
+        BM5's gpt-oss-120b replay at 25 %, the oracle ran 1.27-1.33x the
         IO floor at distance 2 and 1.06-1.07x at 4 (1.19-1.28x at 2 when it
-        speculated right after each acquire instead); runs 86-88 in
-        docs/results.md. A predictor that guesses from the hidden state on
-        the device (the next-layer gate) keeps the single call: its guesses
-        are read back with the routing, before the acquire."""
+        speculated right after each acquire instead). A predictor that
+        guesses from the hidden state on the device (the next-layer gate)
+        keeps the single call: its guesses are read back with the routing,
+        before the acquire."""
         p = self._predictor
         return p is None or self._late_predict or bool(getattr(p, "host_guesses", False))
 
@@ -843,8 +843,8 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         and hints on the host and leaves them for this call: one engine
         crossing a layer instead of two (the issue's "one call per layer";
         a call is 4-8 us of the engine's own on this project's development
-        VM and 10.9 us on the H200 host, bench/engine_path.py in run 60,
-        plus the controller's work around it: tools/speculation_cost.py). The
+        VM and 10.9 us on the H200 host by bench/engine_path.py, plus the
+        controller's work around it). The
         guesses lose only the routing read-back's wait, during which the
         GPU computes the layer's attention and router: the guesses for
         this very layer are dropped (its acquire takes them at band 0),
@@ -891,7 +891,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         if self._predictor is None and self._trace is None and not self._pending:
             # Nothing to score, record, guess or hint: the next acquire goes
             # alone, the same engine call (on-demand's speculate phase took
-            # 3.7-4.3 us a layer on the H200 host: BM5's host proxy, run 114).
+            # 3.7-4.3 us a layer on the H200 host in a host-only BM5 replay).
             return
         layer, routed = deferred
         guesses, hints = self.observe_and_guess(layer, routed)
@@ -925,7 +925,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         demand every expert they route to, and until every routed expert
         has come once a step still misses now and then (BM6 at a cache of
         every expert: 34 first copies and 24 of 64 steps off the steady
-        path, run 83). This queues, at the least urgent band (every miss
+        path). This queues, at the least urgent band (every miss
         and guess goes first), as many of the registered experts as
         `slots` cache slots hold: all of them layer by layer where they
         fit, otherwise the first experts of every layer in turn, so each
@@ -957,7 +957,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         serving stack that takes requests at once competes with it: Qwen3-
         30B-A3B's 54 GiB take about a second on the H200's link, and BM6's
         generates right after offloading found 173 experts not yet copied
-        (run 102). This blocks until the engine has no copy queued or being
+        there. This blocks until the engine has no copy queued or being
         issued (its counters balance: enqueued + on_demand == copies +
         copy_errors + cancelled, queue_depth 0) and then, on CUDA, until the
         issued copies have landed (the engine's copy streams are the

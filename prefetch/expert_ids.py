@@ -62,7 +62,7 @@ class Guesses:
     [Host-routed step pins] in prefetch/step_plan.py) files the next
     step's reads as its guesses for every layer at once: one dict entry a
     layer was a slice and a subtraction a layer, 100 us of a host-routed
-    plan's first layer on gemma-4's 30 layers (tools/bm5_host_proxy.py), and
+    plan's first layer on gemma-4's 30 layers (a host-only BM5 replay), and
     a step the model routes as planned only counts them (`pop_count`).
     `file_step` keeps the step's flat indices and layer bounds instead; a
     layer's entry is made when it is popped, and filing a layer of that

@@ -33,14 +33,14 @@ each value, and the weighting and the sum over k are then the
 implementation's own two ops on the same values (`_weighted_sum` in
 prefetch/hf.py): bit-equal to one process for any top-k (a partial sum per
 rank, all-reduced, rounded differently with top-8 in bf16 and turned a
-greedy token on the H200, run 25). It costs k times the all-reduce bytes
+greedy token on the H200). It costs k times the all-reduce bytes
 (decode: 8 x 2048 bf16 values per token for OLMoE). batched_mm gathers
 every row's expert weights, a row routed to another rank's expert
 included: with the routing on the host (the synced path, in one piece), a
 rank computes only its own pairs and writes them into an output of exact
 zeros (`_local_pairs` in prefetch/hf.py), half the gathers and products
 on two ranks. A bmm row's bits do not depend on which other rows are in
-the batch (tools/ep_probe.py on the H200: every count of 1..64 pairs, at
+the batch (a one-off probe on the H200: every count of 1..64 pairs, at
 OLMoE's and Qwen3-30B-A3B's expert shapes; the CPU test checks the
 logits). The sync-free path has no routing on the host and computes every
 pair. The eager loop keeps

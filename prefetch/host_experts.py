@@ -158,7 +158,7 @@ class Universe:
     """Note [Sync-free decode]
     With unified virtual addressing a kernel reads page-locked host memory
     registered with CUDA through the same kind of pointer as device memory,
-    over PCIe (measured on the H200, tools/uva_probe.py: a gather of 8
+    over PCIe (a one-off probe on the H200: a gather of 8
     OLMoE experts from host memory moves 51 GB/s, the copy engine 55). The
     engine's arena and the packed host experts (both 256-byte aligned) are
     then rows of ONE strided tensor whose rows start every 256 bytes from

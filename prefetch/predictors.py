@@ -193,7 +193,7 @@ class OraclePredictor(RoutePredictor):
     one layer late (Note [Speculation after launch] in
     prefetch/controller.py): there a distance of d prefetches d - 1 layers
     ahead, and the default of 1 prefetches nothing in time
-    (tools/link_sim.py's model of BM5's gpt-oss replay: 1.87x the IO floor
+    (a CPU model of the link under BM5's gpt-oss replay: 1.87x the IO floor
     at distance 1, as on-demand's 1.91x; 1.43x at 2; 1.06x at 4).
 
     The trace is turned into arrays once: per (step, layer) its experts, and
@@ -353,7 +353,7 @@ class OraclePredictor(RoutePredictor):
         `predict` and `observe` make a layer's guesses and hints from the
         trace with a dozen array operations and a list of hint tuples the
         controller turns into tensor ids, 60-110 us of host time per layer
-        on the H200 host (BM5's gemma-4 replay, run 71: the oracle's
+        on the H200 host (BM5's gemma-4 replay: the oracle's
         speculation took 107 us a layer of a step the host's work decides).
         Yet when the model routes as the trace says, and the last routing
         was the trace's one clock tick before, all of it is known when the
@@ -400,13 +400,13 @@ class OraclePredictor(RoutePredictor):
         Hints tell a next-use handle which expert to evict. When each
         device's cache holds every registered expert at once, nothing is
         ever evicted and they change nothing, yet making and sending them
-        was the oracle's largest host cost with every expert cached:
-        `tools/layer_overhead.py --share 1.0 --tokens 48 --predictor oracle
-        --policy next-use` (tiny OLMoE, host backend, this project's 2-core
-        VM) took 26.2 us of host time a layer with hints, 17.6 without them
-        (this rule), against 17.8 for the oracle on an lru handle and 14.8
-        with no predictor (docs/results.md, stop 36); in BM6 on the H200 the oracle row took
-        68-77 us a layer against 40-54 for the others (runs 111 and 113).
+        was the oracle's largest host cost with every expert cached: the
+        oracle on a next-use handle over 48 tokens (tiny OLMoE, host
+        backend, this project's 2-core VM) took 26.2 us of host time a layer
+        with hints, 17.6 without them (this rule), against 17.8 for the
+        oracle on an lru handle and 14.8 with no predictor; in BM6 on the
+        H200 the oracle row took 68-77 us a layer against 40-54 for the
+        others.
         So with ``hints=None`` they go only to a next-use handle that may
         evict. The check is the prefetcher's, cached per registration
         (``holds_every_expert``); the guesses are not affected."""
@@ -480,8 +480,8 @@ class OraclePredictor(RoutePredictor):
         reads nearly every expert, and the oracle's guesses, two layers
         ahead, can evict residents the next layers were about to read. In
         BM6 on the H200 the oracle's time to first token was 1.22-1.24x its
-        floor against on-demand's 1.07x (runs 56, 59); on the CPU proxy
-        (tools/prefill_copies.py) the oracle's prefill copied 814-986 experts
+        floor against on-demand's 1.07x; on a CPU proxy of the prefill's
+        copies the oracle's prefill copied 814-986 experts
         over seven runs against on-demand's 875, and 881-887 or fewer with
         these hints (the counts move with the copy workers' timing). So the
         first predict of a request hints, for every (layer, expert) the trace

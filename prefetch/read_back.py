@@ -8,14 +8,14 @@ when the copy workers should be issuing the guesses for the next layer.
 `tensor.cpu()` copies into pageable memory, which the driver cannot do
 asynchronously: the calling thread sits inside the copy call until the
 stream reaches it, and on the H200 machine the copy workers' own
-`cuMemcpyHtoDAsync` calls were held up for as long. Measured with
-`tools/speculation_start_probe.py` (routings of 42 of 64 experts, guesses
-for the next layer, a GPU chain after the misses; run 68): with the host
-waiting in `.cpu()` the engine copied 1.0 guesses a layer whether the chain
-took 0, 300 or 800 us, and each layer grew by the chain; waiting in a stream
-synchronize instead, 1.0 / 2.0 / 4.0, the layer's time flat. BM6 and BM7
-at batch 8 had shown the same: 97 % of the gate's guesses cancelled before
-their copy while the link idled through the chain.
+`cuMemcpyHtoDAsync` calls were held up for as long. A one-off probe on that
+machine (routings of 42 of 64 experts, guesses for the next layer, a GPU
+chain after the misses) measured it: with the host waiting in `.cpu()` the
+engine copied 1.0 guesses a layer whether the chain took 0, 300 or 800 us,
+and each layer grew by the chain; waiting in a stream synchronize instead,
+1.0 / 2.0 / 4.0, the layer's time flat. BM6 and BM7 at batch 8 had shown the
+same: 97 % of the gate's guesses cancelled before their copy while the link
+idled through the chain.
 
 `to_host` copies into a page-locked buffer instead. PyTorch makes that
 copy as cudaMemcpyAsync then cudaStreamSynchronize on the tensor's
@@ -23,12 +23,12 @@ device's current stream, and into page-locked memory the first call only
 enqueues: the thread waits in the synchronize, which holds nothing the
 copy workers need. One PyTorch call, as `.cpu()` was: the first version
 (pinned copy with non_blocking, an event recorded and waited on, under a
-stream context) took five PyTorch calls: in run 69 BM5's sync phase (the
-read-back, the wait for the GPU included) measured 129-177 us a layer for
-every row, against 25-58 in runs 39 and 46. The values come
-back as a copy (the buffer is reused by the next read). Buffers are per
-thread and device, so threads never share one, and a read never overlaps
-the last one on its thread, which waited for its copy.
+stream context) took five PyTorch calls: on the H200 host BM5's sync phase
+(the read-back, the wait for the GPU included) measured 129-177 us a layer
+for every row, against 25-58 with `.cpu()`. The values come back as a copy
+(the buffer is reused by the next read). Buffers are per thread and device,
+so threads never share one, and a read never overlaps the last one on its
+thread, which waited for its copy.
 """
 from __future__ import annotations
 

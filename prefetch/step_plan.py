@@ -16,7 +16,7 @@ __all__ = ["HostStepPlan"]
 # acquired, then its compute launched) every microsecond of host work
 # between the read-back and the launch is added to the step, and at batch 1
 # the host's work is the step: BM5's replay of the gemma-4 trace on the
-# H200 host (run 118) took 436 us a layer with every expert resident and
+# H200 host took 436 us a layer with every expert resident and
 # 666 us with the oracle, whose copies were nearly all in time (hit 0.97):
 # its acquire cost 90-100 us a layer more than the resident gather (the
 # engine call 39-45 of it) and its predictor 24 more. Yet the oracle knows

@@ -45,7 +45,7 @@ class PathChoice:
     starts. With a cache smaller than what one step reads, the oracle missed
     under 3 % on synced steps and over 10 % on sync-free ones, so the path
     flipped every step: OLMoE-1B-7B at batch 1 and a tenth of the experts
-    cached (BM6, run 156) took 33 sync-free steps of 70 with 37 switches,
+    cached (BM6 on the H200) took 33 sync-free steps of 70 with 37 switches,
     copied 3,715 experts against 1,884 for the same row kept synced (Belady:
     1,669) and ran 1.43x the resident model against 1.33. So a sync-free run
     that a switch began and that ends within _TRY_STEPS steps is a failed
@@ -266,14 +266,14 @@ class SyncFreeDecode:
     # A decode whose cache holds its working set runs sync-free steps that
     # miss nothing and fetch nothing, and each of its layers still made an
     # engine call (release the last layer's pins, pin this one's): 31-42 us
-    # a layer inside generate on the H200 host (runs 49-51), a third of what
+    # a layer inside generate on the H200 host, a third of what
     # an offloaded layer adds to the resident model's. In such a step
     # nothing needs a free slot, so at layer 0 of a step whose last step
     # missed nothing, with nothing to fetch or guess and no copy queued,
     # one call pins every resident expert of every layer this rank owns
     # (and reports the last step's uses and sends its next-use hints: an
-    # oracle on a next-use handle has hints every step, and run 56 found
-    # it steady on no step while a step with hints was not); the other
+    # oracle on a next-use handle has hints every step, and on the H200 it
+    # was steady on no step while a step with hints was not); the other
     # layers make no engine call, and the last layer releases them all, as
     # it releases its own pins on the layer-by-layer path, so nothing stays
     # pinned between steps and copies queued by others find free slots
@@ -288,7 +288,7 @@ class SyncFreeDecode:
     # -- Note [Step pins]
     # A predictor that knows a whole step ahead (the oracle: `step_reads`)
     # made each layer of a sync-free step pay for an engine call and its
-    # own guesses: on BM6's gemma-4 trace (H200, run 122) 120 us of host
+    # own guesses: on BM6's gemma-4 trace on the H200, 120 us of host
     # work and 50 us in the engine a layer, against 37 ms a resident step
     # of 30 layers, and the oracle ran 1.21-1.24x the resident model where
     # its copies were all landed in time. Yet at a step's first layer it
@@ -382,7 +382,7 @@ class SyncFreeDecode:
         predictor went steady only after _IDLE_STEPS_TO_PROBE steps that
         asked for no copy, and each first copy of an expert started that
         count again: the oracle was steady on 20 of BM6's steps at a full
-        cache where on-demand was on 39 (run 59). A pin that went stale
+        cache where on-demand was on 39. A pin that went stale
         since (an eviction by a copy that ran after it) is read from host
         memory on the steady step, and that miss puts the next step back
         on the layer-by-layer path."""
@@ -398,7 +398,7 @@ class SyncFreeDecode:
         """No copy waits for a slot. (Not `bytes_in_flight == 0`: on CUDA
         that gauge drops only when the copy worker next wakes, so after a
         step's last copy it stayed above 0 and no step was steady on the
-        H200, run 52. A copy still in flight when its expert is pinned costs
+        H200 host. A copy still in flight when its expert is pinned costs
         a wait on its event on the stream (Note [Pins without waiting]); in
         a steady step the last such copy was issued two steps ago or
         earlier.)"""
@@ -566,17 +566,17 @@ class SyncFreeDecode:
     # sync-free step of the gate with no trace and no guess left to score
     # that pass did nothing, at about 4 us a layer: read_routings took
     # 408-424 us a step with the gate against 200-222 with no predictor on
-    # the development VM (tools/layer_overhead.py --layers 48 --share 0.5
-    # --tokens 32, a 48-layer tiny OLMoE, 31 sync-free steps), the one thing
+    # the development VM (a 48-layer tiny OLMoE, half its experts cached,
+    # 32 tokens, 31 sync-free steps), the one thing
     # the gate's sync-free decode did that on-demand's did not. A predictor
     # says `observes = False` when its observe does nothing; then with no
     # guess pending the pass runs only to record the trace, which it does
     # without observe's other work. After: 194-207 us with the gate, 200-226
     # with none; with --record-trace (BM6's engine rows record) 294-322 us
-    # against 407-449 before (stop 51 in docs/results.md). The trace then
+    # against 407-449 before. The trace then
     # takes the step's rows in one numpy pass (RoutingTrace.add_routed):
-    # 63 us a step at the median against 103 for a per-layer `add`
-    # (docs/results/stop51/trace_record_cost.py).
+    # 63 us a step at the median against 103 for a per-layer `add`, on
+    # the development VM too.
 
     def flush(self) -> None:
         """Reads every routing noted on the sync-free path and not read yet,

@@ -173,8 +173,8 @@ void ArcherPrefetchHandle::TrackSpecChunkLocked(DeviceState* dev,
 // gpt-oss-120b replay (47.5 MiB experts, the oracle's copies known a step
 // ahead) moved 44.7 GB/s of the link's 55.1 on a slow host with the oracle
 // hitting 92 % of its reads, and with a cap of four chunks 46.4 GB/s and 98 %
-// (run 145; run 144: 90 % and 94 %), while on a fast host the two caps
-// were alike (85 % and 86 %, run 146). So the worker counts an underrun
+// (another run: 90 % and 94 %), while on a fast host the two
+// caps were alike (85 % and 86 %). So the worker counts an underrun
 // each time a wait it made because speculation had reached the cap ends
 // with no speculative chunk left on the link (stats' spec_underruns). With
 // the default cap (max_speculative_bytes_in_flight=None) each underrun
@@ -232,7 +232,7 @@ void ArcherPrefetchHandle::RetireSpecChunksLocked(DeviceState* dev) {
 // for the worker's wake-up (a poll of copy_poll_us, the lock, the slot, the
 // driver call) once per entry. BM5's gpt-oss-120b replay, where the link
 // sets the pace (47.5 MiB experts, twelve chunks), moved 43.8 GB/s of the
-// link's 54.7 with the oracle's copies known a step ahead (run 131). The
+// link's 54.7 with the oracle's copies known a step ahead. The
 // cap now counts the speculative chunks themselves, across entries
 // (dev->spec_chunks): the next entry's first chunk goes as soon as it fits
 // beside the chunks still on the link, as a chunk of the same entry
@@ -367,10 +367,10 @@ bool ArcherPrefetchHandle::WaitForRoomInFlightLocked(
 // chunks of a speculative copy (Note [Speculation in chunks]). On CUDA the
 // backend's Wait is cuEventSynchronize on an event made with default
 // flags, which spins a CPU in the driver until the copy is done. Beside the
-// serving thread that costs: in run 85 (tools/copy_interference_probe.py,
-// BM5's resident gpt-oss-120b decoder on the H200 host) a second thread
-// copying and spin-waiting slowed the decoder 1.13x, the same thread
-// sleeping in its waits 1.07x, copies queued by the serving thread itself
+// serving thread that costs: in a one-off probe with BM5's resident
+// gpt-oss-120b decoder on the H200 host, a second thread copying and
+// spin-waiting slowed the decoder 1.13x, the same thread sleeping in
+// its waits 1.07x, copies queued by the serving thread itself
 // 1.01x. So with copy_poll_us > 0 (default 20) the worker asks whether the
 // copy is done (Query: one cuEventQuery) and sleeps copy_poll_us between
 // asks, its thread's timer slack at 1 us (Linux) so that a sleep is about

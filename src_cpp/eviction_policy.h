@@ -173,7 +173,7 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // evicted first, never an exception.
 //
 // Note [Next-use buckets]
-// Until stop 47 the entries sat in one std::set keyed by (next_use, touch
+// The entries used to sit in one std::set keyed by (next_use, touch
 // sequence), and every use, request or hint re-keyed the entry's node: a
 // walk down a tree of every resident entry, whose nodes are cold between
 // decode layers. A step plan's engine call (Note [Host-routed step pins] in
@@ -190,13 +190,13 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // The unhinted entries keep the set, ordered by touch sequence alone: a
 // hint cleared (NO_NEXT_USE, which the oracle sends for an expert its trace
 // never reads again) puts the entry back by its last touch, which needs a
-// search. Stop 47's first buckets did that search by walking the unhinted
+// search. The first buckets did that search by walking the unhinted
 // bucket (clearing 384 hints among 6,144 entries: 7.3-7.6 ms against the
 // set's 50 us, bench/engine_path.py's hints-clear row); a bucket of the
 // unhinted in arrival order needed none, but put a cleared entry behind
 // every unhinted one, and the oracle then hit less when a sequence was
-// generated again (tools/layer_overhead.py --share 0.25 --predictor oracle
-// --policy next-use: 0.954-0.958 against 0.973-0.981). A touch of an
+// generated again (a tiny OLMoE on the development VM, a quarter cached,
+// the oracle on next-use: 0.954-0.958 against 0.973-0.981). A touch of an
 // unhinted entry re-keys its own node; nodes of entries that left the set
 // are kept for the next ones to enter it.
 class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
