@@ -16,6 +16,12 @@ next one, on the current CUDA stream. Rows, each the median over
                     in the engine
   separate-calls    the pre-step path: prefetch_tensors + acquire_slots +
                     release, three calls
+  by-hand-separate  the same three through ExpertPrefetcher, as a serving
+                    stack's own layer calls them (prefetch_experts,
+                    acquire_experts, release_experts): (layer, expert) to
+                    ids and the weights' views included
+  by-hand-layer     ExpertPrefetcher.layer: the same work in one call (the
+                    step), weights' views included
   pin-layer         the sync-free decode path's call (Note [Pins without
                     waiting]): release the previous layer's pins, pin every
                     resident expert of this layer (`experts` ids, each
@@ -130,9 +136,21 @@ def main(argv=None) -> int:
         handle.acquire_slots(ids, stream=stream)
         handle.release(ids, stream=stream)
 
+    def by_hand_separate(layer, experts, guess):
+        pf = ctl.prefetcher
+        pf.prefetch_experts((layer + 1) % args.layers, guess, 1)
+        pf.acquire_experts(layer, experts, stream=stream)
+        pf.release_experts(layer, experts, stream=stream)
+
+    def by_hand_layer(layer, experts, guess):
+        ctl.prefetcher.layer(layer, experts, prefetch={(layer + 1) % args.layers: guess}, priority=1, stream=stream)
+
     timed("step", step)
     if held[0] is not None:
         handle.release(held[0], stream=stream)
+    timed("by-hand-separate", by_hand_separate)
+    timed("by-hand-layer", by_hand_layer)
+    ctl.prefetcher.release_held(stream=stream)
     timed("exchange", exchange)
     ctl.release_held(stream)
     timed("separate-calls", separate)
@@ -167,7 +185,8 @@ def main(argv=None) -> int:
     return 0
 
 
-ROWS = ("step", "exchange", "separate-calls", "pin-layer", "step-plan", "hints-one-time", "hints-clear")
+ROWS = ("step", "by-hand-separate", "by-hand-layer", "exchange", "separate-calls", "pin-layer", "step-plan",
+        "hints-one-time", "hints-clear")
 
 
 def not_measured(args, exc) -> int:

@@ -145,6 +145,7 @@ class ExpertPrefetcher:
             getattr(engine, "arena", None))
         self._views: dict[int, tuple[int, int, dict]] = {}  # tensor id -> (offset, device, weights)
         self._arenas: dict[int, object] = {}  # device -> torch uint8 arena
+        self._held = None  # the ids the last `layer` call acquired, released by the next
 
     # ------------------------------------------------------------ registry
 
@@ -288,18 +289,25 @@ class ExpertPrefetcher:
 
     def tensor_ids(self, layer_id: int, expert_list) -> np.ndarray:
         """The tensor ids of `expert_list` in layer `layer_id`, in order, as
-        a contiguous int64 array. Unknown experts raise KeyError."""
+        a contiguous int64 array. Unknown experts raise UnknownIdError."""
         experts = as_id_array(expert_list)
         table = self._ids.get(int(layer_id))
+        n = experts.shape[0]
         if table is None:
-            if experts.shape[0] == 0:
+            if n == 0:
                 return experts
             raise UnknownIdError(f"layer {layer_id} has no registered experts")
-        if experts.shape[0] and (experts.min() < 0 or experts.max() >= table.shape[0]):
+        if not n:
+            return table[experts]
+        # A layer's few experts: Python's min and max over ints beat two
+        # numpy reductions each (most of a by-hand layer's Python time).
+        listed = experts.tolist() if n <= 64 else None
+        low, high = (min(listed), max(listed)) if listed is not None else (experts.min(), experts.max())
+        if low < 0 or high >= table.shape[0]:
             bad = experts[(experts < 0) | (experts >= table.shape[0])][0]
             raise UnknownIdError(f"expert ({layer_id}, {int(bad)}) is not registered")
         ids = table[experts]
-        if ids.shape[0] and ids.min() < 0:
+        if (min(ids.tolist()) if listed is not None else ids.min()) < 0:
             bad = experts[ids < 0][0]
             raise UnknownIdError(f"expert ({layer_id}, {int(bad)}) is not registered")
         return ids
@@ -368,7 +376,7 @@ class ExpertPrefetcher:
         views costs, which on a slow host is most of an acquire."""
         return self.weights_in_slots(ids, self.engine.acquire_slots(ids, stream=stream, timeout=timeout))
 
-    def weights_in_slots(self, ids: np.ndarray, where: np.ndarray) -> list[dict]:
+    def weights_in_slots(self, ids: np.ndarray, where: np.ndarray, *, copy: bool = True) -> list[dict]:
         """Per tensor id of `ids` (acquired, with their (offset, device) rows
         `where`, as acquire_slots or PrefetchHandle.step returns them), a
         dict of weight name to a view of its cache slot (valid until
@@ -381,7 +389,7 @@ class ExpertPrefetcher:
             if known is None or known[0] != offset or known[1] != device:
                 known = (offset, device, self._weights(tid, self._arena(device)[offset:]))
                 cache[tid] = known
-            experts.append(dict(known[2]))  # the caller may change its dict
+            experts.append(dict(known[2]) if copy else known[2])  # a caller may change its copy
         return experts
 
     def _arena(self, device: int):
@@ -408,6 +416,48 @@ class ExpertPrefetcher:
             yield weights
         finally:
             self.engine.release(ids, stream=stream)
+
+    def layer(self, layer_id: int, expert_list, *, prefetch=None, priority: int = DEFAULT_PRIORITY, stream=None,
+              timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> list[dict]:
+        """One MoE layer's work in one engine call (PrefetchHandle.step), as
+        the engine's step is to its separate calls: releases the experts the
+        previous `layer` call acquired (after the work queued on `stream`),
+        acquires `expert_list` of `layer_id`, and queues `prefetch`
+        ({later layer: experts}, your guesses) at `priority`. Returns, per
+        expert, its weights as views of the cache, valid until the next
+        `layer` call or `release_held` (the dicts are the prefetcher's own:
+        read them, do not change them). Bad input raises before anything
+        changes; an acquire that fails later (a timeout, a failed copy)
+        leaves the previous layer's experts released."""
+        if not self._slot_views:
+            raise InvalidArgumentError("layer() needs an engine with step, acquire_slots and arena (PrefetchHandle)")
+        ids = self.tensor_ids(layer_id, expert_list)
+        guesses = None
+        if prefetch:
+            parts = [self.tensor_ids(later, experts) for later, experts in prefetch.items()]
+            guesses = parts[0] if len(parts) == 1 else np.concatenate(parts)
+        layouts = self._layouts
+        for tid in ids.tolist():
+            if not layouts[tid]:
+                raise InvalidArgumentError(f"tensor id {tid} was adopted without a layout of weights: acquire it on "
+                                           "the handle instead")
+        try:
+            where = self.engine.step(ids, release=self._held, prefetch=guesses, band=priority, stream=stream,
+                                     timeout=timeout)
+        except (InvalidArgumentError, UnknownIdError):
+            raise  # checked before anything changed: the previous layer's experts are still held
+        except BaseException:
+            self._held = None  # the release ran before the acquire failed
+            raise
+        self._held = ids
+        return self.weights_in_slots(ids, where, copy=False)
+
+    def release_held(self, *, stream=None) -> None:
+        """Releases the experts the last `layer` call acquired (a no-op when
+        none are held), e.g. after a forward's last layer."""
+        held, self._held = self._held, None
+        if held is not None:
+            self.engine.release(held, stream=stream)
 
     def registered_experts(self) -> Iterable[tuple[int, int]]:
         for layer_id, table in self._ids.items():

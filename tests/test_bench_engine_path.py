@@ -11,7 +11,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 
 from bench import engine_path  # noqa: E402
 
-ROWS = {"step", "exchange", "separate-calls", "pin-layer", "step-plan", "hints-one-time", "hints-clear"}
+ROWS = {"step", "by-hand-separate", "by-hand-layer", "exchange", "separate-calls", "pin-layer", "step-plan",
+        "hints-one-time", "hints-clear"}
 
 
 def test_engine_path_reports_every_row_on_the_host_backend(tmp_path):

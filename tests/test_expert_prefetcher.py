@@ -392,3 +392,52 @@ def test_cache_slot_bytes_is_what_the_engine_charges(make_handle, nbytes):
     h.acquire_slots([0])
     h.release([0])
     assert h.stats()["resident_bytes"] == cache_slot_bytes(nbytes)
+
+
+def test_layer_makes_one_engine_call_and_releases_the_previous_layer(rng):
+    # ExpertPrefetcher.layer: release the last layer's experts, acquire this
+    # layer's, queue the guesses, in one step; the weights are the bytes
+    # registered; bad input raises before anything changes.
+    import torch
+
+    import prefetch
+
+    handle = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host")
+    pf = prefetch.ExpertPrefetcher(handle)
+    want = {}
+    for layer in range(3):
+        for expert in range(4):
+            w = torch.from_numpy(rng.standard_normal(64).astype(np.float32) + 1.0)
+            want[layer, expert] = w
+            pf.register_expert(layer, expert, {"w": w})
+    try:
+        calls = []
+        real_step = handle.step
+
+        class Counting:
+            def __getattr__(self, name):
+                if name == "step":
+                    def step(*a, **k):
+                        calls.append(k.get("release") is not None)
+                        return real_step(*a, **k)
+                    return step
+                return getattr(handle, name)
+
+        pf.engine = Counting()
+        got = pf.layer(0, [1, 3], prefetch={1: [0, 2]})
+        assert [torch.equal(g["w"], want[0, e]) for g, e in zip(got, (1, 3))] == [True, True]
+        assert handle.stats()["pinned_count"] == 2
+        got = pf.layer(1, [0, 2], prefetch={2: [1]})
+        assert [torch.equal(g["w"], want[1, e]) for g, e in zip(got, (0, 2))] == [True, True]
+        assert calls == [False, True] and handle.stats()["pinned_count"] == 2  # layer 0's released
+        before = (handle.stats()["pinned_count"], handle.queued())
+        with pytest.raises(prefetch.UnknownIdError):
+            pf.layer(2, [7])
+        with pytest.raises(prefetch.UnknownIdError):
+            pf.layer(2, [0], prefetch={9: [0]})
+        assert (handle.stats()["pinned_count"], handle.queued()) == before  # unchanged
+        pf.release_held()
+        assert handle.stats()["pinned_count"] == 0
+        pf.release_held()  # a no-op now
+    finally:
+        handle.close()
