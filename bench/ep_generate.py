@@ -291,7 +291,7 @@ def run_model(torch, dist, name, args, cuda, device, dtype, rank, world, rows):
             if args.no_single:
                 continue
             for share in args.shares:
-                budget = int(share * state.total_bytes)
+                budget = state.cache_bytes(share)
                 figures, ids, host = run_row(torch, model, state, p, args, sync, timer_sync, budget, None, backend_kw,
                                              host)
                 single[(batch, share)] = figures["p50_ms"]

@@ -1129,3 +1129,21 @@ def test_bad_sizes_get_a_usage_error_before_any_row(argv, message, capsys):
         generate.main(["--smoke-cpu", *argv])
     assert exc.value.code == 2
     assert message in capsys.readouterr().err
+
+
+def test_a_full_share_holds_every_expert_whatever_its_padding():
+    # gpt-oss's biases pad its experts' parts to 256-byte boundaries: a
+    # budget of share x the tensors' bytes held a few experts too few, so
+    # BM6's "every expert cached" rows evicted and copied.
+    import torch
+
+    from bench.lib.generate_model import SMOKE_MODELS, ModelState, build_model
+
+    family, shape = SMOKE_MODELS["smoke-gpt-oss"]
+    shape = {**shape, "hidden_size": 40, "intermediate_size": 24}  # a bias of 40 fp32 values: 160 bytes, padded
+    model = build_model(torch, family, shape, 64, torch.device("cpu"), torch.float32)
+    state = ModelState(model)
+    assert state.layout.slot_bytes * state.num_experts * state.num_layers > state.total_bytes  # padded
+    slots = state.cache_bytes(1.0) // state.layout.slot_bytes
+    assert slots == state.num_layers * state.num_experts
+    assert state.cache_bytes(0.25) // state.layout.slot_bytes == state.num_layers * state.num_experts // 4

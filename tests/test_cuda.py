@@ -359,6 +359,7 @@ def test_disk_tier_copies_byte_exact_to_the_gpu(tmp_path):
             with torch.cuda.stream(stream):
                 got = arena[off:off + tensors[tid][1]].clone()
             h.release([tid], stream=stream)
+            stream.synchronize()  # the clone ran on `stream`; .cpu() below reads on the current stream
             assert torch.equal(got.cpu(), want[tid]), f"tensor {tid} (acquire {i}) differs from the file"
         s = h.stats()
         assert s["copy_errors"] == 0 and s["disk_errors"] == 0

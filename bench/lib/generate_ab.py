@@ -502,7 +502,7 @@ def run_ab(block: Block, name: str, share: float, started: float) -> dict:
     def trace():  # a new trace object for each side (the oracle's), or None
         return oracle_trace(block, share) if oracle else None
 
-    budget = int(share * block.state.total_bytes)
+    budget = block.state.cache_bytes(share)
     twin, block.twin = block.twin, None
     block.twin_reason = "used by --ab"
     try:

@@ -110,6 +110,15 @@ class ModelState:
         self.device = first.device
         self.parked = None  # Note [Parked resident experts]: the HostExperts they come back from
 
+    def cache_bytes(self, share: float) -> int:
+        """An engine cache holding `share` of every layer's experts: whole
+        cache slots (an expert's slot is its parts, each 256-byte aligned,
+        so a layout with a bias of 2,880 bf16 values, gpt-oss, takes a few
+        hundred bytes more than its tensors): share 1.0 then holds every
+        expert, where share x the tensors' bytes fell a few experts short."""
+        count = self.num_layers * self.num_experts
+        return max(1, int(share * count + 1e-9)) * self.layout.slot_bytes
+
     def park(self, host) -> None:
         """Note [Parked resident experts]
         A row keeps the resident experts on the GPU (restore() puts them

@@ -336,7 +336,7 @@ def run_row(block: Block, row: str, share, trace=None) -> dict:
     """Sets up `row`, runs the warm-up, measured and TTFT generates, tears
     down and restores the model. Returns the figures."""
     torch, args = block.torch, block.args
-    budget = None if share is None else int(share * block.state.total_bytes)
+    budget = None if share is None else block.state.cache_bytes(share)
     new_tokens = args.accelerate_tokens if row == "accelerate-cpu-offload" else args.new_tokens
     warm_tokens = 1 if row == "accelerate-cpu-offload" else args.warmup_tokens
     out = {"budget_bytes": budget, "new_tokens": new_tokens}
