@@ -91,13 +91,12 @@ def _refused(model, checkpoint, match, per):
     assert [(e.gate_up_proj.shape, e.gate_up_proj.device) for _, e, _ in find_hf_moe_blocks(model)] == before
 
 
-def test_a_checkpoint_that_does_not_fit_is_refused(tmp_path):
-    ref = build(family_configs()["qwen3_moe"])
-    per, _ = expert_bytes(ref)
+def checkpoint_variants(ref, tmp_path):
+    """`ref`'s one-shard checkpoint (folder, shard name, its tensors) and a
+    maker of folders holding an altered copy of those tensors."""
     folder = saved(ref, tmp_path / "ok")
     shard = next(p for p in os.listdir(folder) if p.endswith(".safetensors"))
     on_disk = safetensors_torch.load_file(os.path.join(folder, shard))
-    assert "model.layers.1.mlp.experts.2.up_proj.weight" in on_disk
 
     def variant(name, change):
         d = tmp_path / name
@@ -106,6 +105,15 @@ def test_a_checkpoint_that_does_not_fit_is_refused(tmp_path):
         change(tensors)
         safetensors_torch.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
         return d
+
+    return folder, shard, on_disk, variant
+
+
+def test_a_checkpoint_that_does_not_fit_is_refused(tmp_path):
+    ref = build(family_configs()["qwen3_moe"])
+    per, _ = expert_bytes(ref)
+    folder, shard, on_disk, variant = checkpoint_variants(ref, tmp_path)
+    assert "model.layers.1.mlp.experts.2.up_proj.weight" in on_disk
 
     missing = variant("missing", lambda t: t.pop("model.layers.1.mlp.experts.2.up_proj.weight"))
     _refused(experts_on_meta(copy.deepcopy(ref)), missing, r"experts\.2\.up_proj\.weight' is not in", per)
@@ -351,19 +359,9 @@ def test_fused_expert_tensors_that_do_not_fit_are_refused(tmp_path):
     # each is checked against the model before anything is read.
     ref = build(family_configs()["gpt_oss"])
     per, _ = expert_bytes(ref)
-    folder = saved(ref, tmp_path / "ok")
-    shard = next(p for p in os.listdir(folder) if p.endswith(".safetensors"))
-    on_disk = safetensors_torch.load_file(os.path.join(folder, shard))
+    _, _, on_disk, variant = checkpoint_variants(ref, tmp_path)
     bias = "model.layers.1.mlp.experts.down_proj_bias"
     assert bias in on_disk and on_disk[bias].dim() == 2
-
-    def variant(name, change):
-        d = tmp_path / name
-        d.mkdir()
-        tensors = dict(on_disk)
-        change(tensors)
-        safetensors_torch.save_file(tensors, str(d / "model.safetensors"), metadata={"format": "pt"})
-        return d
 
     _refused(experts_on_meta(copy.deepcopy(ref)), variant("nobias", lambda t: t.pop(bias)),
              r"down_proj_bias' is not in the checkpoint", per)
