@@ -36,9 +36,9 @@ import torch
 
 from prefetch.checkpoint import TensorLocation, index_checkpoint
 from prefetch.errors import CheckpointError
-from prefetch.hf_blocks import block_names, model_device  # noqa: F401  (re-exported)
+from prefetch.progress import report_progress
 
-__all__ = ["block_names", "expert_locations", "fill_from_checkpoint", "model_device", "register_from_disk"]
+__all__ = ["expert_locations", "fill_from_checkpoint", "register_from_disk"]
 
 # (gate, up, down) name templates under a decoder layer's prefix, for
 # checkpoints that keep one tensor per expert.
@@ -144,7 +144,6 @@ def fill_from_checkpoint(buffer: torch.Tensor, rows: np.ndarray, stride: int, ch
     at rows[layer, e] * stride, in `layout` (Note [Experts from the
     checkpoint])."""
     from prefetch._disk import DiskReader, aligned_empty
-    from prefetch.progress import report_progress
 
     index = checkpoint if isinstance(checkpoint, dict) else index_checkpoint(checkpoint)
     experts = expert_locations(index, experts_names, chosen, layout)

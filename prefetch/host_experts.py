@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from prefetch._engine import SLOT_ALIGNMENT, fill_rows, same_offsets
+from prefetch.checkpoint_experts import fill_from_checkpoint
 from prefetch.errors import InvalidArgumentError, OutOfMemoryError, UnknownIdError
 from prefetch.hf_blocks import ExpertsLayout
 from prefetch.progress import report_progress
@@ -82,8 +83,6 @@ class HostExperts:
         if checkpoint is None:
             self._pack_modules(hf_blocks, chosen, total, progress)
         else:
-            from prefetch.checkpoint_experts import fill_from_checkpoint
-
             if experts_names is None or len(experts_names) != self.num_layers:
                 raise InvalidArgumentError("checkpoint needs experts_names: the module path of each experts module")
             fill_from_checkpoint(self.buffer, self._row, self.stride, checkpoint, experts_names, chosen,
