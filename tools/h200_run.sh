@@ -29,17 +29,28 @@ fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$out/gpu.txt"
 python3 -c "import torch, Cython, sys, transformers; print(sys.version.split()[0], torch.__version__, Cython.__version__, 'transformers', transformers.__version__)" | tee -a "$out/gpu.txt"
 # Steps other than tox use the system python3 with an in-place build.
-ls prefetch/_engine.cpython-*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1
+# (Not when every step goes through tox, which builds in its own env.)
+if [ -n "$(echo " $steps " | sed -E 's/ (tox|toxnewest|toxsoak|toxcsan)( (tox|toxnewest|toxsoak|toxcsan))*//g; s/ //g')" ]; then
+  ls prefetch/_engine.cpython-*.so >/dev/null 2>&1 || python3 setup.py -q build_ext --inplace >"$out/build.log" 2>&1
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 status=0
 for step in $steps; do
   case $step in
-    tox)
-      python3 -m tox -e gpu -- -ra -q tests 2>&1 | tee "$out/tox_gpu.log" | tail -40 || status=1 ;;
-    toxnewest)
-      # tox -e gpu on the newest supported transformers (the wheels in .whl/tf).
-      PREFETCH_HF_WHEELS="$PWD/.whl/tf" python3 -m tox -e gpu-newest -- -ra -q tests 2>&1 \
-        | tee "$out/tox_gpu_newest.log" | tail -40 || status=1 ;;
+    tox|toxnewest)
+      # The whole suite in two tox runs of one env: the tests not marked gpu over
+      # XDIST (default 8) pytest-xdist workers, then the gpu-marked ones alone in
+      # one process (they compare the device's free memory and time streams).
+      # toxnewest: tox -e gpu-newest, the newest supported transformers (.whl/tf).
+      env=gpu; log=tox_gpu
+      [ "$step" = toxnewest ] && env=gpu-newest && log=tox_gpu_newest
+      for part in "not gpu" gpu; do
+        xdist=(); [ "$part" = "not gpu" ] && xdist=(-n "${XDIST:-8}")
+        echo "== tox -e $env -m \"$part\"" | tee -a "$out/$log.log"
+        PREFETCH_HF_WHEELS="$PWD/.whl/tf" python3 -m tox -e "$env" -- -ra -q --durations=10 "${xdist[@]}" \
+          -m "$part" tests 2>&1 | tee -a "$out/$log.log" | tail -25
+        [ "${PIPESTATUS[0]}" = 0 ] || status=1
+      done ;;
     bm2)
       bm2_args="--warmup ${BM2_WARMUP:-20} --iterations ${BM2_ITERS:-200}"
       python3 bench/issuance.py --backend host $bm2_args --json "$out/bm2_host.json" 2>&1 | tee "$out/bm2_host.txt"
