@@ -1,6 +1,7 @@
 // Helpers shared by the files that implement ArcherPrefetchHandle
-// (archer_prefetch_handle.cpp: construction, registration, prefetch and
-// control; acquire_release.cpp; copy_worker.cpp). Not part of the API.
+// (archer_prefetch_handle.cpp: construction, checks and control;
+// prefetch_cancel.cpp; registry.cpp; acquire_release.cpp; copy_worker.cpp;
+// host_tier.cpp). Not part of the API.
 #pragma once
 
 #include <chrono>

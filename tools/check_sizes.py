@@ -28,8 +28,6 @@ SUFFIXES = {".py", ".pyx", ".pxi", ".pxd", ".cpp", ".h"}
 PENDING = {
     "prefetch/controller.py": 1070,
     "prefetch/_engine.pyx": 643,
-    "src_cpp/archer_prefetch_handle.cpp": 631,
-    "src_cpp/archer_prefetch_handle.h": 614,
 }
 PENDING_FUNCTIONS = {"prefetch/_engine.pyx:step": 89}
 
