@@ -115,6 +115,41 @@ cdef inline int _as_priority(object priority) except -1:
     return p
 
 
+# Note [priority, formerly band]
+# How urgent a queued copy is has one public name, ``priority`` (0 most
+# urgent .. NUM_BANDS - 1), as in ``prefetch_tensors``; the engine's own
+# word for it, a band of its queue, stays inside the C++. Some calls took
+# ``band=`` first (``exchange``, then called ``step``, and
+# ``cancel_at_or_below``/``cancel_below``): they still take it, as a
+# deprecated old name that goes in a later release. Given alone it is
+# used, with a DeprecationWarning; given with ``priority`` it is a
+# TypeError, since the two could disagree.
+class _DefaultPriority:
+    """The default of an ``exchange(priority=...)`` left out: the engine's
+    default band, told apart from a priority given (which a band= given
+    too would contradict)."""
+
+    def __repr__(self):
+        return "DEFAULT_PRIORITY"
+
+
+cdef object _DEFAULT_PRIORITY_ARG = _DefaultPriority()
+
+
+cdef int _priority_arg(object priority, object band, str call) except -1:
+    """The band a call's ``priority`` (or its old name ``band``) names
+    (Note [priority, formerly band]); `call` names the call in the errors."""
+    if band is None:
+        if priority is _DEFAULT_PRIORITY_ARG:
+            return kDefaultPrefetchBand
+        return _as_priority(priority)
+    if priority is not None and priority is not _DEFAULT_PRIORITY_ARG:
+        raise TypeError(f"{call}() takes priority= or its old name band=, not both")
+    warnings.warn(f"{call}(band=...) is deprecated: write priority=... (band= goes in a "
+                  "later release)", DeprecationWarning, stacklevel=1)
+    return _as_priority(band)
+
+
 cdef inline int64_t _as_single_id(object tensor_id) except? -1:
     if type(tensor_id) is _PY_BOOL:
         raise TypeError("a tensor id must be an integer, got a bool")

@@ -99,8 +99,11 @@ cdef extern from "disk_io.h" namespace "prefetch" nogil:
         uint64_t device
 
 
-cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
+cdef extern from "handle_args.h" namespace "prefetch" nogil:
     const int64_t kMaxTensorId
+    const int kMaxDevices
+    const int64_t kMaxCopyPollUs
+    const int kMaxHandleReaderThreads
 
     cdef cppclass CHandleOptions "prefetch::HandleOptions":
         vector[size_t] device_budget_bytes
@@ -159,6 +162,8 @@ cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
         size_t bytes
         size_t offset
 
+
+cdef extern from "archer_prefetch_handle.h" namespace "prefetch" nogil:
     cdef cppclass CArcherPrefetchHandle "prefetch::ArcherPrefetchHandle":
         CArcherPrefetchHandle(
             CHandleOptions options, unique_ptr[CCopyBackend] backend

@@ -9,6 +9,7 @@ id, takes its lock once and queues them.
 import builtins
 import operator
 import os
+import warnings
 
 import numpy as np
 
@@ -41,6 +42,9 @@ from prefetch._engine cimport (
     kNoStream,
     kDefaultPrefetchBand,
     kMaxCopyLanes,
+    kMaxCopyPollUs,
+    kMaxDevices,
+    kMaxHandleReaderThreads,
     kMaxTensorId,
     kNoNextUse,
     kNumBands,
@@ -60,10 +64,12 @@ SLOT_ALIGNMENT = kSlotAlignmentBytes
 include "_conversions.pxi"
 # The constructor's work: budgets, limits, the backend, the arenas.
 include "_handle_setup.pxi"
-# What the calls share: streams per device, step's arguments, slot tables.
+# What the calls share: streams per device, exchange's arguments, slot tables.
 include "_handle_calls.pxi"
 # PrefetchHandle's base: its fields, control, inspection and test hooks.
 include "_handle_base.pxi"
+# Between the two: registration (host bytes, caller memory, disk extents).
+include "_handle_registry.pxi"
 # The sync-free decode path's per-step bookkeeping (prefetch/sync_free.py).
 include "_routing.pxi"
 
@@ -73,7 +79,7 @@ for _kind, _cls in enumerate(_errors.BY_KIND):
     prefetch_set_error_type(_kind, _cls)
 
 
-cdef class PrefetchHandle(_HandleBase):
+cdef class PrefetchHandle(_HandleRegistry):
     """PrefetchHandle(*, device_budget_bytes, backend='auto', num_devices=None,
         eviction_policy='lru', cycle_acquires=0, copy_chunk_bytes=4194304,
         max_bytes_in_flight=268435456, max_speculative_bytes_in_flight=None,
@@ -89,7 +95,7 @@ cdef class PrefetchHandle(_HandleBase):
 
     device_budget_bytes (required)
         Cache size in bytes: one int for every device, or a list with one int
-        per device (each at least 256). Each device's arena of that size is
+        per device (each at least SLOT_ALIGNMENT, 256). Each device's arena of that size is
         taken once (on CUDA from torch's allocator). A tensor larger than its
         device's budget cannot be registered.
     backend="auto"
@@ -210,11 +216,12 @@ cdef class PrefetchHandle(_HandleBase):
         _check_limits(options, cycle_acquires, copy_chunk_bytes, max_bytes_in_flight,
                       max_speculative_bytes_in_flight, copy_lanes, start_paused,
                       poison_freed_slots, debug_issue_delay_us)
-        options.copy_poll_us = _int_option("copy_poll_us", copy_poll_us, 0, 100000)
+        options.copy_poll_us = _int_option("copy_poll_us", copy_poll_us, 0, kMaxCopyPollUs)
         options.host_budget_bytes = _int_option(
             "host_budget_bytes", host_budget_bytes, 0, _INT64_MAX)
         options.disk_direct_io = _flag_option("disk_direct_io", disk_direct_io)
-        options.disk_reader_threads = _int_option("disk_reader_threads", disk_reader_threads, 1, 64)
+        options.disk_reader_threads = _int_option("disk_reader_threads", disk_reader_threads, 1,
+                                                  kMaxHandleReaderThreads)
         if faults is not None and not isinstance(faults, dict):
             raise TypeError("faults must be a dict of setting -> int")
         cdef unique_ptr[CCopyBackend] cbackend
@@ -231,109 +238,6 @@ cdef class PrefetchHandle(_HandleBase):
         self.eviction_policy = eviction_policy
         self.num_devices = len(budgets)
         self._closed = False
-
-    # ------------------------------------------------------------ registry
-
-    def register(self, tensor_id, data, *, device=0):
-        """Copies the bytes of `data` into engine-owned host memory as
-        `tensor_id`. `data` is bytes, a buffer, a numpy array or a CPU torch
-        tensor; it is read once and may be freed afterwards."""
-        self.register_parts(tensor_id, [(data, 0)], device=device)
-
-    def register_parts(self, tensor_id, parts, *, total_bytes=None, device=0):
-        """Registers one tensor assembled from `parts`, a list of
-        ``(data, byte_offset)`` pairs (packing one expert's weights into one
-        buffer: one copy instead of several). Bytes no part covers are zero.
-        ``total_bytes`` defaults to the end of the last part."""
-        self._check_open()
-        cdef int64_t tid = _as_single_id(tensor_id)
-        arrays = []
-        offsets = []
-        end = 0
-        for item in parts:
-            data, offset = item
-            offset = operator.index(offset)
-            if offset < 0:
-                raise InvalidArgumentError("part offsets must be >= 0")
-            arr = _as_byte_array(data)
-            arrays.append(arr)
-            offsets.append(offset)
-            end = max(end, offset + arr.shape[0])
-        total = end if total_bytes is None else operator.index(total_bytes)
-        if total < 0:
-            raise InvalidArgumentError("total_bytes must be >= 0")
-        cdef int dev = operator.index(device)
-        cdef vector[CHostPart] cparts
-        cdef CHostPart part
-        cdef const unsigned char[::1] view
-        for arr, offset in zip(arrays, offsets):
-            if arr.shape[0] == 0:
-                continue
-            view = arr
-            part.src = &view[0]
-            part.bytes = arr.shape[0]
-            part.offset = offset
-            cparts.push_back(part)
-        cdef size_t ctotal = total
-        with nogil:
-            self._c.RegisterTensor(
-                tid, ctotal, dev, cparts.data(), cparts.size()
-            )
-
-    def register_external(self, tensor_id, data, *, device=0):
-        """Registers `data` (a contiguous CPU torch tensor or numpy array)
-        without copying it: the engine copies straight from its memory. The
-        handle keeps a reference to `data` until unregister or close; do not
-        change its bytes meanwhile. On CUDA, page-locked memory (e.g.
-        ``torch.empty(..., pin_memory=True)``) gives full-speed copies."""
-        self._check_open()
-        cdef int64_t tid = _as_single_id(tensor_id)
-        cdef uintptr_t address
-        cdef size_t nbytes
-        if _is_torch_tensor(data):
-            if data.device.type != "cpu" or not data.is_contiguous():
-                raise InvalidArgumentError("register_external needs a contiguous CPU tensor")
-            address = data.data_ptr()
-            nbytes = data.numel() * data.element_size()
-        elif isinstance(data, np.ndarray):
-            if not data.flags.c_contiguous:
-                raise InvalidArgumentError("register_external needs a C-contiguous array")
-            address = data.ctypes.data
-            nbytes = data.nbytes
-        else:
-            raise TypeError(
-                "register_external needs a CPU torch tensor or a numpy array, "
-                f"got {type(data).__name__}"
-            )
-        cdef int dev = operator.index(device)
-        with nogil:
-            self._c.RegisterExternal(tid, <const void*>address, nbytes, dev)
-        self._external[tid] = data
-
-    def unregister(self, tensor_id):
-        """Forgets a tensor (it must not be acquired or mid-copy)."""
-        self._check_open()
-        cdef int64_t tid = _as_single_id(tensor_id)
-        with nogil:
-            self._c.UnregisterTensor(tid)
-        self._external.pop(tid, None)
-
-    def __contains__(self, tensor_id):
-        """``tensor_id in handle``: whether the id is registered (False for
-        anything that is not a valid id, and after close)."""
-        if self._closed or type(tensor_id) is _PY_BOOL:
-            return False
-        try:
-            tid = operator.index(tensor_id)
-        except TypeError:
-            return False
-        if tid < 0 or tid > kMaxTensorId:
-            return False
-        cdef int64_t ctid = tid
-        cdef bint found
-        with nogil:
-            found = self._c.IsRegistered(ctid)
-        return found
 
     # ------------------------------------------------------------ prefetch
 
@@ -379,20 +283,21 @@ cdef class PrefetchHandle(_HandleBase):
         acquirer waits for). Returns how many were removed."""
         return self._drop(tensor_ids, False)
 
-    def cancel_at_or_below(self, band):
-        """Removes every queued id at `band` or less urgent (band >= `band`).
-        Returns how many were removed. (``cancel_below`` is the same call,
-        under its first name.)"""
+    def cancel_at_or_below(self, priority=None, *, band=None):
+        """Removes every queued id at `priority` or less urgent (priority >=
+        `priority`). Returns how many were removed. (``cancel_below`` is the
+        same call, under its first name.) ``band=`` is the old name of
+        ``priority`` (Note [priority, formerly band])."""
         self._check_open()
-        cdef int b = _as_priority(band)
+        cdef int b = _priority_arg(priority, band, "cancel_at_or_below")
         cdef size_t removed = 0
         with nogil:
             removed = self._c.CancelAtOrBelow(b)
         return removed
 
-    def cancel_below(self, band):
-        """The same as ``cancel_at_or_below`` (this band included)."""
-        return self.cancel_at_or_below(band)
+    def cancel_below(self, priority=None, *, band=None):
+        """The same as ``cancel_at_or_below`` (this priority included)."""
+        return self.cancel_at_or_below(priority, band=band)
 
     def cancel_all(self):
         """Empties the queue (ids acquirers wait for stay)."""
@@ -504,27 +409,27 @@ cdef class PrefetchHandle(_HandleBase):
             )
         return 0
 
-    def step(self, acquire=None, *, release=None, prefetch=None,
-             band=DEFAULT_PRIORITY, cancel=None, hint_ids=None,
-             hint_when=None, now=None, stream=None,
-             timeout=DEFAULT_ACQUIRE_TIMEOUT_S, pin=None, pin_into=None,
-             use=None):
-        """One MoE layer's engine work in one GIL-free call, in this order:
-        ``release`` (ids a previous acquire took; their slots are reused
-        only after the work queued so far on ``stream`` - default torch's
-        current stream on CUDA), ``cancel`` (queued guesses to drop),
-        hints (``hint_ids`` read next at ``hint_when``, and the hint clock
-        moved to ``now``: see ``hint_next_use``), ``acquire`` (as
-        ``acquire_slots``) and ``prefetch`` (queued at ``band``). Every
-        argument is checked before anything changes (unknown ids,
-        releases without an acquire, bad hints, an acquire that can never
-        fit: nothing happens); after that a failing acquire (timeout,
-        copy error) leaves the release, cancel, hints, pins and uses done
-        (release the pins), and the prefetches not queued. A prefetch id
-        that another thread unregisters while the acquire waits is
-        dropped (``stats()["prefetches_gone"]``); the others are queued.
-        Returns the
-        (n, 2) int64 array of (offset, device) for ``acquire``.
+    def exchange(self, acquire=None, *, release=None, prefetch=None,
+                 priority=_DEFAULT_PRIORITY_ARG, cancel=None, hint_ids=None,
+                 hint_when=None, now=None, stream=None,
+                 timeout=DEFAULT_ACQUIRE_TIMEOUT_S, pin=None, pin_into=None,
+                 use=None, band=None):
+        """One MoE layer's exchange with the engine in one GIL-free call, in
+        this order: ``release`` (ids a previous acquire took; their slots
+        are reused only after the work queued so far on ``stream`` -
+        default torch's current stream on CUDA), ``cancel`` (queued guesses
+        to drop), hints (``hint_ids`` read next at ``hint_when``, and the
+        hint clock moved to ``now``: see ``hint_next_use``), ``acquire``
+        (as ``acquire_slots``) and ``prefetch`` (queued at ``priority``,
+        DEFAULT_PRIORITY when left out). Every argument is checked before
+        anything changes (unknown ids, releases without an acquire, bad
+        hints, an acquire that can never fit: nothing happens); after that
+        a failing acquire (timeout, copy error) leaves the release, cancel,
+        hints, pins and uses done (release the pins), and the prefetches
+        not queued. A prefetch id that another thread unregisters while the
+        acquire waits is dropped (``stats()["prefetches_gone"]``); the
+        others are queued. Returns the (n, 2) int64 array of (offset,
+        device) for ``acquire``.
 
         ``pin`` (with ``pin_into``, a writable int64 array of the same
         length) pins those ids that are resident, without waiting, fetching
@@ -533,59 +438,43 @@ cdef class PrefetchHandle(_HandleBase):
         complete is waited for on ``stream`` (on the GPU). Pinned ids are
         released like acquired ones. ``use`` reports ids read since (an id
         not resident counts as used when its copy lands). Both run after
-        the hints and before ``acquire`` (Note [Pins without waiting])."""
+        the hints and before ``acquire`` (Note [Pins without waiting]).
+
+        ``band=`` is the old name of ``priority`` (Note [priority, formerly
+        band]), and ``step`` the old name of this call: both still work,
+        and go in a later release."""
         self._check_open()
         cdef CStepArgs args
-        # The id views live until Step returns (args points into them).
-        cdef const int64_t[::1] _rel, _can, _acq, _pre, _use, hid, hwhen, pin_ids
-        cdef int64_t[::1] pin_out
+        # The id views, arrays and pin_into's view live until Step returns:
+        # args points into them.
+        cdef const int64_t[::1] _rel, _can, _use
+        cdef int64_t[::1] _pin_out
         cdef vector[uintptr_t] streams
         cdef vector[uintptr_t] release_streams
-        cdef vector[CSlotInfo] slots  # local: another thread may step too
-        args.prefetch_band = _as_priority(band)
+        cdef vector[CSlotInfo] slots  # local: another thread may call too
+        # Note [Ids copied for a wait]: the acquire's and the prefetches' ids
+        # are read again after the wait (and with the lock dropped): copies.
+        cdef vector[int64_t] own_acq, own_pre
+        args.prefetch_band = _priority_arg(priority, band, "exchange")
         args.timeout_s = _as_timeout(timeout)
         if release is not None:
             _rel = _step_ids(release, &args.release_ids, &args.n_release)
         if cancel is not None:
             _can = _step_ids(cancel, &args.cancel_ids, &args.n_cancel)
-        if hint_ids is not None:
-            hid = as_id_array(hint_ids)
-            hwhen = _hint_times(hint_when, hid.shape[0], "hint_when", "ids")
-            if hid.shape[0] > 0:
-                args.hint_ids = &hid[0]
-                args.hint_when = &hwhen[0]
-                args.n_hint = hid.shape[0]
-        elif hint_when is not None:
-            raise InvalidArgumentError("hint_when needs hint_ids")
+        _hints = _step_hints(hint_ids, hint_when, args)
         if now is not None:
             args.now = _as_clock(now)
             args.set_now = True
-        # Note [Ids copied for a wait]: the acquire's and the prefetches' ids
-        # are read again after the wait (and with the lock dropped): copies.
-        cdef vector[int64_t] own_acq, own_pre
         if acquire is not None:
-            _acq = _step_ids(acquire, &args.acquire_ids, &args.n_acquire)
-            if args.n_acquire > 0:
-                own_acq.assign(args.acquire_ids, args.acquire_ids + args.n_acquire)
-                args.acquire_ids = own_acq.data()
+            _own_ids(acquire, own_acq, &args.acquire_ids, &args.n_acquire)
         out = np.empty((args.n_acquire, 2), dtype=np.int64)
         if args.n_acquire > 0:
             slots.resize(args.n_acquire)
             args.slots = slots.data()
         if prefetch is not None:
-            _pre = _step_ids(prefetch, &args.prefetch_ids, &args.n_prefetch)
-            if args.n_prefetch > 0:
-                own_pre.assign(args.prefetch_ids, args.prefetch_ids + args.n_prefetch)
-                args.prefetch_ids = own_pre.data()
-        if pin is not None:
-            pin_ids = as_id_array(pin)
-            pin_out = _pin_offsets(pin_into, pin_ids.shape[0])
-            if pin_ids.shape[0] > 0:
-                args.pin_ids = &pin_ids[0]
-                args.n_pin = pin_ids.shape[0]
-                args.pin_offsets = &pin_out[0]
-        elif pin_into is not None:
-            raise InvalidArgumentError("pin_into needs pin")
+            _own_ids(prefetch, own_pre, &args.prefetch_ids, &args.n_prefetch)
+        pin_ids = None if pin is None else as_id_array(pin)
+        _pin_out = _step_pins(pin_ids, pin_into, args)
         if use is not None:
             _use = _step_ids(use, &args.use_ids, &args.n_use)
         _step_streams(self.backend, self.num_devices, stream, args, streams, release_streams)
@@ -593,6 +482,11 @@ cdef class PrefetchHandle(_HandleBase):
             self._c.Step(args)
         _fill_slot_table(out, slots)
         return out
+
+    # The name ``exchange`` had before it (a decode step is many layers'
+    # exchanges): the same function, no cost to call through; it goes in a
+    # later release.
+    step = exchange
 
     def release(self, tensor_ids, *, stream=None):
         """Unpins ids taken by acquire. On the CUDA backend the slot is not

@@ -1,14 +1,15 @@
-# Included by _engine.pyx: _HandleBase, the base class of PrefetchHandle
-# (its only subclass) - the handle's fields, control (pause, resume),
-# inspection (arena, queued, resident, budget_bytes, stats, last_batch_ns),
-# the disk tier's registration (open_file, register_disk) and the fault
-# backend's and tests' hooks. PrefetchHandle (_engine.pyx)
-# adds construction, the data path and the lifecycle (close, with, repr).
+# Included by _engine.pyx: _HandleBase, the root of PrefetchHandle's classes
+# (_HandleBase -> _HandleRegistry -> PrefetchHandle, each with only that
+# subclass) - the handle's fields, control (pause, resume), inspection
+# (arena, queued, resident, budget_bytes, stats, last_batch_ns) and the
+# fault backend's and tests' hooks. _HandleRegistry (_handle_registry.pxi)
+# adds registration; PrefetchHandle (_engine.pyx) adds construction, the
+# data path and the lifecycle (close, with, repr).
 
 
 cdef class _HandleBase:
-    """The fields, control and inspection calls of PrefetchHandle, its only
-    subclass (see its docstring); not for use on its own."""
+    """The fields, control and inspection calls of PrefetchHandle, through
+    _HandleRegistry (see PrefetchHandle's docstring); not for use on its own."""
 
     cdef unique_ptr[CArcherPrefetchHandle] _owner
     cdef shared_ptr[CFaultConfig] _faults
@@ -127,11 +128,11 @@ cdef class _HandleBase:
         touched         resident ids a prefetch call refreshed (a use, for
                         the eviction policy) instead of copying
         cancelled       queued ids removed by cancel, cancel_below, cancel_all
-                        or a step's cancel
+                        or an exchange's cancel
         declined        prefetches dropped because only entries needed
                         sooner could make room (Note [Speculation never
                         hurts])
-        prefetches_gone a step's prefetch ids that another thread
+        prefetches_gone an exchange's prefetch ids that another thread
                         unregistered while its acquire waited: dropped, not
                         counted in requests (Note [A step's prefetches
                         after its wait])
@@ -201,70 +202,6 @@ cdef class _HandleBase:
         with nogil:
             ns = self._c.LastBatchNs()
         return ns
-
-    # ------------------------------------------ disk-backed tensors
-
-    def open_file(self, path):
-        """Opens `path` for disk-backed tensors (``register_disk``) and
-        returns its file index. The file stays open until close. A missing
-        or unreadable file raises DiskReadError (an OSError with its
-        errno); the size and modification time are recorded now, and every
-        read checks the file is still the one opened."""
-        self._check_open()
-        if not isinstance(path, (str, bytes)) and not hasattr(path, "__fspath__"):
-            raise TypeError(f"path must be a str or os.PathLike, got {type(path).__name__}")
-        cdef string cpath = os.fsencode(path)
-        cdef int32_t index
-        with nogil:
-            index = self._c.OpenFile(cpath)
-        return index
-
-    def file_info(self, file):
-        """The file `file` (from ``open_file``) as it was opened: a dict of
-        path, direct (O_DIRECT or buffered), alignment (1 when buffered),
-        size, mtime_ns, inode, device. Check a file against what you
-        expect here, after ``open_file``: a file replaced between a
-        ``stat`` and the open would pass a check made before it."""
-        self._check_open()
-        cdef int32_t f = _int_option("file", file, 0, (1 << 31) - 1)
-        cdef CDiskFileInfo info
-        with nogil:
-            info = self._c.FileInfo(f)
-        return {"path": os.fsdecode(bytes(info.path)), "direct": info.direct,
-                "alignment": info.alignment, "size": info.size, "mtime_ns": info.mtime_ns,
-                "inode": info.inode, "device": info.device}
-
-    def register_disk(self, tensor_id, extents, *, total_bytes=None, device=0):
-        """Registers `tensor_id` as bytes read from files (Note [Host tier]):
-        `extents` is a list of ``(file, file_offset, nbytes, tensor_offset)``
-        (``file`` from ``open_file``); bytes no extent covers read as zero.
-        ``total_bytes`` defaults to the end of the last extent. Nothing is
-        read now: a copy of the tensor reads its extents into the host tier,
-        then copies them to the device. Needs ``host_budget_bytes`` > 0."""
-        self._check_open()
-        cdef int64_t tid = _as_single_id(tensor_id)
-        cdef vector[CDiskExtent] cext
-        cdef CDiskExtent x
-        end = 0
-        for item in extents:
-            if len(item) != 4:
-                raise InvalidArgumentError(
-                    "each extent is (file, file_offset, nbytes, tensor_offset)")
-            values = [_int_option(name, v, 0, _UINT64_MAX)
-                      for name, v in zip(("file", "file_offset", "nbytes", "tensor_offset"), item)]
-            if values[0] > 2**31 - 1:
-                raise InvalidArgumentError(f"no file {values[0]}")
-            x.file, x.file_offset, x.bytes, x.tensor_offset = values
-            cext.push_back(x)
-            end = max(end, values[3] + values[2])
-        total = (end if total_bytes is None
-                 else _int_option("total_bytes", total_bytes, 0, _UINT64_MAX))
-        if total > _UINT64_MAX:
-            raise InvalidArgumentError(f"the extents end past 2**64 bytes ({total})")
-        cdef size_t ctotal = total
-        cdef int dev = operator.index(device)
-        with nogil:
-            self._c.RegisterDisk(tid, cext.data(), cext.size(), ctotal, dev)
 
     # ------------------------------------------ fault backend, tests only
 

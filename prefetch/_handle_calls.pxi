@@ -1,5 +1,5 @@
 # Included by _engine.pyx: the plumbing PrefetchHandle's calls share - a
-# stream handle per device, ``step``'s arrays and streams put into
+# stream handle per device, ``exchange``'s arrays and streams put into
 # CStepArgs, and the (offset, device) table acquired slots are returned as.
 
 
@@ -52,21 +52,66 @@ cdef const int64_t[::1] _step_ids(object tensor_ids, const int64_t** first,
     return ids
 
 
-cdef int64_t[::1] _pin_offsets(object pin_into, Py_ssize_t n):
-    """``step``'s ``pin_into`` as a writable int64 view of `n` places."""
+cdef int _own_ids(object tensor_ids, vector[int64_t]& own, const int64_t** first,
+                  size_t* n) except -1:
+    """``tensor_ids`` copied into `own` (Note [Ids copied for a wait]), the
+    copy's first id's address in `first` and its length in `n` when not
+    empty."""
+    cdef const int64_t[::1] ids = as_id_array(tensor_ids)
+    if ids.shape[0] > 0:
+        own.assign(&ids[0], &ids[0] + ids.shape[0])
+        first[0] = own.data()
+        n[0] = own.size()
+    return 0
+
+
+cdef object _step_hints(object hint_ids, object hint_when, CStepArgs& args):
+    """``exchange``'s hints into `args`: ``hint_ids`` read next at
+    ``hint_when`` (``hint_next_use``'s forms). Returns the arrays `args`
+    points into, for the caller to keep while the engine reads them."""
+    if hint_ids is None:
+        if hint_when is not None:
+            raise InvalidArgumentError("hint_when needs hint_ids")
+        return None
+    ids = as_id_array(hint_ids)
+    cdef const int64_t[::1] ids_v = ids
+    times = _hint_times(hint_when, ids_v.shape[0], "hint_when", "ids")
+    cdef const int64_t[::1] when = times
+    if ids_v.shape[0] > 0:
+        args.hint_ids = &ids_v[0]
+        args.hint_when = &when[0]
+        args.n_hint = ids_v.shape[0]
+    return ids, times
+
+
+cdef int64_t[::1] _step_pins(object pin_ids, object pin_into, CStepArgs& args):
+    """``exchange``'s pins into `args`: `pin_ids` (as_id_array's, or None),
+    and ``pin_into`` (a writable int64 array as long) for their offsets.
+    Returns pin_into's view (None without pins), for the caller to hold
+    while the engine writes to it, which also keeps the buffer from being
+    resized under the GIL-free call."""
+    if pin_ids is None:
+        if pin_into is not None:
+            raise InvalidArgumentError("pin_into needs pin")
+        return None
+    cdef const int64_t[::1] ids = pin_ids
     if pin_into is None:
         raise InvalidArgumentError("pin needs pin_into (an int64 array as long as pin)")
     cdef int64_t[::1] out = pin_into
-    if out.shape[0] != n:
+    if out.shape[0] != ids.shape[0]:
         raise InvalidArgumentError(f"pin_into has {out.shape[0]} places for "
-                                   f"{n} pin ids")
+                                   f"{ids.shape[0]} pin ids")
+    if ids.shape[0] > 0:
+        args.pin_ids = &ids[0]
+        args.n_pin = ids.shape[0]
+        args.pin_offsets = &out[0]
     return out
 
 
 cdef int _step_streams(object backend, int num_devices, object stream,
                        CStepArgs& args, vector[uintptr_t]& streams,
                        vector[uintptr_t]& release_streams) except -1:
-    """``step``'s streams into `args` (kept in the two vectors): the acquire
+    """``exchange``'s streams into `args` (kept in the two vectors): the acquire
     and pin streams, and the release streams, which on the CUDA backend
     default to torch's current streams."""
     if stream is not None or args.n_release > 0:

@@ -8,10 +8,10 @@ cdef list _device_budgets(object device_budget_bytes, object num_devices):
     """One budget per device from ``device_budget_bytes`` (an int, or a list
     or tuple of them) and ``num_devices`` (None, or the device count)."""
     if num_devices is not None:
-        num_devices = _int_option("num_devices", num_devices, 1, 64)
+        num_devices = _int_option("num_devices", num_devices, 1, kMaxDevices)
     if isinstance(device_budget_bytes, (list, tuple)):
         budgets = [
-            _int_option(f"device_budget_bytes[{i}]", b, 256, _INT64_MAX)
+            _int_option(f"device_budget_bytes[{i}]", b, kSlotAlignmentBytes, _INT64_MAX)
             for i, b in enumerate(device_budget_bytes)
         ]
         if not budgets:
@@ -22,7 +22,8 @@ cdef list _device_budgets(object device_budget_bytes, object num_devices):
                 f"{len(budgets)} budgets in device_budget_bytes"
             )
         return budgets
-    budget = _int_option("device_budget_bytes", device_budget_bytes, 256, _INT64_MAX)
+    budget = _int_option("device_budget_bytes", device_budget_bytes, kSlotAlignmentBytes,
+                         _INT64_MAX)
     return [budget] * (1 if num_devices is None else num_devices)
 
 
@@ -97,7 +98,7 @@ cdef list _make_arenas(str name, list budgets, CHandleOptions& options):
             )
     else:
         for b in budgets:
-            # 256-byte aligned like a CUDA allocation (the slot grid;
+            # SLOT_ALIGNMENT-aligned like a CUDA allocation (the slot grid;
             # prefetch.hf's sync-free path views it with host memory)
             raw = np.empty(b + SLOT_ALIGNMENT, dtype=np.uint8)
             shift = -raw.ctypes.data % SLOT_ALIGNMENT

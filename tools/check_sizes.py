@@ -27,9 +27,8 @@ SUFFIXES = {".py", ".pyx", ".pxi", ".pxd", ".cpp", ".h"}
 # Over a limit when the check came in, each at most this big now; to be split.
 PENDING = {
     "prefetch/controller.py": 1070,
-    "prefetch/_engine.pyx": 643,
 }
-PENDING_FUNCTIONS = {"prefetch/_engine.pyx:step": 89}
+PENDING_FUNCTIONS = {}
 
 
 def _python_functions(path: Path, text: str):
@@ -43,7 +42,8 @@ def _python_functions(path: Path, text: str):
             yield node.name, node.lineno, length
 
 
-_CY_DEF = re.compile(r"^(\s*)(?:async\s+)?(?:cp?def|def)\s+(?:[\w\[\]\*, ]+\s+)?(\w+)\s*\(")
+# A def, cdef or cpdef function; not `cdef class Name(Base):`, a class.
+_CY_DEF = re.compile(r"^(\s*)(?:async\s+)?(?:cp?def|def)\s+(?!class\s)(?:[\w\[\]\*, ]+\s+)?(\w+)\s*\(")
 _QUOTES = ('"' * 3, "'" * 3)
 
 
