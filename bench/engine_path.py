@@ -7,9 +7,11 @@ A decode loop over `layers` layers whose experts are all resident (the
 budget holds every expert), 8 routed experts per layer and 8 guesses for the
 next one, on the current CUDA stream. Rows, each the median over
 `iterations` layers of host wall time:
-  step              PrefetchHandle.step: release the previous layer's ids,
-                    acquire this layer's, queue the next layer's guesses (one
-                    GIL-free call; Note [One call per layer])
+  step              PrefetchHandle.exchange: release the previous layer's
+                    ids, acquire this layer's, queue the next layer's
+                    guesses (one GIL-free call; Note [One call per layer]);
+                    the row keeps the call's old name, so that it compares
+                    with earlier results
   exchange          OffloadController.exchange: the same through the
                     controller (tensor-id lookup, cancel of wrong guesses,
                     bookkeeping): what an offloaded transformers layer pays
@@ -124,7 +126,7 @@ def main(argv=None) -> int:
     def step(layer, experts, guess):
         ids = ctl.ids(layer, experts)
         nxt = ctl.ids((layer + 1) % args.layers, guess)
-        handle.step(ids, release=held[0], prefetch=nxt, band=1, stream=stream)
+        handle.exchange(ids, release=held[0], prefetch=nxt, priority=1, stream=stream)
         held[0] = ids
 
     def exchange(layer, experts, guess):
@@ -160,7 +162,7 @@ def main(argv=None) -> int:
 
     def pin_layer(layer, experts, guess):
         ids = layer_ids[layer]
-        handle.step(release=pinned[0], pin=ids, pin_into=pin_out, use=ctl.ids(layer, experts), stream=stream)
+        handle.exchange(release=pinned[0], pin=ids, pin_into=pin_out, use=ctl.ids(layer, experts), stream=stream)
         pinned[0] = ids[pin_out >= 0]
 
     timed("pin-layer", pin_layer)
@@ -266,8 +268,8 @@ def next_use_rows(args, prefetch, np, torch, routes, thrash) -> tuple[dict, floa
             if thrash is not None:
                 np.add(thrash, 1.0, out=thrash)
             t0 = time.perf_counter_ns()
-            handle.step(release=pinned, pin=now, pin_into=pin_out[: now.shape[0]], use=used, prefetch=nxt, band=1,
-                        hint_ids=nxt, hint_when=when, now=clock, stream=stream)
+            handle.exchange(release=pinned, pin=now, pin_into=pin_out[: now.shape[0]], use=used, prefetch=nxt,
+                            priority=1, hint_ids=nxt, hint_when=when, now=clock, stream=stream)
             t1 = time.perf_counter_ns()
             pinned, used = now[pin_out[: now.shape[0]] >= 0], now
             pins += now.shape[0]

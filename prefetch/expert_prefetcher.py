@@ -378,7 +378,7 @@ class ExpertPrefetcher:
 
     def weights_in_slots(self, ids: np.ndarray, where: np.ndarray, *, copy: bool = True) -> list[dict]:
         """Per tensor id of `ids` (acquired, with their (offset, device) rows
-        `where`, as acquire_slots or PrefetchHandle.step returns them), a
+        `where`, as acquire_slots or PrefetchHandle.exchange returns them), a
         dict of weight name to a view of its cache slot (valid until
         release). Views are kept per slot: an expert found where it was
         last time gets the same ones again."""
@@ -419,8 +419,8 @@ class ExpertPrefetcher:
 
     def layer(self, layer_id: int, expert_list, *, prefetch=None, priority: int = DEFAULT_PRIORITY, stream=None,
               timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> list[dict]:
-        """One MoE layer's work in one engine call (PrefetchHandle.step), as
-        the engine's step is to its separate calls: releases the experts the
+        """One MoE layer's work in one engine call (PrefetchHandle.exchange), as
+        the engine's exchange is to its separate calls: releases the experts the
         previous `layer` call acquired (after the work queued on `stream`),
         acquires `expert_list` of `layer_id`, and queues `prefetch`
         ({later layer: experts}, your guesses) at `priority`. Returns, per
@@ -430,7 +430,8 @@ class ExpertPrefetcher:
         changes; an acquire that fails later (a timeout, a failed copy)
         leaves the previous layer's experts released."""
         if not self._slot_views:
-            raise InvalidArgumentError("layer() needs an engine with step, acquire_slots and arena (PrefetchHandle)")
+            raise InvalidArgumentError("layer() needs an engine with exchange, acquire_slots and arena "
+                                       "(PrefetchHandle)")
         ids = self.tensor_ids(layer_id, expert_list)
         guesses = None
         if prefetch:
@@ -442,8 +443,8 @@ class ExpertPrefetcher:
                 raise InvalidArgumentError(f"tensor id {tid} was adopted without a layout of weights: acquire it on "
                                            "the handle instead")
         try:
-            where = self.engine.step(ids, release=self._held, prefetch=guesses, band=priority, stream=stream,
-                                     timeout=timeout)
+            where = self.engine.exchange(ids, release=self._held, prefetch=guesses, priority=priority,
+                                         stream=stream, timeout=timeout)
         except (InvalidArgumentError, UnknownIdError):
             raise  # checked before anything changed: the previous layer's experts are still held
         except BaseException:

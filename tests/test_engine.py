@@ -701,7 +701,7 @@ def test_next_use_bad_hints_change_nothing(make_handle, rng):
     with pytest.raises(TypeError, match="^when must be a list, .* got float"):
         h.hint_next_use([3], 5.0)
     with pytest.raises(TypeError, match="^hint_when must be a list, .* got float"):
-        h.step(hint_ids=[3], hint_when=5.0)
+        h.exchange(hint_ids=[3], hint_when=5.0)
     assert h.resident() == order
     assert h.hint_clock() == 1
     # The clock did not move either: hints at 1 are still valid.
@@ -769,10 +769,10 @@ def test_acquire_that_can_never_fit_raises_at_once(make_handle, rng):
     h.release([0, 0, 1])
 
 
-def test_step_runs_release_cancel_acquire_prefetch_in_one_call(make_handle, rng):
+def test_exchange_runs_release_cancel_acquire_prefetch_in_one_call(make_handle, rng):
     h = make_handle(device_budget_bytes=8 * SLOT, eviction_policy="cyclic")
     data = register_random(h, rng, range(6))
-    where = h.step([0, 1], prefetch=[2, 3], band=1)
+    where = h.exchange([0, 1], prefetch=[2, 3], priority=1)
     assert where.shape == (2, 2)
     arena = h.arena(0)
     for tid, (offset, device) in zip([0, 1], where.tolist()):
@@ -783,16 +783,16 @@ def test_step_runs_release_cancel_acquire_prefetch_in_one_call(make_handle, rng)
     h.pause()
     h.prefetch_tensors([4, 5], 2)
     # Release the last layer, drop a wrong guess (5), acquire 2 and 3.
-    where = h.step([2, 3], release=[0, 1], cancel=[5])
+    where = h.exchange([2, 3], release=[0, 1], cancel=[5])
     s = h.stats()
     assert s["pinned_count"] == 2 and s["cancelled"] == 1
     assert [tid for _, tid in h.queued()] == [4]
     h.resume()
-    h.step(None, release=[2, 3])
+    h.exchange(None, release=[2, 3])
     assert h.stats()["pinned_count"] == 0
 
 
-def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
+def test_exchange_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
     h = make_handle(device_budget_bytes=4 * SLOT)
     register_random(h, rng, range(6))
     h.acquire([0], timeout=10)
@@ -803,7 +803,7 @@ def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
         (dict(acquire=[1], release=[0, 2]), RuntimeError),  # 2 is not acquired
         (dict(acquire=[1, 99], release=[0]), KeyError),
         (dict(acquire=[1], release=[0], prefetch=[77]), KeyError),
-        (dict(acquire=[1], release=[0], cancel=[3], band=20), ValueError),
+        (dict(acquire=[1], release=[0], cancel=[3], priority=20), ValueError),
         (dict(acquire=[1, 2, 4, 5, 0], release=[0]), ValueError),  # can never fit
         (dict(acquire=[1], release=[0], hint_ids=[1], hint_when=[-1]), ValueError),
         (dict(acquire=[1], release=[0], hint_ids=[1, 2], hint_when=[5]), ValueError),
@@ -811,7 +811,7 @@ def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
     ]
     for kwargs, error in bad:
         with pytest.raises(error):
-            h.step(**kwargs)
+            h.exchange(**kwargs)
         after = h.stats()
         assert after["pinned_count"] == 1 and after["cancelled"] == 0, kwargs
         assert after["acquires"] == before["acquires"] and h.queued() == [(1, 3)], kwargs
@@ -819,10 +819,10 @@ def test_step_refuses_bad_arguments_and_changes_nothing(make_handle, rng):
     h.release([0])
 
 
-def test_a_step_prefetch_id_unregistered_while_it_waits_is_dropped(make_handle, rng):
+def test_an_exchange_prefetch_id_unregistered_while_it_waits_is_dropped(make_handle, rng):
     # Note [A step's prefetches after its wait]: the acquire waits with the
     # lock dropped, and another thread unregisters a prefetch id meanwhile.
-    # The step succeeds with its acquire held and the other guess queued;
+    # The exchange succeeds with its acquire held and the other guess queued;
     # the gone one is dropped and counted. (It used to raise after the
     # acquire had succeeded, its pins left for good.)
     h = make_handle(device_budget_bytes=4 * SLOT)
@@ -833,13 +833,13 @@ def test_a_step_prefetch_id_unregistered_while_it_waits_is_dropped(make_handle, 
 
     def layer():
         try:
-            results.append(h.step([0], release=[1], prefetch=[4, 5], timeout=30))
+            results.append(h.exchange([0], release=[1], prefetch=[4, 5], timeout=30))
         except Exception as exc:  # noqa: BLE001 - handed to the test thread
             results.append(exc)
 
     t = threading.Thread(target=layer)
     t.start()
-    # stats() takes the lock, which the step drops only in its wait.
+    # stats() takes the lock, which the exchange drops only in its wait.
     assert wait_until(lambda: h.stats()["acquires"] == 2)
     h.unregister(5)
     h.resume()
@@ -851,13 +851,13 @@ def test_a_step_prefetch_id_unregistered_while_it_waits_is_dropped(make_handle, 
     s = h.stats()
     assert s["pinned_count"] == 1 and s["prefetches_gone"] == 1
     assert wait_until(lambda: 4 in h.resident())  # the other guess was queued and copied
-    h.step(None, release=[0])
+    h.exchange(None, release=[0])
     assert h.stats()["pinned_count"] == 0
-    h.unregister(1)  # released by the step
+    h.unregister(1)  # released by the exchange
 
 
-def test_a_step_whose_handle_closes_while_it_waits_raises_closed(make_handle, rng):
-    # A step waiting in its acquire when the handle closes raises, and its
+def test_an_exchange_whose_handle_closes_while_it_waits_raises_closed(make_handle, rng):
+    # An exchange waiting in its acquire when the handle closes raises, and its
     # prefetches are not queued. (This close lands in the acquire's wait;
     # the check Note [A step's prefetches after its wait] adds is for the
     # shorter window of the acquire's CPU waits, which no test reaches.)
@@ -868,7 +868,7 @@ def test_a_step_whose_handle_closes_while_it_waits_raises_closed(make_handle, rn
 
     def layer():
         try:
-            h.step([0], prefetch=[4], timeout=30)
+            h.exchange([0], prefetch=[4], timeout=30)
         except Exception as exc:  # noqa: BLE001 - handed to the test thread
             errors.append(exc)
 
@@ -881,7 +881,7 @@ def test_a_step_whose_handle_closes_while_it_waits_raises_closed(make_handle, rn
     assert len(errors) == 1 and "closed" in str(errors[0]), errors
 
 
-def test_step_pins_resident_ids_without_waiting_or_fetching(make_handle, rng):
+def test_exchange_pins_resident_ids_without_waiting_or_fetching(make_handle, rng):
     # Note [Pins without waiting]: resident ids are pinned and their offsets
     # written; the others get -1 and are neither fetched nor queued.
     h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="lru")
@@ -890,7 +890,7 @@ def test_step_pins_resident_ids_without_waiting_or_fetching(make_handle, rng):
     h.release([0, 1, 2])
     acquires = h.stats()["acquires"]
     out = np.full(5, 7, dtype=np.int64)
-    h.step(pin=[0, 3, 1, 6, 2], pin_into=out)
+    h.exchange(pin=[0, 3, 1, 6, 2], pin_into=out)
     assert out[1] == -1 and out[3] == -1
     arena = h.arena(0)
     for tid, offset in zip([0, 1, 2], out[[0, 2, 4]]):
@@ -902,11 +902,11 @@ def test_step_pins_resident_ids_without_waiting_or_fetching(make_handle, rng):
     h.prefetch_tensors([3, 4, 5, 6, 7], 1)
     assert wait_until(lambda: h.stats()["queue_depth"] == 0 and h.stats()["bytes_in_flight"] == 0)
     assert {0, 1, 2} <= set(h.resident())
-    h.step(release=[0, 1, 2])
+    h.exchange(release=[0, 1, 2])
     assert h.stats()["pinned_count"] == 0
 
 
-def test_step_pin_and_use_refuse_bad_arguments_and_change_nothing(make_handle, rng):
+def test_exchange_pin_and_use_refuse_bad_arguments_and_change_nothing(make_handle, rng):
     h = make_handle(device_budget_bytes=4 * SLOT)
     register_random(h, rng, range(4))
     h.acquire([0, 1], timeout=10)
@@ -920,9 +920,56 @@ def test_step_pin_and_use_refuse_bad_arguments_and_change_nothing(make_handle, r
     ]
     for kwargs, error in bad:
         with pytest.raises(error):
-            h.step(**kwargs)
+            h.exchange(**kwargs)
         assert h.stats()["pinned_count"] == 2, kwargs  # the release did not happen either
     h.release([0, 1])
+
+
+def test_step_is_exchange_under_its_old_name_without_a_warning(make_handle, rng):
+    # Note [priority, formerly band]: ``step`` is the same function, and a
+    # call through it costs nothing more (no warning on the hot path).
+    import warnings
+
+    assert prefetch.PrefetchHandle.step is prefetch.PrefetchHandle.exchange
+    h = make_handle(device_budget_bytes=4 * SLOT)
+    data = register_random(h, rng, range(2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        where = h.step([0], prefetch=[1], priority=2)
+    (offset, _), = where.tolist()
+    np.testing.assert_array_equal(h.arena(0)[offset : offset + SLOT], data[0])
+    h.exchange(None, release=[0])
+    assert h.stats()["pinned_count"] == 0
+
+
+def test_band_is_priority_under_its_old_name_with_a_deprecation_warning(make_handle, rng):
+    # Note [priority, formerly band]: band= alone is used and warns; band=
+    # with priority= is a TypeError that changes nothing.
+    h = make_handle(device_budget_bytes=8 * SLOT, start_paused=True)
+    register_random(h, rng, range(6))
+    with pytest.warns(DeprecationWarning, match=r"exchange\(band=...\) is deprecated"):
+        h.exchange(prefetch=[0], band=3)
+    with pytest.warns(DeprecationWarning):
+        h.step(prefetch=[1], band=4)
+    assert h.queued() == [(3, 0), (4, 1)]
+    with pytest.raises(TypeError, match="priority= or its old name band=, not both"):
+        h.exchange(prefetch=[2], priority=1, band=1)
+    with pytest.raises(TypeError, match="not both"):
+        h.cancel_at_or_below(1, band=1)
+    with pytest.raises(TypeError, match="not both"):
+        h.cancel_below(priority=1, band=1)
+    assert h.queued() == [(3, 0), (4, 1)]
+    with pytest.warns(DeprecationWarning, match=r"cancel_at_or_below\(band=...\)"):
+        assert h.cancel_below(band=4) == 1
+    with pytest.warns(DeprecationWarning):
+        assert h.cancel_at_or_below(band=3) == 1
+    assert h.queued() == []
+    with pytest.raises(ValueError, match="priority"):
+        with pytest.warns(DeprecationWarning):
+            h.exchange(prefetch=[2], band=20)
+    with pytest.raises(TypeError, match="priority must be an integer"):
+        h.cancel_at_or_below()
+    assert h.cancel_at_or_below(priority=0) == 0
 
 
 def test_use_reports_reads_to_the_eviction_policy(make_handle, rng):
@@ -931,11 +978,11 @@ def test_use_reports_reads_to_the_eviction_policy(make_handle, rng):
     # A use of an id not resident counts once its copy lands.
     h = make_handle(device_budget_bytes=4 * SLOT, eviction_policy="cyclic")
     register_random(h, rng, range(4))
-    h.step(use=[2])  # not resident: counts when it arrives
+    h.exchange(use=[2])  # not resident: counts when it arrives
     h.prefetch_tensors([0, 1, 2], 1)
     assert wait_until(lambda: len(h.resident()) == 3 and h.stats()["bytes_in_flight"] == 0)
     order = h.resident()
     assert order[0] == 2  # used: next victim; 0 and 1 are fresh
-    h.step(use=[0])
+    h.exchange(use=[0])
     assert h.resident()[0] == 0  # the most recently used goes first
     assert set(h.resident()[1:]) == {1, 2}

@@ -412,15 +412,15 @@ def test_layer_makes_one_engine_call_and_releases_the_previous_layer(rng):
             pf.register_expert(layer, expert, {"w": w})
     try:
         calls = []
-        real_step = handle.step
+        real_exchange = handle.exchange
 
         class Counting:
             def __getattr__(self, name):
-                if name == "step":
-                    def step(*a, **k):
+                if name == "exchange":
+                    def exchange(*a, **k):
                         calls.append(k.get("release") is not None)
-                        return real_step(*a, **k)
-                    return step
+                        return real_exchange(*a, **k)
+                    return exchange
                 return getattr(handle, name)
 
         pf.engine = Counting()
