@@ -25,6 +25,7 @@ from prefetch.expert_ids import Guesses
 from prefetch.expert_ids import distinct as _distinct
 from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import ExpertPrefetcher
+from prefetch.offload.routing_context import RoutingContext
 from prefetch.read_back import to_host
 from prefetch.step_plan import HostStepPlan
 from prefetch.sync_free import SyncFreeDecode
@@ -114,6 +115,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.top_k = top_k
+        self.context = RoutingContext(self)  # what predictors are given, read-only
         # Each predictor's own scores, in the order they were assigned:
         # [class name, prediction hits, guessed, routed] (report()["predictors"]).
         self._scores: deque[list] = deque(maxlen=_SCORED_PREDICTORS)
@@ -318,7 +320,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         (values may be device tensors)."""
         if self._predictor is None or self._late_predict or not self._predicts_now():
             return {}
-        return self._predictor.predict(self, self.step, layer, hidden)
+        return self._predictor.predict(self.context, self.step, layer, hidden)
 
     def read_back(self, raw: dict, routing=None):
         """The layer's one device-to-host copy (Note [Read-back without a
@@ -368,7 +370,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
             self._seen[layer, experts] = True
         hints = None
         if self._observes:
-            hints = self._predictor.observe(self, step, layer, experts)
+            hints = self._predictor.observe(self.context, step, layer, experts)
             if self._late_predict and self._predicts_now():
                 guesses = self._host_predict(step, layer, None)
         self._expect(step, layer, guesses)
@@ -410,7 +412,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         predicts = self._predictor is not None and not self._late_predict and self._predicts_now()
         plan = getattr(self._predictor, "plan", None)
         if plan is not None and self.local is None:
-            got = plan(self, step, layer, experts, predicts)
+            got = plan(self.context, step, layer, experts, predicts)
             if got is not None:
                 guesses, keys, times = got
                 self._score(step, layer, experts)
@@ -468,7 +470,7 @@ class OffloadController(SyncFreeDecode, HostStepPlan):
         """The predictor's host guesses as {layer: sorted distinct experts}
         (taken as they are from a predictor that says they already are:
         distinct_guesses)."""
-        guesses = self._predictor.predict(self, step, layer, hidden)
+        guesses = self._predictor.predict(self.context, step, layer, hidden)
         if self._distinct_guesses:
             return guesses
         return {t: _distinct(g, self.num_experts) for t, g in guesses.items()}

@@ -134,7 +134,7 @@ class HostStepPlan:
             self._cancel_queued(np.concatenate(stale), stream)
         start = getattr(self._predictor, "start_hints", None)
         if start is not None:  # a request's first step: its first reads (Note [Hints at a request's start])
-            self._late_hints.extend(start(self, self.step))
+            self._late_hints.extend(start(self.context, self.step))
         hint_ids, hint_when, had_hints = self._plan_hint_arrays()
         self._pin_call(pin, buf, self._use, fetch, hint_ids, hint_when, had_hints, stream)
         self._plan_hints = None
@@ -224,7 +224,7 @@ class HostStepPlan:
         else:
             for _, layer, routed, _ in planned:
                 self._score(step, layer, routed)
-        got = self._predictor.observe_step(self, step, self._plan_now[1])
+        got = self._predictor.observe_step(self.context, step, self._plan_now[1])
         if got is not None:
             self._plan_hints = (take_ids(self._flat_table(), got[0]), got[1])
 
