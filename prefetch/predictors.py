@@ -32,7 +32,7 @@ A predictor whose `observe` does nothing (returns None and keeps nothing)
 sets ``observes = False``: the controller then does not call it, and a
 sync-free decode step with no trace to record and no guess to score reads
 its routings back without a pass over the layers (Note [Routings nobody
-reads] in prefetch/sync_free.py).
+reads] in prefetch/offload/sync_free.py).
 
 A predictor whose guesses are host data (``host_guesses = True``) may also
 offer `plan(ctx, step, layer, experts, predict)`: the guesses and
@@ -46,7 +46,24 @@ import numpy as np
 from prefetch._engine import NO_NEXT_USE, hint_times
 from prefetch.errors import InvalidArgumentError
 
-__all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor"]
+__all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor", "check_predictor"]
+
+
+def check_predictor(predictor) -> None:
+    """TypeError unless `predictor` is None or a predictor object: one with
+    `predict` and `observe` methods (prefetch/predictors.py). A class
+    where an instance belongs, or a name such as "oracle", would otherwise
+    fail only at the first forward, deep inside it."""
+    if predictor is None:
+        return
+    if isinstance(predictor, type):
+        raise TypeError(f"predictor must be a predictor object, got the class {predictor.__name__}: pass an instance, "
+                        f"e.g. {predictor.__name__}(...)")
+    missing = [m for m in ("predict", "observe") if not callable(getattr(predictor, m, None))]
+    if missing:
+        raise TypeError(f"predictor must be None or an object with predict and observe methods (prefetch.predictors: "
+                        f"NextLayerGatePredictor, OraclePredictor, TracePredictor), got {type(predictor).__name__} "
+                        f"{predictor!r} without {' and '.join(missing)}")
 
 
 class RoutePredictor:
@@ -274,7 +291,7 @@ class OraclePredictor(RoutePredictor):
         `ahead`); None past the trace or for a trace of another shape. The
         sync-free path checks them against its pins at a step's first
         layer (Note [Steady pins]) and pins and fetches by them (Note
-        [Step pins] in prefetch/sync_free.py). Made once per step; the
+        [Step pins] in prefetch/offload/sync_free.py). Made once per step; the
         array is shared, and read-only."""
         if (not 0 <= step < len(self._experts) or self.trace.num_layers != num_layers
                 or self.trace.num_experts > num_experts):
@@ -292,7 +309,7 @@ class OraclePredictor(RoutePredictor):
         return flat
 
     def start_hints(self, ctx, step: int) -> list:
-        """Note [Host-routed step pins] in prefetch/step_plan.py: a step
+        """Note [Host-routed step pins] in prefetch/offload/step_plan.py: a step
         plan at the first step of a request makes no `predict` call, so the
         request's first reads are hinted here instead (Note [Hints at a
         request's start]): [(layer, experts, times)], or [] when they were
@@ -303,7 +320,7 @@ class OraclePredictor(RoutePredictor):
         return self._first_reads(ctx, step, 0)
 
     def observe_step(self, ctx, step: int, clock0: int):
-        """Note [Host-routed step pins] in prefetch/step_plan.py: for step
+        """Note [Host-routed step pins] in prefetch/offload/step_plan.py: for step
         `step` of a model of the trace's shape, whose every layer routed as
         the trace says (layer l at clock `clock0` + l) without a `predict`
         or `observe` call, each read's next read as hints (keys layer *

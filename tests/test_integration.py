@@ -147,7 +147,7 @@ def test_sync_free_decode_matches_original(family, slots):
                 assert report["zero_copy_reads"] == 0
             assert ctl.handle.stats()["pinned_count"] == 0
             ctl.new_sequence()  # the last step's routing is read now, into this request's trace
-            assert not ctl._routings
+            assert not ctl.sync._routings
             traces[sync_free] = ctl.trace.steps
         finally:
             ctl.close()
@@ -400,7 +400,7 @@ def test_sync_free_counts_a_routing_against_the_pins_it_ran_on():
         assert not pinned.any()  # this call pinned nothing of layer 1...
         # ...and the routing noted before it counted the pins it ran on.
         assert (ctl.pinned_hits - hits, ctl.zero_copy_reads - reads) == (slots, num_experts - slots)
-        assert len(ctl._routings) == 0
+        assert len(ctl.sync._routings) == 0
     finally:
         ctl.close()
 
@@ -469,7 +469,7 @@ def test_sync_free_option():
     # per-step choice run the others sync-free (the choice is tested below).
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
                               predictor=NextLayerGatePredictor())
-    assert ctl.sync_free is True and ctl._adaptive
+    assert ctl.sync_free is True and ctl.sync._adaptive
     ctl.close()
     model = build(cfg, experts_implementation="batched_mm")
     ref = build(cfg, experts_implementation="batched_mm")
@@ -1435,17 +1435,17 @@ def test_an_oracle_step_whose_reads_are_all_pinned_goes_steady():
         want |= {la * num_experts + e for la, row in enumerate(trace.steps[4][:2]) for e in row}
         assert set(reads.tolist()) == want
         ctl.step = 3
-        ctl._pinned[:] = True
+        ctl.sync._pinned[:] = True
         # The last step missed nothing and fetches nothing; nothing_fetched
         # (two idle steps) is off: the pins alone decide.
-        ctl._last_misses, ctl._fetch, ctl.nothing_fetched = 0, None, False
-        assert ctl._step_pinned() and ctl._steady_step()
+        ctl.sync._last_misses, ctl._fetch, ctl.nothing_fetched = 0, None, False
+        assert ctl.sync._step_pinned() and ctl.sync._steady_step()
         layer, expert = divmod(int(reads[-1]), num_experts)  # a read of step 4's first layers
-        ctl._pinned[layer, expert] = False
-        assert not ctl._step_pinned() and not ctl._steady_step()
-        ctl._pinned[:] = True
+        ctl.sync._pinned[layer, expert] = False
+        assert not ctl.sync._step_pinned() and not ctl.sync._steady_step()
+        ctl.sync._pinned[:] = True
         ctl.step = len(trace.steps)
-        assert oracle.step_reads(ctl.step, layers, num_experts) is None and not ctl._step_pinned()
+        assert oracle.step_reads(ctl.step, layers, num_experts) is None and not ctl.sync._step_pinned()
     finally:
         ctl.close()
 
@@ -1545,15 +1545,15 @@ def test_a_step_plan_needs_room_for_two_steps():
         assert now.tolist() == sorted(la * num_experts + e for la, row in enumerate(trace.steps[3]) for e in row)
         assert not now.flags.writeable  # shared by the calls of a step
         ctl.cache_slots = now.shape[0] + nxt.shape[0]
-        plan = ctl._step_plan()
+        plan = ctl.sync.step_plan()
         assert plan is not None and plan[0] is now and plan[1] is nxt
         ctl.cache_slots -= 1
-        assert ctl._step_plan() is None
+        assert ctl.sync.step_plan() is None
         ctl.cache_slots += 1
         ctl.step = len(trace.steps)  # past the trace
-        assert ctl._step_plan() is None
+        assert ctl.sync.step_plan() is None
         ctl.step = len(trace.steps) - 1  # the last step: nothing after it to fetch
-        plan = ctl._step_plan()
+        plan = ctl.sync.step_plan()
         assert plan is not None and plan[1].shape[0] == 0
     finally:
         ctl.close()
@@ -2247,7 +2247,7 @@ def test_speculation_pauses_at_a_low_precision_and_resumes(host_guesses):
     predictor.host_guesses = host_guesses
     ctl = oracle_controller(trace, capacity=40, predictor=predictor)
     try:
-        assert ctl._defers_speculation() is host_guesses
+        assert ctl.speculation.defers() is host_guesses
         half = RoutingTrace(layers, experts, steps[:20])
         decode_host_routed(ctl, half, speculate=True)
         assert ctl.speculation_paused and ctl.report()["speculation_paused_layers"] > 0

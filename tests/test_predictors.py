@@ -177,11 +177,11 @@ def test_the_oracles_plan_gives_what_predict_and_observe_give(spec, distance, of
                 for ctl in (planned, plain):
                     ctl.begin_layer(layer)
                     guesses, hints = ctl.observe_and_guess(layer, routed)
-                    ids, when = ctl._hint_arrays(hints)
+                    ids, when = ctl.calls.hint_arrays(hints)
                     got.append(({t: g.tolist() for t, g in guesses.items()},
                                 None if ids is None else ids.tolist(), None if when is None else when.tolist()))
                     if ctl is planned:
-                        used += type(hints).__name__ == "_TensorHints"
+                        used += type(hints).__name__ == "TensorHints"
                 assert got[0] == got[1]
             assert planned._pending.keys() == plain._pending.keys()
             assert (planned.prediction_hits, planned.predicted_total) == (plain.prediction_hits,

@@ -26,7 +26,6 @@ SUFFIXES = {".py", ".pyx", ".pxi", ".pxd", ".cpp", ".h"}
 
 # Over a limit when the check came in, each at most this big now; to be split.
 PENDING = {
-    "prefetch/controller.py": 1070,
     "prefetch/_engine.pyx": 643,
     "src_cpp/archer_prefetch_handle.cpp": 631,
     "src_cpp/archer_prefetch_handle.h": 614,
