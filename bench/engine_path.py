@@ -30,7 +30,7 @@ next one, on the current CUDA stream. Rows, each the median over
                     asked whether its copy completed), report this
                     layer's routed experts as used
   step-plan         a host-routed step plan's call (Note [Host-routed step
-                    pins] in prefetch/step_plan.py), once a step on a
+                    pins] in prefetch/offload/step_plan.py), once a step on a
                     second handle with "next-use" eviction: release the
                     last step's pins, report its reads as used, pin this
                     step's reads (`layers` x `top`), prefetch the next

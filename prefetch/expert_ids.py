@@ -58,8 +58,8 @@ class Guesses:
     `pop`, truth, `clear`, `keys`).
 
     Note [Guesses filed a step at a time]
-    A step plan (Note [Step pins] in prefetch/sync_free.py, Note
-    [Host-routed step pins] in prefetch/step_plan.py) files the next
+    A step plan (Note [Step pins] in prefetch/offload/sync_free.py, Note
+    [Host-routed step pins] in prefetch/offload/step_plan.py) files the next
     step's reads as its guesses for every layer at once: one dict entry a
     layer was a slice and a subtraction a layer, 100 us of a host-routed
     plan's first layer on gemma-4's 30 layers (a host-only BM5 replay), and

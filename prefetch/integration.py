@@ -383,7 +383,7 @@ def offload_moe_experts(
     much of them; the sync-free path, which reads missing experts from a
     full host copy, is off.
 
-    `preload` (Note [Preload] in prefetch/controller.py): True queues, at
+    `preload` (Note [Preload] in prefetch/offload/preload.py): True queues, at
     the least urgent band, as many experts as the cache holds (all of them
     where they fit, else the first ones of every layer in turn), so the
     first tokens find them cached; the copies run in the background. None

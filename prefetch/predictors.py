@@ -5,17 +5,24 @@ A predictor returns guesses and next-use times; it never calls the engine.
 The controller gathers what every predictor says for a layer and sends it
 with the layer's acquire in one engine call (`PrefetchHandle.step`).
 
-- `predict(controller, step, layer, hidden)` runs before the layer's routing
+Every call a predictor receives starts with `ctx`, a read-only
+`RoutingContext` (prefetch/offload/routing_context.py) of the offloaded
+model, not the controller: `num_layers`, `num_experts`, `top_k`, `step`,
+`clock`, `router_logits(layer, hidden)`, `router_topk(layer, hidden, k)`,
+`honours_hints` (the eviction policy reads next-use hints) and
+`holds_every_expert` (nothing is ever evicted). It can change nothing.
+
+- `predict(ctx, step, layer, hidden)` runs before the layer's routing
   reaches the host. It returns {later_layer: experts}, where experts are a
   host sequence of ints or an integer tensor on the model's device (for
   example a router's top-k indices): device tensors are read back in the same
   device-to-host copy as the routing itself, so a prediction costs no sync
   of its own.
-- `observe(controller, step, layer, experts)` runs once the routed experts
+- `observe(ctx, step, layer, experts)` runs once the routed experts
   of `layer` are known on the host (a sorted int64 numpy array). It may
   return next-use hints, a list of (layer, experts, when), `when` one time
   for all or one per expert, on the controller's routing clock
-  (`controller.clock`); the engine's "next-use" eviction policy reads them.
+  (`ctx.clock`); the engine's "next-use" eviction policy reads them.
 
 A predictor whose guesses depend on this layer's routing sets
 ``reads_routing = True``: its `predict` then runs after `observe` and
@@ -25,10 +32,10 @@ A predictor whose `observe` does nothing (returns None and keeps nothing)
 sets ``observes = False``: the controller then does not call it, and a
 sync-free decode step with no trace to record and no guess to score reads
 its routings back without a pass over the layers (Note [Routings nobody
-reads] in prefetch/sync_free.py).
+reads] in prefetch/offload/sync_free.py).
 
 A predictor whose guesses are host data (``host_guesses = True``) may also
-offer `plan(controller, step, layer, experts, predict)`: the guesses and
+offer `plan(ctx, step, layer, experts, predict)`: the guesses and
 hints of `predict` then `observe` in one go, hints as flat keys and times,
 or None where it cannot tell them that way (Note [The oracle's plan]).
 """
@@ -39,18 +46,38 @@ import numpy as np
 from prefetch._engine import NO_NEXT_USE, hint_times
 from prefetch.errors import InvalidArgumentError
 
-__all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor"]
+__all__ = ["RoutePredictor", "NextLayerGatePredictor", "TracePredictor", "OraclePredictor", "check_predictor"]
+
+
+def check_predictor(predictor) -> None:
+    """TypeError unless `predictor` is None or a predictor object: one with
+    `predict` and `observe` methods (prefetch/predictors.py). A class
+    where an instance belongs, or a name such as "oracle", would otherwise
+    fail only at the first forward, deep inside it."""
+    if predictor is None:
+        return
+    if isinstance(predictor, type):
+        raise TypeError(f"predictor must be a predictor object, got the class {predictor.__name__}: pass an instance, "
+                        f"e.g. {predictor.__name__}(...)")
+    missing = [m for m in ("predict", "observe") if not callable(getattr(predictor, m, None))]
+    if missing:
+        raise TypeError(f"predictor must be None or an object with predict and observe methods (prefetch.predictors: "
+                        f"NextLayerGatePredictor, OraclePredictor, TracePredictor), got {type(predictor).__name__} "
+                        f"{predictor!r} without {' and '.join(missing)}")
 
 
 class RoutePredictor:
     """Base of route-ahead predictors: every member the controller reads,
     with the default it assumes where a predictor does not set it.
     Subclassing is optional (any object with `predict` and `observe` is a
-    predictor); a subclass overrides what it offers.
+    predictor); a subclass overrides what it offers. `ctx`, the first
+    argument of every call, is the model's RoutingContext (read-only:
+    its shape, `step`, `clock`, routers, `honours_hints`,
+    `holds_every_expert`; see the module's docstring).
 
-    - `predict(controller, step, layer, hidden)`: required; {later layer:
+    - `predict(ctx, step, layer, hidden)`: required; {later layer:
       experts} (see the module's docstring).
-    - `observe(controller, step, layer, experts)`: next-use hints or None.
+    - `observe(ctx, step, layer, experts)`: next-use hints or None.
     - `reads_routing` (False): `predict` runs after `observe`, on the host.
     - `observes` (True): False says `observe` does nothing, so it is not
       called (Note [Routings nobody reads]).
@@ -58,12 +85,13 @@ class RoutePredictor:
       routing's read-back in one go with `observe`.
     - `distinct_guesses` (False): guesses come without repeats and within
       the model's experts, so the controller takes them as they are.
-    - `plan` (None): `plan(controller, step, layer, experts, predict)`,
+    - `plan` (None): `plan(ctx, step, layer, experts, predict)`,
       guesses and hints in one go (Note [The oracle's plan]).
     - `step_reads` (None): `step_reads(step, num_layers, num_experts,
       ahead=True)`, every expert a whole step reads, for a predictor that
       knows it (the oracle): steps pinned at once (Note [Step pins]).
-    - `start_hints` (None) and `observe_step` (None): a step plan's hints
+    - `start_hints` (None) and `observe_step` (None): `start_hints(ctx,
+      step)` and `observe_step(ctx, step, clock0)`, a step plan's hints
       (Note [Host-routed step pins]).
     - `end_request()`: called when a request ends (controller.new_sequence);
       does nothing here.
@@ -78,10 +106,10 @@ class RoutePredictor:
     start_hints = None
     observe_step = None
 
-    def predict(self, controller, step: int, layer: int, hidden) -> dict:
+    def predict(self, ctx, step: int, layer: int, hidden) -> dict:
         raise NotImplementedError(f"{type(self).__name__} must implement predict()")
 
-    def observe(self, controller, step: int, layer: int, experts: np.ndarray) -> list | None:
+    def observe(self, ctx, step: int, layer: int, experts: np.ndarray) -> list | None:
         return None
 
     def end_request(self) -> None:
@@ -104,16 +132,16 @@ class NextLayerGatePredictor(RoutePredictor):
         self.distance = distance
         self.extra_per_token = extra_per_token  # prefetch top_k + extra per token
 
-    def predict(self, controller, step, layer, hidden):
+    def predict(self, ctx, step, layer, hidden):
         out = {}
         for d in range(1, self.distance + 1):
             target = layer + d
-            if target >= controller.num_layers:
+            if target >= ctx.num_layers:
                 break
-            out[target] = controller.router_topk(target, hidden, controller.top_k + self.extra_per_token)
+            out[target] = ctx.router_topk(target, hidden, ctx.top_k + self.extra_per_token)
         return out
 
-    def observe(self, controller, step, layer, experts):
+    def observe(self, ctx, step, layer, experts):
         return None
 
 
@@ -139,8 +167,8 @@ class TracePredictor(RoutePredictor):
         self.past: list[np.ndarray] = []
         self.current: np.ndarray | None = None
 
-    def begin_request(self, controller) -> None:
-        self.current = np.zeros((controller.num_layers, controller.num_experts), dtype=np.float32)
+    def begin_request(self, ctx) -> None:
+        self.current = np.zeros((ctx.num_layers, ctx.num_experts), dtype=np.float32)
 
     def end_request(self) -> None:
         if self.current is not None and self.current.any():
@@ -148,17 +176,17 @@ class TracePredictor(RoutePredictor):
             self.past = self.past[-self.history :]
         self.current = None
 
-    def observe(self, controller, step, layer, experts):
+    def observe(self, ctx, step, layer, experts):
         if self.current is None:
-            self.begin_request(controller)
+            self.begin_request(ctx)
         self.current[layer, experts] += 1
         return None
 
-    def predict(self, controller, step, layer, hidden):
+    def predict(self, ctx, step, layer, hidden):
         if not self.past:
             return {}
         if self.current is None:
-            self.begin_request(controller)
+            self.begin_request(ctx)
         seen = self.current[: layer + 1].ravel()
         best, best_score = None, -1.0
         norm = float(np.linalg.norm(seen)) or 1.0
@@ -168,10 +196,10 @@ class TracePredictor(RoutePredictor):
             if score > best_score:
                 best, best_score = eam, score
         out = {}
-        k = self.max_experts or controller.top_k * 2
+        k = self.max_experts or ctx.top_k * 2
         for d in range(1, self.distance + 1):
             target = layer + d
-            if target >= controller.num_layers:
+            if target >= ctx.num_layers:
                 break
             row = best[target]
             order = np.argsort(-row, kind="stable")
@@ -191,7 +219,7 @@ class OraclePredictor(RoutePredictor):
 
     On a host-routed model (OffloadedMoEBlock, BM5) the guesses are made
     one layer late (Note [Speculation after launch] in
-    prefetch/controller.py): there a distance of d prefetches d - 1 layers
+    prefetch/offload/deferred.py): there a distance of d prefetches d - 1 layers
     ahead, and the default of 1 prefetches nothing in time
     (a CPU model of the link under BM5's gpt-oss replay: 1.87x the IO floor
     at distance 1, as on-demand's 1.91x; 1.43x at 2; 1.06x at 4).
@@ -263,7 +291,7 @@ class OraclePredictor(RoutePredictor):
         `ahead`); None past the trace or for a trace of another shape. The
         sync-free path checks them against its pins at a step's first
         layer (Note [Steady pins]) and pins and fetches by them (Note
-        [Step pins] in prefetch/sync_free.py). Made once per step; the
+        [Step pins] in prefetch/offload/sync_free.py). Made once per step; the
         array is shared, and read-only."""
         if (not 0 <= step < len(self._experts) or self.trace.num_layers != num_layers
                 or self.trace.num_experts > num_experts):
@@ -280,19 +308,19 @@ class OraclePredictor(RoutePredictor):
             self._step_reads[key] = flat
         return flat
 
-    def start_hints(self, controller, step: int) -> list:
-        """Note [Host-routed step pins] in prefetch/step_plan.py: a step
+    def start_hints(self, ctx, step: int) -> list:
+        """Note [Host-routed step pins] in prefetch/offload/step_plan.py: a step
         plan at the first step of a request makes no `predict` call, so the
         request's first reads are hinted here instead (Note [Hints at a
         request's start]): [(layer, experts, times)], or [] when they were
         hinted already or hints are off."""
-        if self._primed or not self._sends_hints(controller):
+        if self._primed or not self._sends_hints(ctx):
             return []
         self._primed = True
-        return self._first_reads(controller, step, 0)
+        return self._first_reads(ctx, step, 0)
 
-    def observe_step(self, controller, step: int, clock0: int):
-        """Note [Host-routed step pins] in prefetch/step_plan.py: for step
+    def observe_step(self, ctx, step: int, clock0: int):
+        """Note [Host-routed step pins] in prefetch/offload/step_plan.py: for step
         `step` of a model of the trace's shape, whose every layer routed as
         the trace says (layer l at clock `clock0` + l) without a `predict`
         or `observe` call, each read's next read as hints (keys layer *
@@ -303,7 +331,7 @@ class OraclePredictor(RoutePredictor):
         layers = self.trace.num_layers
         self._hints = []
         self._routed = (step, layers - 1, self._experts[step][layers - 1], clock0 + layers - 1)
-        if not self._sends_hints(controller):
+        if not self._sends_hints(ctx):
             return None
         got = self._step_next.get(step)
         if got is None:
@@ -348,7 +376,7 @@ class OraclePredictor(RoutePredictor):
         predicted = (np.concatenate(flat), np.concatenate(offset))
         return guesses, observed, predicted, never
 
-    def plan(self, controller, step: int, layer: int, experts: np.ndarray, predict: bool):
+    def plan(self, ctx, step: int, layer: int, experts: np.ndarray, predict: bool):
         """Note [The oracle's plan]
         `predict` and `observe` make a layer's guesses and hints from the
         trace with a dozen array operations and a list of hint tuples the
@@ -367,11 +395,11 @@ class OraclePredictor(RoutePredictor):
         sent yet, a model of another shape; the controller then calls
         `predict` and `observe`. The predictor's state moves as theirs
         would."""
-        if (controller.num_layers != self.trace.num_layers or controller.num_experts != self.trace.num_experts
+        if (ctx.num_layers != self.trace.num_layers or ctx.num_experts != self.trace.num_experts
                 or not 0 <= step < len(self._plans) or self._hints):
             return None
-        hints = self._sends_hints(controller)
-        now = controller.clock
+        hints = self._sends_hints(ctx)
+        now = ctx.clock
         if hints:
             if not self._primed:
                 return None
@@ -395,7 +423,7 @@ class OraclePredictor(RoutePredictor):
         keys, offset = predicted if predict else observed
         return guesses, keys, hint_times(offset, now, never, NO_NEXT_USE)
 
-    def _sends_hints(self, controller) -> bool:
+    def _sends_hints(self, ctx) -> bool:
         """Note [No hints when everything fits]
         Hints tell a next-use handle which expert to evict. When each
         device's cache holds every registered expert at once, nothing is
@@ -409,12 +437,10 @@ class OraclePredictor(RoutePredictor):
         others.
         So with ``hints=None`` they go only to a next-use handle that may
         evict. The check is the prefetcher's, cached per registration
-        (``holds_every_expert``); the guesses are not affected."""
+        (``holds_every_expert``, which the routing context passes on); the
+        guesses are not affected."""
         if self.hints is None:
-            if getattr(controller.handle, "eviction_policy", None) != "next-use":
-                return False
-            holds_all = getattr(getattr(controller, "prefetcher", None), "holds_every_expert", None)
-            return holds_all is None or not holds_all()
+            return ctx.honours_hints and not ctx.holds_every_expert
         return self.hints
 
     def end_request(self) -> None:
@@ -422,22 +448,22 @@ class OraclePredictor(RoutePredictor):
         predict hints every expert's first read again."""
         self._primed = False
 
-    def predict(self, controller, step, layer, hidden):
-        if self.trace.num_experts > controller.num_experts:
+    def predict(self, ctx, step, layer, hidden):
+        if self.trace.num_experts > ctx.num_experts:
             # The controller takes these guesses as they are (distinct_guesses):
             # an id past the model's experts has no tensor id.
             raise InvalidArgumentError(
                 f"OraclePredictor: its trace has {self.trace.num_experts} experts a layer, the model "
-                f"{controller.num_experts}: a trace recorded on another model")
+                f"{ctx.num_experts}: a trace recorded on another model")
         out = {}
-        hints = self._sends_hints(controller)
+        hints = self._sends_hints(ctx)
         if hints and not self._primed:
             self._primed = True
-            self._hints.extend(self._first_reads(controller, step, layer))
-        for d, target, experts in self._guesses(step, layer, controller.num_layers):
+            self._hints.extend(self._first_reads(ctx, step, layer))
+        for d, target, experts in self._guesses(step, layer, ctx.num_layers):
             out[target] = experts
             if hints:  # read d layers from now
-                self._hints.append((target, experts, controller.clock + d))
+                self._hints.append((target, experts, ctx.clock + d))
         return out
 
     def _guesses(self, step: int, layer: int, num_layers: int):
@@ -455,23 +481,23 @@ class OraclePredictor(RoutePredictor):
             if experts.shape[0]:
                 yield d, target, experts
 
-    def observe(self, controller, step, layer, experts):
-        if not self._sends_hints(controller):
+    def observe(self, ctx, step, layer, experts):
+        if not self._sends_hints(ctx):
             self._hints.clear()
             return None
-        now = controller.clock
+        now = ctx.clock
         experts = np.asarray(experts, dtype=np.int64)
         # The experts routed now are read now: their hint moves on only once
         # the next layer routes (they are released by then), or a prefetch
         # for the next layer could evict them before their acquire.
-        out = [self._next_reads(controller, *self._routed)] if self._routed is not None else []
+        out = [self._next_reads(ctx, *self._routed)] if self._routed is not None else []
         out.append((layer, experts, now))
         out.extend(self._hints)  # later layers' reads, from this layer's predict
         self._hints = []
         self._routed = (step, layer, experts, now)
         return out
 
-    def _first_reads(self, controller, step, layer) -> list:
+    def _first_reads(self, ctx, step, layer) -> list:
         """Note [Hints at a request's start]
         The experts resident when a request starts were left by another one
         (a warm-up, the last request): their hints have expired, so the
@@ -491,12 +517,12 @@ class OraclePredictor(RoutePredictor):
         test_a_request_start_hints_keep_the_residents_read_soonest). One hint
         call of up to layers x experts ids, once a request. [(layer, experts,
         times)]."""
-        num_layers = controller.num_layers
+        num_layers = ctx.num_layers
         if num_layers != len(self._reads) or not 0 <= step < self._stride - 1:
             return []
         out = []
         stride = self._stride
-        experts = np.arange(controller.num_experts, dtype=np.int64)
+        experts = np.arange(ctx.num_experts, dtype=np.int64)
         # Not _layers_ahead(first - 1, ...): at step 0 its key for expert 0
         # is -1, and the sentinel minus -1 overflows int64 on a layer the
         # trace never routes. Here the found key is compared, not subtracted.
@@ -508,7 +534,7 @@ class OraclePredictor(RoutePredictor):
             mine = found < (experts + 1) * stride  # still this expert's read (the sentinel is not)
             if mine.any():
                 at = found[mine] - experts[mine] * stride
-                out.append((lyr, experts[mine], controller.clock + (at - step) * num_layers + (lyr - layer)))
+                out.append((lyr, experts[mine], ctx.clock + (at - step) * num_layers + (lyr - layer)))
         return out
 
     def _layers_ahead(self, step, layer, experts, num_layers):
@@ -523,14 +549,14 @@ class OraclePredictor(RoutePredictor):
         never = np.flatnonzero(ahead >= stride - step)
         return np.where(ahead < stride - step, ahead * num_layers, 0), (never if never.shape[0] else None)
 
-    def _next_reads(self, controller, step, layer, experts, at):
+    def _next_reads(self, ctx, step, layer, experts, at):
         """(layer, experts, times): the next read of experts read at clock
         `at` (step, layer); NO_NEXT_USE = never again in the trace."""
         if layer >= len(self._reads) or not 0 <= step < self._stride - 1:
             return layer, experts, np.full(experts.shape[0], NO_NEXT_USE, dtype=np.int64)
         ours = self._experts[step][layer]
-        if controller.num_layers == len(self._reads) and experts.tobytes() == ours.tobytes():
+        if ctx.num_layers == len(self._reads) and experts.tobytes() == ours.tobytes():
             ahead, never = self._ahead[step][layer]
         else:  # routed other than the trace says: search
-            ahead, never = self._layers_ahead(step, layer, experts, controller.num_layers)
+            ahead, never = self._layers_ahead(step, layer, experts, ctx.num_layers)
         return layer, experts, hint_times(ahead, at, never, NO_NEXT_USE)

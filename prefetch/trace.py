@@ -38,7 +38,7 @@ class RoutingTrace:
         """For each (step, layer) of `keys` (each layer at most once),
         records the experts set in row `layer` of `routed`, a [num_layers,
         num_experts] bool table: `add` for many layers in one numpy pass
-        (Note [Routings nobody reads] in prefetch/sync_free.py)."""
+        (Note [Routings nobody reads] in prefetch/offload/sync_free.py)."""
         layers = [layer for _, layer in keys]
         rows, experts = np.nonzero(routed[layers])
         counts = np.bincount(rows, minlength=len(layers)).tolist()

@@ -111,7 +111,7 @@ def make_handle():
         h.close()
 
 
-ENGINE_CALLS = ("step", "release", "acquire", "acquire_slots", "prefetch_tensors", "hint_next_use", "cancel")
+ENGINE_CALLS = ("exchange", "step", "release", "acquire", "acquire_slots", "prefetch_tensors", "hint_next_use", "cancel")
 
 
 def _as_logged(x):
@@ -122,18 +122,20 @@ def _as_logged(x):
 
 class CountingHandle:
     """Wraps a PrefetchHandle and counts the calls an offloaded layer makes
-    into the engine: `calls["step"]`, `calls["release"]`, and every other
+    into the engine: `calls["exchange"]` (the per-layer call, under its
+    deprecated alias `step` too), `calls["release"]`, and every other
     crossing of ENGINE_CALLS under "other". Given `log`, also appends each
     such call to it as (name, args, kwargs), arrays as lists."""
 
     def __init__(self, handle, log: list | None = None):
         self.real = handle
-        self.calls = {"step": 0, "release": 0, "other": 0}
+        self.calls = {"exchange": 0, "release": 0, "other": 0}
         self.log = log
 
     def __getattr__(self, name):
         attr = getattr(self.real, name)
         if callable(attr) and name in ENGINE_CALLS:
+            name = "exchange" if name == "step" else name
             key = name if name in self.calls else "other"
 
             def counted(*a, **k):

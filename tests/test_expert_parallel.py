@@ -447,7 +447,7 @@ def test_two_ranks_match_one_process(tmp_path, monkeypatch):
         forwards = 3
         # One step per layer; the last layer releases what it holds (nothing
         # when none of its routed experts is this rank's).
-        assert g["calls"]["step"] == forwards * cfg.num_hidden_layers and g["calls"]["other"] == 0
+        assert g["calls"]["exchange"] == forwards * cfg.num_hidden_layers and g["calls"]["other"] == 0
         assert 1 <= g["calls"]["release"] <= forwards
 
 

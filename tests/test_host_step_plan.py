@@ -1,4 +1,4 @@
-"""Note [Host-routed step pins] (prefetch/step_plan.py): on the host-routed
+"""Note [Host-routed step pins] (prefetch/offload/step_plan.py): on the host-routed
 path (route_and_acquire a layer, as BM5's decoder and OffloadedMoEBlock call
 it) a predictor that knows whole steps gets one engine call a step; the
 layers read the pins, acquire only what the pins miss, and the bytes,
@@ -78,7 +78,7 @@ def test_a_planned_step_makes_one_engine_call():
         decode(ctl, trace.steps)
         steps = len(trace.steps)
         assert ctl.host_step_pins == ctl.step_pins == steps
-        assert counting.calls == {"step": steps + LAYERS, "release": steps, "other": 0}
+        assert counting.calls == {"exchange": steps + LAYERS, "release": steps, "other": 0}
         r = ctl.report()
         assert r["step_pins"] == steps
         assert r["prediction_precision"] == 1.0 and r["prediction_recall"] == 1.0
@@ -132,7 +132,7 @@ def test_a_step_without_its_copies_landed_acquires_what_the_pins_miss():
         decode(ctl, trace.steps, drain=False)
         assert ctl.host_step_pins == len(trace.steps)
         assert ctl.report()["prediction_precision"] == 1.0
-        assert ctl._held is None and ctl._plan_step is None
+        assert ctl._held is None and ctl.plan.pinned_step is None
     finally:
         ctl.close()
 
@@ -167,9 +167,9 @@ def test_the_plan_needs_room_and_a_whole_layer_in_one_call():
         now = ctl.predictor.step_reads(2, LAYERS, EXPERTS, ahead=False)
         nxt = ctl.predictor.step_reads(3, LAYERS, EXPERTS, ahead=False)
         ctl.cache_slots = now.shape[0] + max(nxt.shape[0], EXPERTS)
-        assert ctl._step_plan(2, host=True) is not None
+        assert ctl.sync.step_plan(2, host=True) is not None
         ctl.cache_slots -= 1
-        assert ctl._step_plan(2, host=True) is None
+        assert ctl.sync.step_plan(2, host=True) is None
         ctl.cache_slots = 40
         # A layer taken in pieces (first < its routed experts) ends the
         # plan: the pins are released and that layer goes layer by layer.
@@ -177,9 +177,9 @@ def test_the_plan_needs_room_and_a_whole_layer_in_one_call():
         ctl.release_held()
         wait_drained(ctl.handle)
         ctl.route_and_acquire(0, None, trace.steps[1][0], timeout=10)
-        assert ctl._plan_step == 1
+        assert ctl.plan.pinned_step == 1
         routed, where = ctl.route_and_acquire(1, None, trace.steps[1][1], timeout=10, first=1)
-        assert ctl._plan_step is None
+        assert ctl.plan.pinned_step is None
         assert ctl.handle.stats()["pinned_count"] == 1
         ctl.release_held()
         assert ctl.handle.stats()["pinned_count"] == 0
@@ -201,7 +201,7 @@ def test_bad_input_in_a_planned_step_leaves_the_pins():
             ctl.route_and_acquire(1, None, [EXPERTS + 3], timeout=10)
         with pytest.raises(ValueError):
             ctl.route_and_acquire(1, None, [-1], timeout=10)
-        assert ctl.handle.stats()["pinned_count"] == pinned and ctl._plan_step == 1
+        assert ctl.handle.stats()["pinned_count"] == pinned and ctl.plan.pinned_step == 1
         routed, where = ctl.route_and_acquire(1, None, trace.steps[1][1], timeout=10)
         got = ctl.prefetcher.weights_in_slots(ctl.ids(1, routed), where)
         assert [int(w["w"][0]) for w in got] == [100 + e for e in routed.tolist()]

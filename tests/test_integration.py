@@ -147,7 +147,7 @@ def test_sync_free_decode_matches_original(family, slots):
                 assert report["zero_copy_reads"] == 0
             assert ctl.handle.stats()["pinned_count"] == 0
             ctl.new_sequence()  # the last step's routing is read now, into this request's trace
-            assert not ctl._routings
+            assert not ctl.sync._routings
             traces[sync_free] = ctl.trace.steps
         finally:
             ctl.close()
@@ -288,7 +288,7 @@ def test_the_gate_decodes_a_sync_free_step_as_on_demand_does():
     assert torch.equal(od_seq, gate_seq)
 
     def guessed(calls):
-        return any(k.get("prefetch") is not None for name, _, k in calls if name == "step")
+        return any(k.get("prefetch") is not None for name, _, k in calls if name == "exchange")
 
     assert False in gate_free and predicted > 0
     assert guessed(gate_calls[gate_free.index(False)])  # its first synced step: the gate guessed
@@ -400,7 +400,7 @@ def test_sync_free_counts_a_routing_against_the_pins_it_ran_on():
         assert not pinned.any()  # this call pinned nothing of layer 1...
         # ...and the routing noted before it counted the pins it ran on.
         assert (ctl.pinned_hits - hits, ctl.zero_copy_reads - reads) == (slots, num_experts - slots)
-        assert len(ctl._routings) == 0
+        assert len(ctl.sync._routings) == 0
     finally:
         ctl.close()
 
@@ -469,7 +469,7 @@ def test_sync_free_option():
     # per-step choice run the others sync-free (the choice is tested below).
     ctl = offload_moe_experts(model, device_budget_bytes=1 << 20, backend="host",
                               predictor=NextLayerGatePredictor())
-    assert ctl.sync_free is True and ctl._adaptive
+    assert ctl.sync_free is True and ctl.sync._adaptive
     ctl.close()
     model = build(cfg, experts_implementation="batched_mm")
     ref = build(cfg, experts_implementation="batched_mm")
@@ -550,7 +550,7 @@ def test_sync_free_engine_calls_per_layer_then_per_step():
         # reads); the decode steps after a steady one are steady.
         steady = ctl.steady_steps
         assert steady >= 2
-        assert calls["step"] == steady + (3 - steady) * cfg.num_hidden_layers
+        assert calls["exchange"] == steady + (3 - steady) * cfg.num_hidden_layers
         assert calls["release"] == 3 and calls["other"] == 0
         assert real.stats()["pinned_count"] == 0
     finally:
@@ -590,7 +590,7 @@ def test_steady_pins_end_at_a_miss():
         # ...and its missing steps made one call a layer: more calls than forwards.
         layered = 6 - (ctl.steady_steps - steady)
         assert layered > 0
-        assert ctl.handle.calls["step"] >= layered * cfg.num_hidden_layers
+        assert ctl.handle.calls["exchange"] >= layered * cfg.num_hidden_layers
         assert real.stats()["pinned_count"] == 0
     finally:
         ctl.handle = real
@@ -960,7 +960,7 @@ def test_one_engine_call_per_layer():
         ids = torch.randint(0, cfg.vocab_size, (1, 4), generator=torch.Generator().manual_seed(1))
         greedy(model, ids, steps=3)
         forwards = 3
-        assert calls["step"] == forwards * cfg.num_hidden_layers
+        assert calls["exchange"] == forwards * cfg.num_hidden_layers
         assert calls["release"] == forwards and calls["other"] == 0
         assert real.stats()["pinned_count"] == 0
     finally:
@@ -1025,7 +1025,7 @@ def test_generic_block_matches_reference():
             assert torch.equal(a, b)
             # One engine call per block (release the last block's, acquire
             # this one's, queue the guesses); the last block releases its own.
-            assert counting.calls == {"step": 4 * forward, "release": forward, "other": 0}
+            assert counting.calls == {"exchange": 4 * forward, "release": forward, "other": 0}
             assert real.stats()["pinned_count"] == 0
             x = torch.randn(3, 2, 16)
         assert real.stats()["evictions"] > 0
@@ -1435,17 +1435,17 @@ def test_an_oracle_step_whose_reads_are_all_pinned_goes_steady():
         want |= {la * num_experts + e for la, row in enumerate(trace.steps[4][:2]) for e in row}
         assert set(reads.tolist()) == want
         ctl.step = 3
-        ctl._pinned[:] = True
+        ctl.sync._pinned[:] = True
         # The last step missed nothing and fetches nothing; nothing_fetched
         # (two idle steps) is off: the pins alone decide.
-        ctl._last_misses, ctl._fetch, ctl.nothing_fetched = 0, None, False
-        assert ctl._step_pinned() and ctl._steady_step()
+        ctl.sync._last_misses, ctl._fetch, ctl.nothing_fetched = 0, None, False
+        assert ctl.sync._step_pinned() and ctl.sync._steady_step()
         layer, expert = divmod(int(reads[-1]), num_experts)  # a read of step 4's first layers
-        ctl._pinned[layer, expert] = False
-        assert not ctl._step_pinned() and not ctl._steady_step()
-        ctl._pinned[:] = True
+        ctl.sync._pinned[layer, expert] = False
+        assert not ctl.sync._step_pinned() and not ctl.sync._steady_step()
+        ctl.sync._pinned[:] = True
         ctl.step = len(trace.steps)
-        assert oracle.step_reads(ctl.step, layers, num_experts) is None and not ctl._step_pinned()
+        assert oracle.step_reads(ctl.step, layers, num_experts) is None and not ctl.sync._step_pinned()
     finally:
         ctl.close()
 
@@ -1477,7 +1477,7 @@ def test_step_pins_make_one_engine_call_a_decode_step():
         for a, b in zip(logits, logits_ref):
             assert torch.equal(a, b)
         assert ctl.step_pins - pins == 11
-        assert calls == {"step": cfg.num_hidden_layers + 11, "release": 12, "other": 0}
+        assert calls == {"exchange": cfg.num_hidden_layers + 11, "release": 12, "other": 0}
         # The layers shared one row map, made from the last step's pins: a
         # pinned expert's row is its slot's, every other expert's its host row.
         offloads = [m.__dict__["_prefetch_offload"] for m in offloaded_experts(model)]
@@ -1545,15 +1545,15 @@ def test_a_step_plan_needs_room_for_two_steps():
         assert now.tolist() == sorted(la * num_experts + e for la, row in enumerate(trace.steps[3]) for e in row)
         assert not now.flags.writeable  # shared by the calls of a step
         ctl.cache_slots = now.shape[0] + nxt.shape[0]
-        plan = ctl._step_plan()
+        plan = ctl.sync.step_plan()
         assert plan is not None and plan[0] is now and plan[1] is nxt
         ctl.cache_slots -= 1
-        assert ctl._step_plan() is None
+        assert ctl.sync.step_plan() is None
         ctl.cache_slots += 1
         ctl.step = len(trace.steps)  # past the trace
-        assert ctl._step_plan() is None
+        assert ctl.sync.step_plan() is None
         ctl.step = len(trace.steps) - 1  # the last step: nothing after it to fetch
-        plan = ctl._step_plan()
+        plan = ctl.sync.step_plan()
         assert plan is not None and plan[1].shape[0] == 0
     finally:
         ctl.close()
@@ -1885,7 +1885,7 @@ def test_speculation_rides_on_the_next_acquire():
     ctl.handle = counting = CountingHandle(real)
     try:
         decode_host_routed(ctl, trace, "ride")
-        assert counting.calls["step"] == len(trace.steps) * (trace.num_layers + 1)
+        assert counting.calls["exchange"] == len(trace.steps) * (trace.num_layers + 1)
         # a riding call guesses one layer (the other is its own); the last
         # layer's call two, the farther in a prefetch_tensors (band 2),
         # except after the trace's last step
@@ -1922,9 +1922,9 @@ def test_host_routed_speculation_is_not_deferred_for_other_predictors():
     ctl.handle = counting = CountingHandle(real)
     try:
         ctl.route_and_acquire(0, None, [0, 1], timeout=10)
-        assert real.stats()["enqueued"] == 2 and counting.calls["step"] == 1
+        assert real.stats()["enqueued"] == 2 and counting.calls["exchange"] == 1
         ctl.speculate()
-        assert counting.calls["step"] == 1
+        assert counting.calls["exchange"] == 1
         ctl.release_held()
     finally:
         ctl.handle = real
@@ -2190,7 +2190,7 @@ def test_generic_block_larger_than_the_cache_runs_in_pieces(predictor):
         # block's first call (Note [Speculation rides on the next acquire]),
         # the last block's go in one more call right after it (nothing left
         # deferred): one a forward
-        assert counting.calls["step"] == 2 * 3 * 2 + (2 if predictor == "oracle" else 0)
+        assert counting.calls["exchange"] == 2 * 3 * 2 + (2 if predictor == "oracle" else 0)
         assert ctl.trace.steps == [[list(range(6))] * 3] * 2  # the whole routing, not a piece
     finally:
         ctl.handle = real
@@ -2247,7 +2247,7 @@ def test_speculation_pauses_at_a_low_precision_and_resumes(host_guesses):
     predictor.host_guesses = host_guesses
     ctl = oracle_controller(trace, capacity=40, predictor=predictor)
     try:
-        assert ctl._defers_speculation() is host_guesses
+        assert ctl.speculation.defers() is host_guesses
         half = RoutingTrace(layers, experts, steps[:20])
         decode_host_routed(ctl, half, speculate=True)
         assert ctl.speculation_paused and ctl.report()["speculation_paused_layers"] > 0

@@ -1,4 +1,4 @@
-"""PathChoice (Note [Which path a step takes] in prefetch/sync_free.py): a
+"""PathChoice (Note [Which path a step takes] in prefetch/offload/path_choice.py): a
 step's path from what the last step missed, and the hold after failed
 sync-free tries."""
 from prefetch.sync_free import _FIRST_HOLD, _MAX_HOLD, _TRY_STEPS, PathChoice

@@ -1,5 +1,5 @@
 """A predictor assigned to a live controller (Note [A predictor replaced] in
-prefetch/controller.py), and what a predictor or model of the wrong shape
+prefetch/offload/controller.py), and what a predictor or model of the wrong shape
 gets: a clear error, and a controller that still works after it."""
 import copy
 
@@ -78,10 +78,10 @@ def test_a_predictor_assigned_with_a_layer_deferred_settles_it_with_the_old_one(
                 model.stop_after = 1
                 with pytest.raises(Stop):
                     model(x)
-                assert ctl._deferred is not None  # the second block's routing, not scored yet
+                assert ctl.speculation.deferred is not None  # the second block's routing, not scored yet
                 if swap:
                     ctl.predictor = NextLayerGatePredictor()
-                    assert ctl._deferred is None
+                    assert ctl.speculation.deferred is None
                 ctl.report()
                 model.stop_after = None
                 ctl.new_sequence()
@@ -132,10 +132,10 @@ def test_an_oracle_replaced_with_its_plan_pending_leaves_the_controller_working(
     ctl = planned_controller(trace)
     try:
         decode(ctl, trace.steps[:3])
-        assert ctl.host_step_pins > 0 and ctl._planned
+        assert ctl.host_step_pins > 0 and ctl.plan.planned
         ctl.predictor = OraclePredictor(RoutingTrace(trace.num_layers, trace.num_experts, trace.steps[:1]),
                                         distance=2)
-        assert not ctl._planned
+        assert not ctl.plan.planned
         getattr(ctl, then)()
         assert ctl.trace.steps == trace.steps[:3]  # the pending step recorded, by the old oracle's pass
         if then != "close":
@@ -159,7 +159,7 @@ def test_close_closes_the_handle_when_the_pending_work_raises():
     ctl = planned_controller(trace)
     ctl.predictor = broken = Broken(trace, distance=2)
     decode(ctl, trace.steps[:3])
-    assert ctl._planned
+    assert ctl.plan.planned
     broken.fail = True
     with pytest.raises(RuntimeError, match="broken predictor"):
         ctl.close()
@@ -234,9 +234,9 @@ def test_reassigning_the_same_predictor_changes_nothing():
     ctl = planned_controller(trace)
     try:
         decode(ctl, trace.steps[:3])
-        planned = list(ctl._planned)
+        planned = list(ctl.plan.planned)
         ctl.predictor = ctl.predictor
-        assert ctl._planned == planned  # nothing flushed
+        assert ctl.plan.planned == planned  # nothing flushed
         assert len(ctl.report()["predictors"]) == 1  # nor scored apart
     finally:
         ctl.close()

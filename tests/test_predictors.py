@@ -12,13 +12,14 @@ from prefetch._engine import NO_NEXT_USE
 from prefetch.integration import OraclePredictor, RoutingTrace
 
 
-class _Handle:
-    eviction_policy = "next-use"
-
-
 class _Controller:
+    """Stands in for the RoutingContext a predictor is given: a next-use
+    handle whose cache does not hold every expert."""
+
+    honours_hints = True
+    holds_every_expert = False
+
     def __init__(self, num_layers, num_experts=8):
-        self.handle = _Handle()
         self.num_layers = num_layers
         self.num_experts = num_experts
         self.clock = -1
@@ -176,11 +177,11 @@ def test_the_oracles_plan_gives_what_predict_and_observe_give(spec, distance, of
                 for ctl in (planned, plain):
                     ctl.begin_layer(layer)
                     guesses, hints = ctl.observe_and_guess(layer, routed)
-                    ids, when = ctl._hint_arrays(hints)
+                    ids, when = ctl.calls.hint_arrays(hints)
                     got.append(({t: g.tolist() for t, g in guesses.items()},
                                 None if ids is None else ids.tolist(), None if when is None else when.tolist()))
                     if ctl is planned:
-                        used += type(hints).__name__ == "_TensorHints"
+                        used += type(hints).__name__ == "TensorHints"
                 assert got[0] == got[1]
             assert planned._pending.keys() == plain._pending.keys()
             assert (planned.prediction_hits, planned.predicted_total) == (plain.prediction_hits,
@@ -191,3 +192,39 @@ def test_the_oracles_plan_gives_what_predict_and_observe_give(spec, distance, of
     # the plan holds from the request's second layer on while the routing is the trace's
     if not off_trace and len(steps) * layers > 1:
         assert used >= len(steps) * layers - 1
+
+
+def test_a_predictor_is_given_a_read_only_routing_context():
+    # A predictor receives the model's RoutingContext, not the controller:
+    # it reads the shape, clock and hint policy, and can change nothing.
+    from prefetch.offload.routing_context import RoutingContext
+
+    seen = []
+
+    class Spy:
+        def predict(self, ctx, step, layer, hidden):
+            seen.append(ctx)
+            return {}
+
+        def observe(self, ctx, step, layer, experts):
+            return None
+
+    ctl = _controller(Spy(), 2, 4)
+    try:
+        ctl.begin_layer(0)
+        ctl.predict(0, None)
+        (ctx,) = seen
+        assert type(ctx) is RoutingContext and ctx is ctl.context
+        assert (ctx.num_layers, ctx.num_experts, ctx.top_k, ctx.step, ctx.clock) == (2, 4, 3, 0, 0)
+        assert ctx.honours_hints is True and ctx.holds_every_expert is True  # 8 tiny experts in 1 MiB
+        assert not [name for name in dir(ctx) if not name.startswith("_") and name in ("controller", "handle",
+                                                                                       "prefetcher")]
+        for name in ("num_layers", "clock", "step", "honours_hints", "anything"):
+            with pytest.raises(AttributeError):
+                setattr(ctx, name, 1)
+        with pytest.raises(AttributeError):
+            del ctx.clock
+        ctl.begin_layer(1)
+        assert ctx.clock == 1  # a view: it follows the controller
+    finally:
+        ctl.close()

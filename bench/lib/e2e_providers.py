@@ -110,7 +110,7 @@ class EngineProvider:
         registered from host memory (the on-demand-disk policy).
         `step_plan`: the controller knows the cache's slot count, so a
         predictor that knows whole steps (the oracle) gets step plans (Note
-        [Host-routed step pins] in prefetch/step_plan.py); False keeps it
+        [Host-routed step pins] in prefetch/offload/step_plan.py); False keeps it
         layer by layer. `resident_gather`: Note [Engine calls, resident
         weights]."""
         import prefetch
@@ -250,7 +250,7 @@ class EngineProvider:
 
     def before_sync(self, layer):
         """The last layer's predictor part (Note [Speculation after launch]
-        in prefetch/controller.py): the decoder calls this once it has
+        in prefetch/offload/deferred.py): the decoder calls this once it has
         queued this layer's attention and router and before it reads the
         routing back, so the host runs it while the GPU works. Its engine
         call rides on this layer's acquire (Note [Speculation rides on the

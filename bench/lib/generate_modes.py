@@ -103,7 +103,7 @@ class EngineMode(Mode):
         self.ctl = prefetch.offload_moe_experts(model, device_budget_bytes=budget, predictor=predictor,
                                                 handle_options=options, record_trace=True, sync_free=sync_free,
                                                 host_experts=host, **kwargs)
-        # Note [Waiting for the preload] in prefetch/controller.py: a cache
+        # Note [Waiting for the preload] in prefetch/offload/preload.py: a cache
         # of every expert is filled before the row's first generate, so the
         # measured ones find it full (run 102: Qwen3-30B-A3B's 54 GiB were
         # still landing in the first measured generate, 173 copies).

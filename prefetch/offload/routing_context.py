@@ -1,0 +1,86 @@
+"""RoutingContext: what a route-ahead predictor may read of the model it
+predicts for, in place of the OffloadController itself."""
+from __future__ import annotations
+
+__all__ = ["RoutingContext"]
+
+
+class RoutingContext:
+    """The read-only view of one offloaded model that a predictor's
+    `predict`, `observe`, `plan`, `start_hints`, `observe_step` and
+    `begin_request` receive first (prefetch/predictors.py): the model's
+    shape, the routing clock and step, its routers, and whether next-use
+    hints matter. A predictor returns guesses and hints and never changes
+    the controller, so nothing here can: every member is a property or a
+    method, and the controller is kept in a private slot.
+
+    - `num_layers`, `num_experts`, `top_k`: the offloaded model's shape.
+    - `step`: the decode step of the routing at hand (from 0 each request).
+    - `clock`: the routing clock (routed layers so far, minus one): the
+      time base of next-use hints.
+    - `router_logits(layer, hidden)`, `router_topk(layer, hidden, k)`:
+      layer `layer`'s router run on `hidden` (a device tensor).
+    - `honours_hints`: the engine's eviction policy reads next-use hints
+      ("next-use"); the other policies ignore them.
+    - `holds_every_expert`: each device's cache holds every registered
+      expert at once, so nothing is ever evicted (Note [No hints when
+      everything fits] in prefetch/predictors.py).
+    """
+
+    __slots__ = ("_controller", "_honours_hints")
+
+    def __init__(self, controller):
+        object.__setattr__(self, "_controller", controller)
+        # The handle's eviction policy is fixed when it is made.
+        object.__setattr__(self, "_honours_hints",
+                           getattr(controller.handle, "eviction_policy", None) == "next-use")
+
+    def __setattr__(self, name, value):
+        raise AttributeError(f"a RoutingContext is read-only: cannot set {name!r}")
+
+    def __delattr__(self, name):
+        raise AttributeError(f"a RoutingContext is read-only: cannot delete {name!r}")
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError("a RoutingContext belongs to a live offload and cannot be copied or pickled")
+
+    def __repr__(self) -> str:
+        return (f"RoutingContext(num_layers={self.num_layers}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"step={self.step}, clock={self.clock})")
+
+    @property
+    def num_layers(self) -> int:
+        return self._controller.num_layers
+
+    @property
+    def num_experts(self) -> int:
+        return self._controller.num_experts
+
+    @property
+    def top_k(self) -> int:
+        return self._controller.top_k
+
+    @property
+    def step(self) -> int:
+        return self._controller.step
+
+    @property
+    def clock(self) -> int:
+        return self._controller.clock
+
+    @property
+    def honours_hints(self) -> bool:
+        return self._honours_hints
+
+    @property
+    def holds_every_expert(self) -> bool:
+        return bool(self._controller.prefetcher.holds_every_expert())
+
+    def router_logits(self, layer: int, hidden):
+        """Layer `layer`'s router logits for each row of `hidden`."""
+        return self._controller.router_logits(layer, hidden)
+
+    def router_topk(self, layer: int, hidden, k: int):
+        """The k experts layer `layer`'s router would pick for each row of
+        `hidden` (a device tensor of indices)."""
+        return self._controller.router_topk(layer, hidden, k)
