@@ -37,12 +37,16 @@ from prefetch.read_back import to_host
 
 
 def __getattr__(name):
-    # The model integration needs torch; import it on first use so that
-    # `import prefetch` stays light.
+    # The model integration needs torch (load_without_experts, transformers
+    # too); import it on first use so that `import prefetch` stays light.
     if name in ("offload_moe_experts", "integration"):
         import prefetch.integration as integration
 
         return integration if name == "integration" else integration.offload_moe_experts
+    if name == "load_without_experts":
+        from prefetch.hf_load import load_without_experts
+
+        return load_without_experts
     raise AttributeError(f"module 'prefetch' has no attribute {name!r}")
 
 __all__ = [
@@ -73,6 +77,7 @@ __all__ = [
     "PrefetchHandle",
     "aligned_empty",
     "as_id_array",
+    "load_without_experts",
     "offload_moe_experts",
     "pack_expert",
     "to_host",

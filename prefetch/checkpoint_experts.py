@@ -38,7 +38,7 @@ from prefetch.checkpoint import TensorLocation, index_checkpoint
 from prefetch.errors import CheckpointError
 from prefetch.progress import report_progress
 
-__all__ = ["expert_locations", "fill_from_checkpoint", "register_from_disk"]
+__all__ = ["expert_locations", "expert_tensor_names", "fill_from_checkpoint", "register_from_disk"]
 
 # (gate, up, down) name templates under a decoder layer's prefix, for
 # checkpoints that keep one tensor per expert.
@@ -136,6 +136,22 @@ def expert_locations(index: dict, experts_names, chosen, layout) -> list:
                                         (dn, down.offset)]))
     return out
 
+
+def expert_tensor_names(index: dict, experts_names, layout) -> set:
+    """The checkpoint names of every expert tensor of the layers whose
+    experts modules are `experts_names`, fused or per expert, as
+    expert_locations reads them (check them with it first): what a loader
+    of the model's other weights leaves out."""
+    out = set()
+    for layer, name in enumerate(experts_names):
+        fused = [_join(name, part.name) for part in layout.parts]
+        if any(n in index for n in fused):
+            out.update(n for n in fused if n in index)
+            continue
+        prefix = _layer_prefix(_layer_prefix(name))
+        templates = _split_templates(index, prefix, 0, layout, layer, name)
+        out.update(_join(prefix, t.format(e=e)) for t in templates for e in range(layout.num_experts))
+    return out
 
 def fill_from_checkpoint(buffer: torch.Tensor, rows: np.ndarray, stride: int, checkpoint, experts_names, chosen,
                          layout, *, threads: int = 4, progress: bool = False) -> None:

@@ -30,15 +30,15 @@ output is per (token, k) pair: each pair runs as a row of its own with
 weight 1, so a rank's row is the pair's expert output exactly, or an exact
 0 where another rank owns the expert; the all-reduce adds only zeros to
 each value, and the weighting and the sum over k are then the
-implementation's own two ops on the same values (`_weighted_sum` in
-prefetch/hf.py): bit-equal to one process for any top-k (a partial sum per
+implementation's own two ops on the same values (`_weighted_sum`
+below): bit-equal to one process for any top-k (a partial sum per
 rank, all-reduced, rounded differently with top-8 in bf16 and turned a
 greedy token on the H200). It costs k times the all-reduce bytes
 (decode: 8 x 2048 bf16 values per token for OLMoE). batched_mm gathers
 every row's expert weights, a row routed to another rank's expert
 included: with the routing on the host (the synced path, in one piece), a
 rank computes only its own pairs and writes them into an output of exact
-zeros (`_local_pairs` in prefetch/hf.py), half the gathers and products
+zeros (`ExpertParallelForward._local_pairs`), half the gathers and products
 on two ranks. A bmm row's bits do not depend on which other rows are in
 the batch (a one-off probe on the H200: every count of 1..64 pairs, at
 OLMoE's and Qwen3-30B-A3B's expert shapes; the CPU test checks the
@@ -66,7 +66,8 @@ import torch
 from prefetch.errors import InvalidArgumentError
 from prefetch.hf_blocks import ExpertsLayout, model_device
 
-__all__ = ["partition_experts", "activation_counts", "ExpertParallel", "LayerShare", "setup_expert_parallel"]
+__all__ = ["partition_experts", "activation_counts", "ExpertParallel", "LayerShare", "ExpertParallelForward",
+           "setup_expert_parallel"]
 
 PLACEMENTS = ("balanced", "activations")
 _FIELDS = ("status", "layers", "experts", "expert layout (its tensors' names, shapes and dtypes)", "top_k",
@@ -134,6 +135,101 @@ def _weighted_sum(pairs, top_k_weights, dtype):
     k = top_k_weights.shape[-1]
     weighted = pairs * top_k_weights.reshape(-1).unsqueeze(-1)
     return weighted.view(-1, k, pairs.shape[-1]).sum(dim=1).to(dtype)
+
+
+# The implementations whose output is sum over k of (expert output x weight),
+# weighted then summed in one reshape + sum (transformers.integrations.moe):
+# expert parallel reproduces that op on the all-reduced pair outputs.
+_PER_PAIR = ("batched_mm", "grouped_mm")
+
+
+class ExpertParallelForward:
+    """The expert-parallel forward of an offloaded layer (Note [Expert
+    parallel]): mixed into ExpertsOffload (prefetch/hf_experts.py), whose
+    slot mapping it runs on (`_remap`, `_stand_for`, `_slot_ids`,
+    `_slot_index`, `_staging`, `_send`, `_run`, `_pieces`) with the layer's
+    LayerShare (`share`, `ep`, `_local`)."""
+
+    def _forward_local(self, fn, name, hidden_states, top_k_index, top_k_weights, routed, experts, guesses, hints,
+                       stream):
+        """Expert parallel: this rank's share of the layer. One engine call
+        for the routed experts it owns (the controller drops the guesses for
+        the others); the rows routed to other ranks' experts get weight 0
+        and a slot this call acquired (every implementation reads them and
+        multiplies by 0). Returns
+        (partial output, t before compute, t after compute)."""
+        ctl = self.controller
+        self.share.pair_weights = None  # nothing left from a call that raised
+        per_pair = name in _PER_PAIR
+        mine = experts[self._local[experts]]
+        # batched_mm in one piece: only this rank's pairs (_local_pairs).
+        local_pairs = name == "batched_mm" and mine.shape[0] <= self.slots
+        if per_pair and not local_pairs:  # every rank takes this form, whatever its pieces
+            hidden_states, top_k_index, top_k_weights = self.share.pairs(hidden_states, top_k_index, top_k_weights,
+                                                                    top_k_index)
+        if mine.shape[0] > self.slots:
+            t2 = time.perf_counter_ns()
+            out, inner_ns = self._pieces(fn, name, hidden_states, top_k_index, top_k_weights, mine, guesses,
+                                         hints, stream)
+            return out, t2, t2 + inner_ns
+        where = ctl.exchange(self.layer, mine, guesses, hints, stream=stream)
+        if local_pairs:
+            self.share.pair_weights = top_k_weights
+            stand = self._stand_for(name, self._slot_ids(where), mine) if mine.shape[0] else None
+            out, inner = self._local_pairs(fn, stand, hidden_states, routed, top_k_weights)
+            t2 = time.perf_counter_ns()
+            return out, t2, t2 + inner
+        t2 = time.perf_counter_ns()
+        if not mine.shape[0]:
+            return torch.zeros_like(hidden_states), t2, time.perf_counter_ns()
+        stand = self._stand_for(name, self._slot_ids(where), mine)
+        # Other ranks' experts go to a slot this call acquired, with routing
+        # weight 0, so the rows add exact zeros: a slot we do not hold may be
+        # mid-copy or never written, and 0 x NaN is NaN (a batched_mm rank
+        # under ASan). Not past the last slot: how an implementation treats
+        # such a sentinel row differs between transformers releases (5.25's
+        # grouped_mm masks it only on modules marked expert-parallel, and
+        # leaves it uninitialized otherwise).
+        self._remap[~self._local] = self._remap[mine[0]]
+        index = self._slot_index(routed, top_k_index.shape)
+        # Per pair, other ranks' weights are 0 already (_pairs).
+        weights = top_k_weights if per_pair else top_k_weights.masked_fill(self.share.foreign[top_k_index], 0)
+        t2 = time.perf_counter_ns()
+        out = self._run(fn, stand, hidden_states, index, weights)
+        return out, t2, time.perf_counter_ns()
+
+    def _local_pairs(self, fn, stand, hidden_states, routed: np.ndarray, top_k_weights):
+        """Expert parallel, batched_mm with the routing on the host: only the
+        (token, k) pairs this rank owns are computed, each as a row of
+        weight 1, and written into a [tokens x k, hidden] output of exact
+        zeros; the other ranks' pairs stay 0 (Note [Expert parallel]).
+        batched_mm gathers every row's weights, so a row routed to another
+        rank costs a full expert's gather and product for nothing: half the
+        layer's expert time on two ranks at batch 8. Returns (output, ns in
+        the implementation)."""
+        k = top_k_weights.shape[-1]
+        rows = np.flatnonzero(self._local[routed])
+        n = rows.shape[0]
+        self.ep.rows_routed += routed.shape[0]
+        self.ep.rows_computed += n
+        out = hidden_states.new_zeros((routed.shape[0], hidden_states.shape[-1]))
+        if not n:
+            return out, 0
+        staged = self._staging(3 * n)  # one copy: tokens, slots, pair rows
+        np.floor_divide(rows, k, out=staged[:n])
+        np.take(self._remap, routed[rows], out=staged[n : 2 * n])
+        staged[2 * n :] = rows
+        sent = self._send(staged)
+        ones = self.share.ones.get(top_k_weights.dtype)
+        if ones is None or ones.shape[0] < n:
+            ones = self.share.ones[top_k_weights.dtype] = torch.ones((max(n, routed.shape[0]), 1),
+                                                                dtype=top_k_weights.dtype, device=self.device)
+        picked = hidden_states.index_select(0, sent[:n])
+        t0 = time.perf_counter_ns()
+        part = self._run(fn, stand, picked, sent[n : 2 * n].view(n, 1), ones[:n])
+        inner = time.perf_counter_ns() - t0
+        out.index_copy_(0, sent[2 * n :], part.to(out.dtype))
+        return out, inner
 
 
 def activation_counts(trace, num_layers: int | None = None, num_experts: int | None = None) -> np.ndarray:
@@ -228,7 +324,7 @@ class ExpertParallel:
         self.local = owner == rank  # [layers, experts] bool
         # (token, k) rows of the per-pair implementations: routed to any
         # rank, and computed here (all of them, or only this rank's:
-        # prefetch/hf.py's _local_pairs).
+        # ExpertParallelForward._local_pairs).
         self.rows_routed = 0
         self.rows_computed = 0
 

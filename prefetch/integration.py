@@ -14,8 +14,8 @@ Two kinds of MoE block are handled:
   interface: Mixtral, Qwen2-MoE, Qwen3-MoE, OLMoE, DeepSeek-V3 and their
   relatives. The module stays; its weights move to the engine and each call
   runs the model's own experts implementation (grouped_mm, batched_mm,
-  eager, ...) on views of the device cache (prefetch/hf.py, Note [Experts on
-  cache slots]).
+  eager, ...) on views of the device cache (prefetch/hf_experts.py, Note [Experts
+  on cache slots]).
 - A user-defined block, `OffloadedMoEBlock(router, experts, top_k)`: a router
   (a module mapping hidden states to expert logits) and a list of expert
   modules of one architecture; softmax, top-k and optional renormalisation.
@@ -164,7 +164,7 @@ class OffloadedMoEBlock(nn.Module):
         first = self._shapes[0][0]
         self._packed_dtype = self._template.get_parameter(first).dtype
         # Where that parameter lives, looked up once (forward reads it each
-        # time, as prefetch/hf.py reads its experts module's _parameters).
+        # time, as prefetch/hf_experts.py reads its experts module's _parameters).
         owner, _, leaf = first.rpartition(".")
         self._probe = (self._template.get_submodule(owner)._parameters, leaf)
         # The template's own parameters are not used for compute: free them.
@@ -185,7 +185,7 @@ class OffloadedMoEBlock(nn.Module):
                     f"offloaded experts were registered as {self._packed_dtype} and stay so: convert the model "
                     "(model.to(...)) before offloading it")
         # Note [No backward through the cache]; the router's weights count
-        # as the routing weights do in prefetch/hf.py.
+        # as the routing weights do in prefetch/hf_experts.py.
         if torch.is_grad_enabled():
             training = [p for p in self.router.parameters() if p.requires_grad]
             if hidden_states.requires_grad or training:  # the output needs a gradient: its backward raises

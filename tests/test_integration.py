@@ -3,7 +3,7 @@ random-weight configs of each supported transformers family (no downloads),
 greedy decoding, logits compared bit for bit against the untouched model
 running the same experts implementation (the offloaded path calls that very
 implementation on views of the cache: Note [Experts on cache slots] in
-prefetch/hf.py). Budgets smaller than a layer's routed experts run in
+prefetch/hf_experts.py). Budgets smaller than a layer's routed experts run in
 pieces and give the same tokens. Plus the generic block, the predictors and
 traces."""
 import copy
@@ -1983,9 +1983,9 @@ def test_grouped_mm_over_more_slots_than_it_takes(monkeypatch, slots):
     # every grouped_mm call here down that path (with 3 slots, in pieces).
     # (On the CPU every grouped_mm call gathers, for its bits: Note in
     # ExpertsOffload._stand_for; the GPU test below covers the limit there.)
-    import prefetch.hf
+    import prefetch.hf_experts
 
-    monkeypatch.setattr(prefetch.hf, "_GROUPED_MM_MAX_GROUPS", 2)
+    monkeypatch.setattr(prefetch.hf_experts, "_GROUPED_MM_MAX_GROUPS", 2)
     cfg = family_configs()["qwen3_moe"]
     ref = build(cfg, experts_implementation="grouped_mm")
     model = copy.deepcopy(ref)

@@ -9,7 +9,7 @@ import weakref
 
 from bench.lib.common import LruSlots
 from bench.lib.generate_model import ModelState, RowSkipped
-from prefetch.hf import _GROUPED_MM_MAX_GROUPS
+from prefetch.hf_experts import _GROUPED_MM_MAX_GROUPS
 
 SHARE_FREE_ROWS = ("resident", "resident-eager", "accelerate-cpu-offload")
 SHARE_ROWS = ("on-demand", "gate", "oracle", "on-demand-synced", "oracle-synced", "torch-by-hand",
