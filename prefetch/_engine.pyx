@@ -70,7 +70,7 @@ include "_handle_calls.pxi"
 include "_handle_base.pxi"
 # Between the two: registration (host bytes, caller memory, disk extents).
 include "_handle_registry.pxi"
-# The sync-free decode path's per-step bookkeeping (prefetch/sync_free.py).
+# The sync-free decode path's per-step bookkeeping (prefetch/offload/sync_free.py).
 include "_routing.pxi"
 
 

@@ -1,4 +1,4 @@
-# Host bookkeeping of the sync-free decode path (prefetch/sync_free.py), in
+# Host bookkeeping of the sync-free decode path (prefetch/offload/sync_free.py), in
 # C: inside `generate` each numpy call on a cold cache cost 5-15 us on the
 # development VM, and reading a step's routings back took ten of them (58 us
 # a step with the routings already on the host). These loops are over a
@@ -351,7 +351,7 @@ def take_ids(const int64_t[::1] table, const int64_t[::1] keys, bint ascending=F
 def plan_rows(const int64_t[::1] offsets, int64_t base, const int64_t[::1] routed,
               int64_t[:, ::1] where):
     """A planned layer's rows (Note [Host-routed step pins] in
-    prefetch/step_plan.py): where[i] = (offsets[base + routed[i]], 0) for
+    prefetch/offload/step_plan.py): where[i] = (offsets[base + routed[i]], 0) for
     each of the n routed experts (the pins' slot offsets of one device, -1
     where not pinned); returns how many are pinned. One C pass instead of
     five numpy calls. An index out of range or a `where` of another shape
@@ -379,7 +379,7 @@ def plan_rows(const int64_t[::1] offsets, int64_t base, const int64_t[::1] route
 def plan_pins(const int64_t[::1] reads, const int64_t[::1] pinned_into, const int64_t[::1] ids,
               int64_t[::1] offsets, int64_t num_layers, int64_t num_experts):
     """After a host-routed step plan's pin call (Note [Host-routed step pins]
-    in prefetch/step_plan.py): `offsets` (the flat [layers * experts] table)
+    in prefetch/offload/step_plan.py): `offsets` (the flat [layers * experts] table)
     set to -1 but at each of the plan's `reads` (sorted flat indices),
     where it takes the call's answer `pinned_into`; returns (the ids of
     `ids`, the pinned tensor ids, whose answer is >= 0: those to release;

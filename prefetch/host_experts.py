@@ -259,7 +259,7 @@ class RowMap:
 
 
 class StepRows(RowMap):
-    """Note [Step pins] in prefetch/sync_free.py: every layer's expert ->
+    """Note [Step pins] in prefetch/offload/sync_free.py: every layer's expert ->
     row map made at a step's first layer from the pins of the whole step
     (`update` with every layer's offsets), and sent in one copy, not one a
     layer; each layer gathers through its slice. Shared by the offloaded

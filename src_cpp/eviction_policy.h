@@ -177,7 +177,7 @@ class CyclicPolicy final : public WalkedPolicy<CyclicPolicy> {
 // sequence), and every use, request or hint re-keyed the entry's node: a
 // walk down a tree of every resident entry, whose nodes are cold between
 // decode layers. A step plan's engine call (Note [Host-routed step pins] in
-// prefetch/step_plan.py) reports a step's reads as used, requests the next
+// prefetch/offload/step_plan.py) reports a step's reads as used, requests the next
 // step's and hints them: BM5's gemma-4 replay makes 180 of each once a
 // step, and on the development VM that call took 160-180 us inside the
 // decode loop. Now each hinted time has a bucket (a std::map from the time
