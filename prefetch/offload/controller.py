@@ -12,27 +12,23 @@ recorded covers it.
 from __future__ import annotations
 
 import functools
-import threading
-import time
 
 import numpy as np
 
-from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle, take_ids
+from prefetch._engine import DEFAULT_ACQUIRE_TIMEOUT_S, PrefetchHandle
 from prefetch.errors import InvalidArgumentError
-from prefetch.expert_ids import Guesses
-from prefetch.expert_ids import distinct as _distinct
-from prefetch.expert_ids import routed_experts as _routed_experts
 from prefetch.expert_prefetcher import ExpertPrefetcher
 from prefetch.offload.accounting import Accounting
 from prefetch.offload.deferred import DeferredSpeculation
-from prefetch.offload.engine_calls import EngineCalls, TensorHints
+from prefetch.offload.engine_calls import EngineCalls
+from prefetch.offload.exchange_state import ExchangeState
 from prefetch.offload.preload import Preload
+from prefetch.offload.routing import Routing
 from prefetch.offload.routing_context import RoutingContext
 from prefetch.offload.speculation import SpeculationGate
 from prefetch.offload.step_plan import HostStepPlan
 from prefetch.offload.sync_free import SyncFreeDecode
 from prefetch.predictors import check_predictor
-from prefetch.read_back import to_host
 from prefetch.trace import RoutingTrace
 
 __all__ = ["OffloadController", "check_predictor"]
@@ -63,11 +59,16 @@ class OffloadController:
     routing clock for one offloaded model, and the parts that do the rest
     (prefetch/offload/): `context` (what predictors read), `gate` (when
     speculation pauses), `speculation` (a host-routed layer's deferred
-    predictor part), `preloader`, `acct` (counters and report), `sync`
+    predictor part), `preloader`, `acct` (counters and report), `routing`
+    (the routing clock, the predictor's calls and their scoring), `sync`
     (sync-free decode), `plan` (the host-routed step plan) and `calls`
-    (a layer's engine calls: `exchange`, `release_held`). The engine calls'
-    shared state (what is held, uses, fetches and hints still to send) is
-    the controller's; the parts reach it through their owner."""
+    (a layer's engine calls: `exchange`, `release_held`). The state they
+    share (what is held, uses, fetches and hints still to send, guesses
+    queued and filed, the clock) is `state`, an ExchangeState; each part is
+    given it, the handle and the siblings it calls, never the controller
+    (issue #59: no layer calls back up into the one above it)."""
+
+    _predictor_set = False  # the first assignment is no replacement (Note [A predictor replaced])
 
     def __reduce_ex__(self, protocol):
         # copy.copy, copy.deepcopy and pickle of a controller, or of a model
@@ -80,56 +81,87 @@ class OffloadController:
 
     def __init__(self, handle: PrefetchHandle, *, num_layers: int, num_experts: int, top_k: int,
                  predictor=None, routers=None, record_trace: bool = False, device=None, local=None):
-        self.handle = handle
+        self.prefetcher = ExpertPrefetcher(handle)
+        # The shape, fixed: plain attributes (the adapter reads them per layer).
+        self.num_layers, self.num_experts, self.top_k = num_layers, num_experts, top_k
+        # Expert parallel: [layers, experts] bool, the experts this rank owns
+        # (only those are registered); exchange drops guesses and hints for
+        # the others. None: every expert is ours (no process group).
+        st = self.state = ExchangeState(
+            handle, self.prefetcher, num_layers=num_layers, num_experts=num_experts, top_k=top_k,
+            local=None if local is None else np.asarray(local, dtype=bool),
+            trace=RoutingTrace(num_layers, num_experts) if record_trace else None)
         # Note [One forward at a time] (prefetch/integration.py): held by the
         # offloaded model's forward and by this controller's public calls.
-        self.forward_lock = threading.RLock()
-        self.prefetcher = ExpertPrefetcher(handle)
-        self.num_layers = num_layers
-        self.num_experts = num_experts
-        self.top_k = top_k
-        self.context = RoutingContext(self)  # what predictors are given, read-only
+        self.forward_lock = st.forward_lock
+        self.routers = routers or []
+        # What predictors are given, read-only: made from what it shows.
+        self.context = RoutingContext(st, self.routers,
+                                      honours_hints=getattr(handle, "eviction_policy", None) == "next-use")
+        # The parts share `state` and call each other, never the controller
+        # (issue #59): each is given the handle and the siblings it uses.
         self.acct = Accounting()
         self.gate = SpeculationGate()
-        self.speculation = DeferredSpeculation(self)
         self.preloader = Preload(handle, self.prefetcher, self.acct, num_layers, num_experts)
-        self.sync = SyncFreeDecode(self)
-        self.plan = HostStepPlan(self)
-        self.calls = EngineCalls(self)
+        self.routing = Routing(st, handle, acct=self.acct, gate=self.gate, context=self.context,
+                               preloader=self.preloader)
+        self.speculation = DeferredSpeculation(st, handle)
+        self.sync = SyncFreeDecode(st, handle, acct=self.acct, gate=self.gate)
+        self.plan = HostStepPlan(st, handle, acct=self.acct)
+        self.calls = EngineCalls(st, handle, acct=self.acct)
+        self.routing.wire(sync=self.sync)
+        self.speculation.wire(routing=self.routing, calls=self.calls)
+        self.sync.wire(routing=self.routing, calls=self.calls)
+        self.plan.wire(routing=self.routing, sync=self.sync, calls=self.calls, speculation=self.speculation)
+        self.calls.wire(routing=self.routing, speculation=self.speculation, plan=self.plan, sync=self.sync)
         # The parts' entry points, as the controller's own (bound once: no
         # extra call on the per-layer path).
         self.exchange, self.release_held = self.calls.exchange, self.calls.release_held
         self.pin_layer, self.note_routing = self.sync.pin_layer, self.sync.note_routing
         self.choose_path, self.read_routings = self.sync.choose_path, self.sync.read_routings
         self.queue_read_back, self.whole_step_offsets = self.sync.queue_read_back, self.sync.whole_step_offsets
+        r = self.routing
+        self.begin_layer, self.predict, self.read_back, self.observe = r.begin_layer, r.predict, r.read_back, r.observe
+        self.observe_and_guess, self._host_routed, self.ids = r.observe_and_guess, r.host_routed, st.ids
+        self.router_logits, self.router_topk = self.context.router_logits, self.context.router_topk
         self.predictor = predictor  # and what it says of itself: the setter below
-        self.routers = routers or []
         self.host_experts = None  # transformers models: the packed host copy (prefetch.hf.HostExperts)
         self.device = device
-        # Expert parallel: [layers, experts] bool, the experts this rank owns
-        # (only those are registered); exchange drops guesses and hints for
-        # the others. None: every expert is ours (no process group).
-        self.local = None if local is None else np.asarray(local, dtype=bool)
         self.expert_parallel = None  # prefetch.expert_parallel.ExpertParallel, set by the transformers adapter
-        self.step = 0
-        self.clock = -1  # routing calls so far, minus one: never goes back (hint_next_use)
-        self._seen_layer0 = False  # a second layer-0 routing starts a new step
-        self._trace = RoutingTrace(num_layers, num_experts) if record_trace else None
-        self._pending = Guesses()  # (step, layer) -> guessed experts
-        self._queued_guess: dict[int, np.ndarray] = {}  # layer -> guessed experts sent to the engine
-        self._held: np.ndarray | None = None  # tensor ids acquired, released by the next exchange
-        self._held_stream = None
-        # Sync-free decode (Note [Sync-free decode] in prefetch/host_experts.py): off
-        # until the transformers adapter enables it.
-        self.sync_free = False
-        self.expert_bytes = 0  # bytes of one expert (set with sync_free)
-        self._use = None  # tensor ids read (from read_routings), for the next engine call
-        self._fetch = None  # of those, the ones read from host memory: prefetched
-        self._late_hints: list = []
-        # Expert slots of the cache (set by offload_moe_experts; Note [Step
-        # pins], Note [Host-routed step pins]); 0: no step plans.
-        self.cache_slots = 0
-        self._flat_ids = None  # (prefetcher version, [layers * experts] tensor ids): _plan's hints
+
+    @property
+    def handle(self) -> PrefetchHandle:
+        """The engine handle. Setting it (tests and benches wrap it to
+        count the calls) hands the new one to the state and to every part
+        that calls the engine per layer; the prefetcher and preload keep
+        the one they were made with, as before."""
+        return self.state.handle
+
+    @handle.setter
+    def handle(self, handle) -> None:
+        self.state.handle = handle
+        for part in (self.routing, self.speculation, self.sync, self.plan, self.calls):
+            part._handle = handle
+
+    # The shared state, read and set here as before (Note [One forward at a
+    # time] holds for it as for the rest).
+    local = _delegated("state", "local")
+    step = _delegated("state", "step")
+    clock = _delegated("state", "clock")
+    cache_slots = _delegated("state", "cache_slots", "Expert slots of the cache (Note [Step pins], "
+                             "Note [Host-routed step pins]); 0: no step plans.")
+    sync_free = _delegated("state", "sync_free")
+    expert_bytes = _delegated("state", "expert_bytes")
+    _seen_layer0 = _delegated("state", "seen_layer0")
+    _held = _delegated("state", "held")
+    _held_stream = _delegated("state", "held_stream")
+    _use = _delegated("state", "use")
+    _fetch = _delegated("state", "fetch")
+    _late_hints = _delegated("state", "late_hints")
+    _queued_guess = _delegated("state", "queued_guess")
+    _pending = _delegated("state", "pending")
+    _trace = _delegated("state", "trace")
+    _predictor = _delegated("state", "predictor", settable=False)
 
     # Counters and settings kept by the parts, read and set here as before.
     prediction_hits = _delegated("acct", "prediction_hits")
@@ -175,7 +207,7 @@ class OffloadController:
         Assigning one also takes what it says of itself, and first settles
         what the one it replaces left pending (Note [A predictor
         replaced])."""
-        return self._predictor
+        return self.state.predictor
 
     def _settle_predictor(self) -> None:
         """Note [A predictor replaced]
@@ -212,23 +244,25 @@ class OffloadController:
     @_serialized
     def predictor(self, predictor) -> None:
         check_predictor(predictor)
-        assigned = "_predictor" in self.__dict__
-        if assigned and predictor is not self._predictor:
+        st = self.state
+        assigned = self._predictor_set
+        if assigned and predictor is not st.predictor:
             self._settle_predictor()  # Note [A predictor replaced]
-        if not assigned or predictor is not self._predictor:  # scored on its own from here
+        if not assigned or predictor is not st.predictor:  # scored on its own from here
             self.acct.new_predictor(predictor)
-        self._predictor = predictor
-        self._late_predict = bool(getattr(predictor, "reads_routing", False))
+        self._predictor_set = True
+        st.predictor = predictor
+        st.late_predict = bool(getattr(predictor, "reads_routing", False))
         # A predictor that says its observe does nothing (`observes = False`)
         # is not called with each routing (Note [Routings nobody reads] in
         # prefetch/offload/sync_free.py).
-        self._observes = predictor is not None and (self._late_predict or bool(getattr(predictor, "observes", True)))
+        st.observes = predictor is not None and (st.late_predict or bool(getattr(predictor, "observes", True)))
         # A predictor whose host guesses are sorted, distinct, in-range int64
         # arrays (the oracle's, made once from its trace) says so: they skip
         # _distinct's pass.
-        self._distinct_guesses = bool(getattr(predictor, "distinct_guesses", False))
+        st.distinct_guesses = bool(getattr(predictor, "distinct_guesses", False))
         # Host guesses (the sync-free path makes them at each layer's pin).
-        self._host_guesses = bool(getattr(predictor, "host_guesses", False))
+        st.host_guesses = bool(getattr(predictor, "host_guesses", False))
 
     @property
     @_serialized
@@ -236,201 +270,14 @@ class OffloadController:
         """The recorded routing (RoutingTrace), or None without record_trace;
         routings still on their way back from the device are read first."""
         self.flush()
-        return self._trace
-
-    # -- routing clock and predictions
-
-    def router_logits(self, layer: int, hidden):
-        router = self.routers[layer]
-        out = router(hidden)
-        if isinstance(out, tuple):  # HF routers return (logits, weights, indices)
-            out = out[0]
-        return out
-
-    def router_topk(self, layer: int, hidden, k: int):
-        """The k experts layer `layer`'s router would pick for each row of
-        `hidden` (a device tensor). A router with a 2-D `weight` (the
-        transformers top-k routers) costs one matmul and one top-k: softmax
-        keeps the order, so the top-k of the logits is the router's."""
-        import torch
-
-        router = self.routers[layer]
-        weight = getattr(router, "weight", None)
-        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[-1] == hidden.shape[-1]:
-            bias = getattr(router, "bias", None)  # gpt-oss's router has one
-            bias = bias if isinstance(bias, torch.Tensor) and bias.shape == weight.shape[:1] else None
-            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
-        else:
-            logits = self.router_logits(layer, hidden)
-        return torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices
-
-    def begin_layer(self, layer: int) -> int:
-        """Layer `layer` starts routing: moves the clock and the step count."""
-        self.clock += 1
-        if layer == 0:
-            if self._seen_layer0:
-                self.step += 1
-            self._seen_layer0 = True
-            if self._predictor is not None:
-                self.gate.step_started(self.handle.stats())
-        return self.step
-
-    def predict(self, layer: int, hidden) -> dict:
-        """The predictor's guesses made before the routing reaches the host
-        (values may be device tensors)."""
-        if self._predictor is None or self._late_predict or not self.gate.predicts_now():
-            return {}
-        return self._predictor.predict(self.context, self.step, layer, hidden)
-
-    def read_back(self, raw: dict, routing=None):
-        """The layer's one device-to-host copy (Note [Read-back without a
-        pageable copy]): `routing` (a device index tensor, or None) and
-        every guess in `raw` that is a device tensor come back together.
-        Returns (routing as an int64 numpy array or None, {layer: sorted
-        distinct experts} for every guess). Time spent waiting counts in
-        sync_ns."""
-        if not raw:  # no guesses (the common case): the routing alone
-            if routing is None:
-                return None, {}
-            t0 = time.perf_counter_ns()
-            host = to_host(routing)
-            self.acct.sync_ns += time.perf_counter_ns() - t0
-            return host, {}
-        import torch
-
-        on_device = [(t, g) for t, g in raw.items() if isinstance(g, torch.Tensor) and g.device.type != "cpu"]
-        parts = ([] if routing is None else [routing.reshape(-1)])
-        parts += [g.reshape(-1).to(torch.int64) for _, g in on_device]
-        host = None
-        if parts:
-            t0 = time.perf_counter_ns()
-            host = to_host(torch.cat(parts) if len(parts) > 1 else parts[0])
-            self.acct.sync_ns += time.perf_counter_ns() - t0
-        pos = 0 if routing is None else routing.numel()
-        guesses = {}
-        for target, g in on_device:  # router top-k indices: in range
-            guesses[target] = _routed_experts(host[pos : pos + g.numel()], self.num_experts)
-            pos += g.numel()
-        for target, g in raw.items():
-            if target not in guesses:
-                guesses[target] = _distinct(g, self.num_experts)
-        return (None if routing is None else host[: routing.numel()]), guesses
-
-    def observe(self, layer: int, experts: np.ndarray, guesses: dict, step: int | None = None
-                ) -> tuple[dict, list | None]:
-        """Layer `layer` routed to `experts` (sorted int64): scores earlier
-        guesses for it, records the trace, tells the predictor. `guesses`
-        ({layer: host experts}) are this layer's pre-routing guesses; a
-        predictor that reads the routing adds its own here. Returns
-        (guesses, hints). `step`: the step the routing belongs to (default:
-        the current one; the sync-free path reads routings late)."""
-        step = self.step if step is None else step
-        self._score(step, layer, experts)
-        if self.sync_free:  # a synced step's reads (Note [Which path a step takes])
-            self.sync.seen[layer, experts] = True
-        hints = None
-        if self._observes:
-            hints = self._predictor.observe(self.context, step, layer, experts)
-            if self._late_predict and self.gate.predicts_now():
-                guesses = self._host_predict(step, layer, None)
-        self._expect(step, layer, guesses)
-        return guesses, hints
-
-    def _score(self, step: int, layer: int, experts: np.ndarray) -> None:
-        """Scores the guesses made for (step, layer) against its routing
-        and records it in the trace."""
-        predicted = self._pending.pop((step, layer), None)
-        if predicted is not None:
-            # Both sorted and distinct: the overlap of two short lists.
-            hits = len(set(predicted.tolist()).intersection(experts.tolist()))
-            self._count_score(hits, int(predicted.shape[0]), int(experts.shape[0]))
-        if self._trace is not None:
-            self._trace.add(step, layer, experts)
-
-    def _count_score(self, hits: int, guessed: int, routed: int) -> None:
-        """One scored layer: `hits` of its `guessed` guesses were among its
-        `routed` experts (Note [Speculation by its precision])."""
-        self.acct.count_score(hits, guessed, routed)
-        self.gate.scored(hits, guessed)
-
-    def observe_and_guess(self, layer: int, experts: np.ndarray) -> tuple[dict, object]:
-        """For a predictor with host guesses (`host_guesses`; their
-        `predict` need not run before the routing is read back): runs its
-        predict, if this layer predicts, then `observe`, for layer `layer`
-        of this step routed to `experts` (sorted distinct int64). A
-        predictor with a plan (Note [The oracle's plan] in
-        prefetch/predictors.py) gives both at once, its hints already as
-        tensor ids. Returns (guesses, hints) for `exchange`."""
-        step = self.step
-        predicts = self._predictor is not None and not self._late_predict and self.gate.predicts_now()
-        plan = getattr(self._predictor, "plan", None)
-        if plan is not None and self.local is None:
-            got = plan(self.context, step, layer, experts, predicts)
-            if got is not None:
-                guesses, keys, times = got
-                self._score(step, layer, experts)
-                self._expect(step, layer, guesses)
-                return guesses, (None if keys is None else TensorHints(take_ids(self._flat_table(), keys), times))
-        guesses = self._host_predict(step, layer, None) if predicts else {}
-        return self.observe(layer, experts, guesses)
-
-    def _flat_table(self) -> np.ndarray:
-        """Tensor ids by layer * num_experts + expert (-1: not registered),
-        made again after a registration."""
-        version = self.prefetcher.version
-        if self._flat_ids is None or self._flat_ids[0] != version:
-            table = np.full((self.num_layers, self.num_experts), -1, dtype=np.int64)
-            for layer, ids in self.prefetcher._ids.items():
-                if layer < self.num_layers:
-                    n = min(ids.shape[0], self.num_experts)
-                    table[layer, :n] = ids[:n]
-            self._flat_ids = (version, table.reshape(-1))
-        return self._flat_ids[1]
-
-    def _expect(self, step: int, layer: int, guesses: dict) -> None:
-        """Files `guesses` ({layer: sorted distinct experts}, made at `layer`
-        of `step`) to be scored by `observe` when their layers route."""
-        for target, guess in guesses.items():
-            if guess.shape[0]:
-                target_step = step + (1 if target <= layer else 0)
-                self._pending[(target_step, target)] = guess
+        return self.state.trace
 
     def read_ahead(self, layer: int, experts: np.ndarray, guesses: dict) -> dict:
         """`guesses`, with the next layer's experts added where this call
         reads ahead (Note [Prefill read-ahead] in prefetch/offload/preload.py)."""
-        return self.preloader.read_ahead(layer, experts, guesses, self._predictor is not None)
-
-    def _host_predict(self, step: int, layer: int, hidden) -> dict:
-        """The predictor's host guesses as {layer: sorted distinct experts}
-        (taken as they are from a predictor that says they already are:
-        distinct_guesses)."""
-        guesses = self._predictor.predict(self.context, step, layer, hidden)
-        if self._distinct_guesses:
-            return guesses
-        return {t: _distinct(g, self.num_experts) for t, g in guesses.items()}
-
-    def _held_back(self, guesses: dict) -> bool:
-        """Whether the predictor's `guesses` for this layer are not to be
-        sent (speculation paused: Note [Speculation by its precision]); the
-        layer then counts as paused."""
-        return bool(guesses) and self._predictor is not None and self.gate.hold_back()
+        return self.preloader.read_ahead(layer, experts, guesses, self.state.predictor is not None)
 
     # -- the engine
-
-    def ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
-        """Tensor ids of `experts` (distinct, in range: from _distinct) of
-        `layer`; an unregistered one maps to -1, which the engine refuses."""
-        return self.prefetcher._ids[layer][experts]
-
-    def _host_routed(self, layer: int, hidden, experts):
-        """A routing made on the host: moves the clock, reads the predictor's
-        device guesses back, scores and records `experts`. Returns (sorted
-        distinct experts, guesses, hints)."""
-        self.begin_layer(layer)
-        _, guesses = self.read_back(self.predict(layer, hidden))
-        routed = _distinct(experts, self.num_experts)
-        guesses, hints = self.observe(layer, routed, guesses)
-        return routed, guesses, hints
 
     def on_routed(self, layer: int, hidden, experts) -> None:
         """For callers that route on the host and acquire by themselves:
@@ -507,12 +354,13 @@ class OffloadController:
         predictor file the finished request (the sync-free path's last
         routings are read first: they belong to it)."""
         self.flush()
-        end = getattr(self._predictor, "end_request", None)
+        end = getattr(self.state.predictor, "end_request", None)
         if end is not None:
             end()
-        self.step = 0
-        self._seen_layer0 = False
-        self._pending.clear()
+        st = self.state
+        st.step = 0
+        st.seen_layer0 = False
+        st.pending.clear()
         self.plan.new_request()  # Note [Host-routed step pins]: the step numbers start again
 
     # -- reporting
@@ -552,21 +400,7 @@ class OffloadController:
         and sends its uses and prefetches to the engine (they would
         otherwise wait for the next forward). A host-routed layer's
         deferred speculation runs too."""
-        speculation = self.speculation
-        speculation.speculate()
-        if speculation.unsent is not None:
-            speculation.send_unsent()
-        if self.sync._routings:
-            self.sync.read_routings()
-        if self.plan.planned:  # Note [Host-routed step pins]
-            self.plan.observe_planned()
-        if (self._use is not None or self._fetch is not None) and not self.handle.closed:
-            use, fetch, self._use, self._fetch = self._use, self._fetch, None, None
-            t0 = time.perf_counter_ns()
-            try:
-                self.handle.exchange(use=use, prefetch=fetch, priority=1)
-            finally:
-                self.acct.engine_ns += time.perf_counter_ns() - t0
+        self.calls.flush()
 
     @_serialized
     def close(self) -> None:
@@ -580,8 +414,9 @@ class OffloadController:
             self.plan.close()
             self.speculation.close()  # scored and recorded; nothing more is prefetched
         finally:
-            self._use = self._fetch = None
-            self._held = None
+            st = self.state
+            st.use = st.fetch = None
+            st.held = None
             self.speculation.drop()
             self.sync._routings = []
             self.plan.planned = []

@@ -16,10 +16,16 @@ class DeferredSpeculation:
     speculated yet; `unsent`: (layer, guesses, hints, clock) made and not
     sent yet."""
 
-    def __init__(self, controller):
-        self._c = controller
+    def __init__(self, state, handle):
+        self._s = state
+        self._handle = handle
+        self._routing = self._calls = None  # wire
         self.deferred = None
         self.unsent = None
+
+    def wire(self, *, routing, calls) -> None:
+        """The sibling parts this one calls (made after it, or calling it)."""
+        self._routing, self._calls = routing, calls
 
     def defers(self) -> bool:
         """Note [Speculation after launch]
@@ -62,9 +68,9 @@ class DeferredSpeculation:
         guesses from the hidden state on the device (the next-layer gate)
         keeps the single call: its guesses are read back with the routing,
         before the acquire."""
-        c = self._c
-        p = c._predictor
-        return p is None or c._late_predict or bool(getattr(p, "host_guesses", False))
+        st = self._s
+        p = st.predictor
+        return p is None or st.late_predict or bool(getattr(p, "host_guesses", False))
 
     def defer(self, layer: int, routed) -> None:
         """Layer `layer` was acquired, routed to `routed`; its predictor
@@ -91,7 +97,7 @@ class DeferredSpeculation:
             guesses = {t: g for t, g in guesses.items() if t != layer}
         # The guesses for this layer queued by earlier calls are cancelled
         # by this call, as ever (exchange's `stale`).
-        return self._c.exchange(layer, experts, guesses, hints, stream=stream, timeout=timeout, now=clock,
+        return self._calls.exchange(layer, experts, guesses, hints, stream=stream, timeout=timeout, now=clock,
                                 acquire_ids=acquire_ids)
 
     def send_unsent(self) -> None:
@@ -99,8 +105,8 @@ class DeferredSpeculation:
         left when something other than the next acquire comes first."""
         layer, guesses, hints, clock = self.unsent
         self.unsent = None
-        if not self._c.handle.closed:
-            self._c.calls.send_guesses(layer, guesses, hints, now=clock)
+        if not self._handle.closed:
+            self._calls.send_guesses(layer, guesses, hints, now=clock)
 
     def speculate(self, with_next_acquire: bool = False) -> None:
         """The deferred part of the last `route_and_acquire` (Note
@@ -114,20 +120,20 @@ class DeferredSpeculation:
         deferred, self.deferred = self.deferred, None
         if deferred is None:
             return
-        c = self._c
-        if c._predictor is None and c._trace is None and not c._pending:
+        st = self._s
+        if st.predictor is None and st.trace is None and not st.pending:
             # Nothing to score, record, guess or hint: the next acquire goes
             # alone, the same engine call (on-demand's speculate phase took
             # 3.7-4.3 us a layer on the H200 host in a host-only BM5 replay).
             return
         layer, routed = deferred
-        guesses, hints = c.observe_and_guess(layer, routed)
-        if c.handle.closed:
+        guesses, hints = self._routing.observe_and_guess(layer, routed)
+        if self._handle.closed:
             return
         if with_next_acquire:
-            self.unsent = (layer, guesses, hints, c.clock)
+            self.unsent = (layer, guesses, hints, st.clock)
         else:
-            c.calls.send_guesses(layer, guesses, hints)
+            self._calls.send_guesses(layer, guesses, hints)
 
     def close(self) -> None:
         """The controller closes: the deferred routing is scored and
@@ -135,7 +141,7 @@ class DeferredSpeculation:
         self.unsent = None
         deferred, self.deferred = self.deferred, None
         if deferred is not None:
-            self._c.observe(*deferred, {})
+            self._routing.observe(*deferred, {})
 
     def drop(self) -> None:
         self.unsent = None

@@ -36,11 +36,21 @@ class EngineCalls:
     (`exchange`), guesses and hints alone (`send_guesses`), the release
     at a forward's end (`release_held`), and the conversions they share
     (`routed_ids`, `hint_arrays`, `only_local`). What is held, on which
-    stream, and the guesses queued per layer are the controller's state,
-    shared with the sync-free path and the step plan."""
+    stream, and the guesses queued per layer are state
+    shared with the sync-free path and the step plan: the ExchangeState
+    (prefetch/offload/exchange_state.py). The sibling parts it calls are
+    wired in after it is made."""
 
-    def __init__(self, controller):
-        self._c = controller
+    def __init__(self, state, handle, *, acct):
+        self._s = state
+        self._handle = handle
+        self._acct = acct
+        self._routing = self._spec = self._stepplan = self._syncd = self._held_back = None  # wire
+
+    def wire(self, *, routing, speculation, plan, sync) -> None:
+        """The sibling parts this one calls (made after it, or calling it)."""
+        self._routing, self._spec, self._stepplan, self._syncd = routing, speculation, plan, sync
+        self._held_back = routing.held_back  # bound once: exchange asks it every layer
 
     def exchange(self, layer: int, experts: np.ndarray, guesses: dict, hints, *, stream=None,
                  timeout: float = DEFAULT_ACQUIRE_TIMEOUT_S, now: int | None = None,
@@ -55,12 +65,12 @@ class EngineCalls:
         `now`: the hint clock the hints were made at (default: the
         routing clock). `acquire_ids`: the tensor ids of `experts`, where
         the caller has them (`routed_ids`)."""
-        c = self._c
-        if c.speculation.unsent is not None:
-            c.speculation.send_unsent()
-        if c.local is not None:
+        st = self._s
+        if self._spec.unsent is not None:
+            self._spec.send_unsent()
+        if st.local is not None:
             guesses, hints = self.only_local(guesses, hints)
-        if c._held_back(guesses):
+        if self._held_back(guesses):
             guesses = {}
         # Every guess for this layer still queued is dropped; a right one is
         # then acquired at band 0 in the same call (queued again and issued
@@ -72,8 +82,8 @@ class EngineCalls:
         for target, guess in guesses.items():  # the guesses' ids before anything is recorded
             if not guess.shape[0]:
                 continue
-            distance = (target - layer) % c.num_layers or c.num_layers
-            ids = c.ids(target, guess)
+            distance = (target - layer) % st.num_layers or st.num_layers
+            ids = st.ids(target, guess)
             queued.append((target, guess))
             if prefetch is None or distance < band:
                 if prefetch is not None:
@@ -81,39 +91,39 @@ class EngineCalls:
                 prefetch, band = ids, min(_MAX_BAND, distance)
             else:
                 extra = [*(extra or ()), (ids, min(_MAX_BAND, distance))]
-        stale = c._queued_guess.pop(layer, None)
-        cancel = c.ids(layer, stale) if stale is not None else None
+        stale = st.queued_guess.pop(layer, None)
+        cancel = st.ids(layer, stale) if stale is not None else None
         for target, guess in queued:
-            c._queued_guess[target] = guess
+            st.queued_guess[target] = guess
         hint_ids, hint_when = self.hint_arrays(hints)
-        if c._held is not None and stream is not c._held_stream and stream != c._held_stream:
+        if st.held is not None and stream is not st.held_stream and stream != st.held_stream:
             self.release_held()  # another stream now: its own release
-        held, c._held = c._held, None
-        if c.plan.pinned_step is not None:  # a planned step's pins go with this release
-            c.plan.end()
-        acquire = c.ids(layer, experts) if acquire_ids is None else acquire_ids
+        held, st.held = st.held, None
+        if self._stepplan.pinned_step is not None:  # a planned step's pins go with this release
+            self._stepplan.end()
+        acquire = st.ids(layer, experts) if acquire_ids is None else acquire_ids
         t0 = time.perf_counter_ns()
         try:
-            where = c.handle.exchange(acquire, release=held, prefetch=prefetch, priority=band, cancel=cancel,
+            where = self._handle.exchange(acquire, release=held, prefetch=prefetch, priority=band, cancel=cancel,
                                      hint_ids=hint_ids, hint_when=hint_when,
-                                     now=(c.clock if now is None else now) if hints is not None else None,
+                                     now=(st.clock if now is None else now) if hints is not None else None,
                                      stream=stream, timeout=timeout)
         except (ValueError, KeyError, TypeError, OverflowError):
             # Bad arguments are refused before anything changes: still held.
-            c._held = held
+            st.held = held
             raise
         finally:
-            c.acct.engine_ns += time.perf_counter_ns() - t0
+            self._acct.engine_ns += time.perf_counter_ns() - t0
         if acquire.shape[0]:
-            c._held = acquire
-            c._held_stream = stream
+            st.held = acquire
+            st.held_stream = stream
         if extra is not None:  # after the step's bookkeeping: a failure here holds what the step took
             t0 = time.perf_counter_ns()
             try:
                 for ids, b in extra:
                     self._queue_guesses(ids, b)
             finally:
-                c.acct.engine_ns += time.perf_counter_ns() - t0
+                self._acct.engine_ns += time.perf_counter_ns() - t0
         return where
 
     def _queue_guesses(self, ids: np.ndarray, band: int) -> None:
@@ -121,27 +131,26 @@ class EngineCalls:
         [A step's prefetches after its wait] in src_cpp/acquire_release.cpp),
         a guess whose id was unregistered behind the controller is dropped,
         not raised after the step's acquire has succeeded."""
-        c = self._c
         try:
-            c.handle.prefetch_tensors(ids, band)
+            self._handle.prefetch_tensors(ids, band)
         except UnknownIdError:
-            kept = np.fromiter((i for i in ids.tolist() if i in c.handle), dtype=np.int64)
+            kept = np.fromiter((i for i in ids.tolist() if i in self._handle), dtype=np.int64)
             if kept.shape[0]:
-                c.handle.prefetch_tensors(kept, band)
+                self._handle.prefetch_tensors(kept, band)
 
     def hint_arrays(self, hints):
         """(tensor ids, next-use times) of predictor hints [(layer, experts,
         one time or one per expert)], or (None, None) for none."""
-        c = self._c
+        st = self._s
         if not hints:
             return None, None
         if type(hints) is TensorHints:
             return hints.ids, hints.when
-        return hint_arrays(hints, c.prefetcher._ids)  # one C pass (prefetch/_routing.pxi)
+        return hint_arrays(hints, st.prefetcher._ids)  # one C pass (prefetch/_routing.pxi)
 
     def only_local(self, guesses: dict, hints):
-        c = self._c
-        local = c.local
+        st = self._s
+        local = st.local
         guesses = {t: g[local[t][g]] for t, g in guesses.items()}
         if hints:
             kept = []
@@ -155,40 +164,64 @@ class EngineCalls:
 
     def release_held(self, stream=None) -> None:
         """Releases what the last exchange acquired (the end of a forward)."""
-        c = self._c
-        if c.speculation.unsent is not None:
-            c.speculation.send_unsent()
-        held, c._held = c._held, None
-        c.sync._steady = None  # Note [Steady pins]: a steady step's pins were held here
-        if c.plan.pinned_step is not None:
-            c.plan.end()
+        st = self._s
+        if self._spec.unsent is not None:
+            self._spec.send_unsent()
+        held, st.held = st.held, None
+        self._syncd._steady = None  # Note [Steady pins]: a steady step's pins were held here
+        if self._stepplan.pinned_step is not None:
+            self._stepplan.end()
         if held is not None and held.shape[0]:
             t0 = time.perf_counter_ns()
-            c.handle.release(held, stream=stream if stream is not None else c._held_stream)
-            c.acct.engine_ns += time.perf_counter_ns() - t0
+            self._handle.release(held, stream=stream if stream is not None else st.held_stream)
+            self._acct.engine_ns += time.perf_counter_ns() - t0
 
     def send_guesses(self, layer: int, guesses: dict, hints, now: int | None = None) -> None:
         """An engine call that queues guesses and sends hints only: what is
         held stays held. `now`: the clock the hints were made at (default:
         the routing clock)."""
-        c = self._c
-        if guesses or hints or layer in c._queued_guess:
-            held = c._held
-            c._held = None
+        st = self._s
+        if guesses or hints or layer in st.queued_guess:
+            held = st.held
+            st.held = None
             try:
                 self.exchange(layer, _EMPTY, guesses, hints, now=now)
             finally:
-                c._held = held
+                st.held = held
 
     def routed_ids(self, layer: int, experts) -> tuple[np.ndarray, np.ndarray]:
         """(sorted distinct `experts`, their tensor ids) in one C pass for a
         short host list (Note [Short expert lists in C] in
         prefetch/_routing.pxi), else as _distinct and ids make them."""
-        c = self._c
-        table = c.prefetcher._ids.get(layer)
-        if table is not None and table.shape[0] >= c.num_experts:
-            got = distinct_ids(experts, c.num_experts, table)
+        st = self._s
+        table = st.prefetcher._ids.get(layer)
+        if table is not None and table.shape[0] >= st.num_experts:
+            got = distinct_ids(experts, st.num_experts, table)
             if got is not None:
                 return got
-        routed = _distinct(experts, c.num_experts)
-        return routed, c.ids(layer, routed)
+        routed = _distinct(experts, st.num_experts)
+        return routed, st.ids(layer, routed)
+
+    def flush(self) -> None:
+        """The controller's `flush` (under the forward lock, Note [One
+        forward at a time] in prefetch/integration.py): runs a host-routed
+        layer's deferred speculation, reads every routing noted on the
+        sync-free path and not read yet, observes a step plan's layers, and
+        sends the uses and prefetches still pending to the engine."""
+        st = self._s
+        with st.forward_lock:
+            speculation = self._spec
+            speculation.speculate()
+            if speculation.unsent is not None:
+                speculation.send_unsent()
+            if self._syncd._routings:
+                self._syncd.read_routings()
+            if self._stepplan.planned:  # Note [Host-routed step pins]
+                self._stepplan.observe_planned()
+            if (st.use is not None or st.fetch is not None) and not self._handle.closed:
+                use, fetch, st.use, st.fetch = st.use, st.fetch, None, None
+                t0 = time.perf_counter_ns()
+                try:
+                    self._handle.exchange(use=use, prefetch=fetch, priority=1)
+                finally:
+                    self._acct.engine_ns += time.perf_counter_ns() - t0

@@ -27,13 +27,13 @@ class RoutingContext:
       everything fits] in prefetch/predictors.py).
     """
 
-    __slots__ = ("_controller", "_honours_hints")
+    __slots__ = ("_state", "_routers", "_honours_hints")
 
-    def __init__(self, controller):
-        object.__setattr__(self, "_controller", controller)
+    def __init__(self, state, routers, *, honours_hints: bool):
+        object.__setattr__(self, "_state", state)
+        object.__setattr__(self, "_routers", routers)
         # The handle's eviction policy is fixed when it is made.
-        object.__setattr__(self, "_honours_hints",
-                           getattr(controller.handle, "eviction_policy", None) == "next-use")
+        object.__setattr__(self, "_honours_hints", bool(honours_hints))
 
     def __setattr__(self, name, value):
         raise AttributeError(f"a RoutingContext is read-only: cannot set {name!r}")
@@ -50,23 +50,23 @@ class RoutingContext:
 
     @property
     def num_layers(self) -> int:
-        return self._controller.num_layers
+        return self._state.num_layers
 
     @property
     def num_experts(self) -> int:
-        return self._controller.num_experts
+        return self._state.num_experts
 
     @property
     def top_k(self) -> int:
-        return self._controller.top_k
+        return self._state.top_k
 
     @property
     def step(self) -> int:
-        return self._controller.step
+        return self._state.step
 
     @property
     def clock(self) -> int:
-        return self._controller.clock
+        return self._state.clock
 
     @property
     def honours_hints(self) -> bool:
@@ -74,13 +74,29 @@ class RoutingContext:
 
     @property
     def holds_every_expert(self) -> bool:
-        return bool(self._controller.prefetcher.holds_every_expert())
+        return bool(self._state.prefetcher.holds_every_expert())
 
     def router_logits(self, layer: int, hidden):
         """Layer `layer`'s router logits for each row of `hidden`."""
-        return self._controller.router_logits(layer, hidden)
+        out = self._routers[layer](hidden)
+        if isinstance(out, tuple):  # HF routers return (logits, weights, indices)
+            out = out[0]
+        return out
 
     def router_topk(self, layer: int, hidden, k: int):
         """The k experts layer `layer`'s router would pick for each row of
-        `hidden` (a device tensor of indices)."""
-        return self._controller.router_topk(layer, hidden, k)
+        `hidden` (a device tensor of indices). A router with a 2-D `weight`
+        (the transformers top-k routers) costs one matmul and one top-k:
+        softmax keeps the order, so the top-k of the logits is the
+        router's."""
+        import torch
+
+        router = self._routers[layer]
+        weight = getattr(router, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2 and weight.shape[-1] == hidden.shape[-1]:
+            bias = getattr(router, "bias", None)  # gpt-oss's router has one
+            bias = bias if isinstance(bias, torch.Tensor) and bias.shape == weight.shape[:1] else None
+            logits = torch.nn.functional.linear(hidden.reshape(-1, hidden.shape[-1]), weight, bias)
+        else:
+            logits = self.router_logits(layer, hidden)
+        return torch.topk(logits, min(k, logits.shape[-1]), dim=-1).indices

@@ -56,8 +56,11 @@ class HostStepPlan:
     sync-free part's `step_plan`, `pin_call`, `hints_to_send` and
     `expect_step`."""
 
-    def __init__(self, controller):
-        self._c = controller
+    def __init__(self, state, handle, *, acct):
+        self._s = state
+        self._handle = handle
+        self._acct = acct
+        self._routing = self._syncd = self._calls = self._spec = None  # wire
         self.pinned_step = None  # the step whose plan's pins are held (None: no plan)
         self._plan_out = None  # flat [layers * experts] slot offsets of the pins, -1: not pinned
         self._plan_buf = None  # the pin call's answers
@@ -75,53 +78,57 @@ class HostStepPlan:
         self._plan_whole_step = False  # ... and each found all its experts pinned
         self._plan_used = None  # the tensor ids the plan pinned (released with the step; reported as used)
 
+    def wire(self, *, routing, sync, calls, speculation) -> None:
+        """The sibling parts this one calls (made after it, or calling it)."""
+        self._routing, self._syncd, self._calls, self._spec = routing, sync, calls, speculation
+
     def applies(self, layer: int, stream) -> bool:
         """Whether this call may go by a step plan: a step already planned
         (the same stream), or layer 0 with a predictor that knows steps."""
-        c = self._c
+        st = self._s
         if layer:
-            return self.pinned_step is not None and stream == c._held_stream
-        return (getattr(c._predictor, "step_reads", None) is not None and c.local is None
-                and c.cache_slots > 0 and c.handle.num_devices == 1)
+            return self.pinned_step is not None and stream == st.held_stream
+        return (getattr(st.predictor, "step_reads", None) is not None and st.local is None
+                and st.cache_slots > 0 and self._handle.num_devices == 1)
 
     def route(self, layer: int, experts, stream, timeout: float, first: int | None):
         """route_and_acquire by the step plan; None (nothing done, the
         layer goes the usual way) where there is none."""
-        c = self._c
-        routed, ids = c.calls.routed_ids(layer, experts)
+        st = self._s
+        routed, ids = self._calls.routed_ids(layer, experts)
         pieces = first is not None and first < routed.shape[0]
         if layer == 0:
             if self.planned:
                 self.observe_planned()
-            plan = None if pieces else c.sync.step_plan(c.step + 1 if c._seen_layer0 else c.step, host=True)
+            plan = None if pieces else self._syncd.step_plan(st.step + 1 if st.seen_layer0 else st.step, host=True)
             if plan is None:
                 self.send_late(stream)
                 return None
-            if c.speculation.unsent is not None:  # the last layer-by-layer call's guesses
-                c.speculation.send_unsent()
-            c.begin_layer(0)
+            if self._spec.unsent is not None:  # the last layer-by-layer call's guesses
+                self._spec.send_unsent()
+            self._routing.begin_layer(0)
             self._pin_plan(plan[0], plan[1], stream)
         elif pieces:  # a planned step's layer larger than the cache: the pins go, the layer goes the usual way
-            c.release_held(stream)
+            self._calls.release_held(stream)
             return None
         else:
-            c.begin_layer(layer)
+            self._routing.begin_layer(layer)
         n = routed.shape[0]
         where = np.empty((n, 2), dtype=np.int64)
-        n_pinned = plan_rows(self._plan_out, layer * c.num_experts, routed, where)
-        c.acct.pinned_hits += n_pinned
+        n_pinned = plan_rows(self._plan_out, layer * st.num_experts, routed, where)
+        self._acct.pinned_hits += n_pinned
         a, b = self._plan_bounds[layer], self._plan_bounds[layer + 1]
         if self._plan_kept:
             # Pinned ones are planned ones: all n pinned and n planned is
             # the plan's set (_followed_plan).
             self._plan_kept = layer == len(self.planned) and n == b - a and (
-                n_pinned == n or np.array_equal(routed, self._plan_now[2][a:b] - layer * c.num_experts))
+                n_pinned == n or np.array_equal(routed, self._plan_now[2][a:b] - layer * st.num_experts))
         if n_pinned == n:
-            self.planned.append((c.step, layer, routed, ids))
+            self.planned.append((st.step, layer, routed, ids))
             return routed, where
         self._plan_whole_step = False
         pinned = where[:, 0] >= 0
-        self.planned.append((c.step, layer, routed, ids[pinned]))
+        self.planned.append((st.step, layer, routed, ids[pinned]))
         where[~pinned] = self._acquire_unpinned(ids[~pinned], stream, timeout)
         return routed, where
 
@@ -130,62 +137,62 @@ class HostStepPlan:
         report uses, send hints, pin this step's resident reads, queue the
         next step's reads (and drop the guesses earlier layer-by-layer
         calls left queued)."""
-        c = self._c
-        table = c._flat_table()
+        st = self._s
+        table = self._routing.flat_table()
         pin = take_ids(table, now, True)  # now: sorted, distinct (plan_pins reads its layers' bounds off it)
-        n = c.num_layers * c.num_experts
+        n = st.num_layers * st.num_experts
         if self._plan_out is None or self._plan_out.shape[0] != n:
             self._plan_out = np.full(n, -1, dtype=np.int64)
             self._plan_buf = np.empty(n, dtype=np.int64)
         buf = self._plan_buf[: pin.shape[0]]
         fetch = take_ids(table, nxt) if nxt.shape[0] else None
-        if c._queued_guess:
-            stale = [c.ids(t, g) for t, g in c._queued_guess.items()]
-            c._queued_guess.clear()
+        if st.queued_guess:
+            stale = [st.ids(t, g) for t, g in st.queued_guess.items()]
+            st.queued_guess.clear()
             self._cancel_queued(np.concatenate(stale), stream)
-        start = getattr(c._predictor, "start_hints", None)
+        start = getattr(st.predictor, "start_hints", None)
         if start is not None:  # a request's first step: its first reads (Note [Hints at a request's start])
-            c._late_hints.extend(start(c.context, c.step))
+            st.late_hints.extend(start(self._routing.context, st.step))
         hint_ids, hint_when, had_hints = self._plan_hint_arrays()
-        c.sync.pin_call(pin, buf, c._use, fetch, hint_ids, hint_when, had_hints, stream)
+        self._syncd.pin_call(pin, buf, st.use, fetch, hint_ids, hint_when, had_hints, stream)
         self._plan_hints = None
-        held, self._plan_bounds = plan_pins(now, buf, pin, self._plan_out, c.num_layers, c.num_experts)
+        held, self._plan_bounds = plan_pins(now, buf, pin, self._plan_out, st.num_layers, st.num_experts)
         self._plan_pins = self._plan_used = held
         self._plan_extra = None
-        c._held = held if held.shape[0] else None
-        self.pinned_step = c.step
-        c.acct.step_pins += 1
+        st.held = held if held.shape[0] else None
+        self.pinned_step = st.step
+        self._acct.step_pins += 1
         self.host_step_pins += 1
         # What the last plan filed as this step's guesses: scored at once
         # when it is this plan's reads (observe_planned).
         filed = self._plan_filed
-        same = filed is not None and filed[0] == c.step and (filed[1] is now or np.array_equal(filed[1], now))
-        self._plan_now = (c.step, c.clock, now, same)
+        same = filed is not None and filed[0] == st.step and (filed[1] is now or np.array_equal(filed[1], now))
+        self._plan_now = (st.step, st.clock, now, same)
         self._plan_kept = self._plan_whole_step = True
-        self._plan_filed = (c.step + 1, nxt)
-        c.sync.expect_step(c.step + 1, nxt)
+        self._plan_filed = (st.step + 1, nxt)
+        self._syncd.expect_step(st.step + 1, nxt)
 
     def _acquire_unpinned(self, missing: np.ndarray, stream, timeout: float) -> np.ndarray:
         """A planned layer's routed experts that the plan did not pin,
         acquired in one engine call that releases the last such call's; the
         pins stay held."""
-        c = self._c
+        st = self._s
         extra = self._plan_extra
         pins = self._plan_pins
         t0 = time.perf_counter_ns()
         try:
-            where = c.handle.exchange(missing, release=extra, stream=stream, timeout=timeout)
+            where = self._handle.exchange(missing, release=extra, stream=stream, timeout=timeout)
         except (ValueError, KeyError, TypeError, OverflowError):
             raise  # refused before anything changed: still held as it was
         except BaseException:
             # The release ran; the acquire did not: the pins alone are held.
             self._plan_extra = None
-            c._held = pins if pins is not None and pins.shape[0] else None
+            st.held = pins if pins is not None and pins.shape[0] else None
             raise
         finally:
-            c.acct.engine_ns += time.perf_counter_ns() - t0
+            self._acct.engine_ns += time.perf_counter_ns() - t0
         self._plan_extra = missing
-        c._held = missing if pins is None or not pins.shape[0] else np.concatenate((pins, missing))
+        st.held = missing if pins is None or not pins.shape[0] else np.concatenate((pins, missing))
         return where
 
     def forget(self) -> None:
@@ -209,12 +216,11 @@ class HostStepPlan:
         self.pinned_step = self._plan_pins = self._plan_extra = None
 
     def _cancel_queued(self, cancel: np.ndarray, stream) -> None:
-        c = self._c
         t0 = time.perf_counter_ns()
         try:
-            c.handle.exchange(cancel=cancel, stream=stream)
+            self._handle.exchange(cancel=cancel, stream=stream)
         finally:
-            c.acct.engine_ns += time.perf_counter_ns() - t0
+            self._acct.engine_ns += time.perf_counter_ns() - t0
 
     def observe_planned(self) -> None:
         """The planned layers' predictor part, for a whole step at once:
@@ -223,7 +229,7 @@ class HostStepPlan:
         every layer routed as planned, with a predictor that can say so
         (`observe_step`), takes one pass over the step; any other, an
         `observe` a layer."""
-        c = self._c
+        st = self._s
         planned, self.planned = self.planned, []
         step = self._followed_plan(planned)
         if step is not None and self._plan_whole_step:
@@ -232,40 +238,40 @@ class HostStepPlan:
             uses = [used for _, _, _, used in planned if used.shape[0]]
             use = np.concatenate(uses) if uses else None
         if use is not None and use.shape[0]:
-            c._use = use if c._use is None else np.concatenate((c._use, use))
+            st.use = use if st.use is None else np.concatenate((st.use, use))
         if step is None:
             for step, layer, routed, _ in planned:
-                _, hints = c.observe(layer, routed, {}, step=step)
+                _, hints = self._routing.observe(layer, routed, {}, step=step)
                 if hints:
-                    c._late_hints.extend(hints)
+                    st.late_hints.extend(hints)
             return
         if self._plan_now[3]:
             # The last plan's guesses for this step were this plan's reads,
             # and the step read them: each layer's all hit.
             bounds = self._plan_bounds
-            taken = c._pending.take_step(step, c.num_layers)
-            for layer in range(c.num_layers):
+            taken = st.pending.take_step(step, st.num_layers)
+            for layer in range(st.num_layers):
                 if taken[layer]:
                     count = bounds[layer + 1] - bounds[layer]
-                    c._count_score(count, count, count)
-            if c._trace is not None:
+                    self._routing.count_score(count, count, count)
+            if st.trace is not None:
                 for _, layer, routed, _ in planned:
-                    c._trace.add(step, layer, routed)
+                    st.trace.add(step, layer, routed)
         else:
             for _, layer, routed, _ in planned:
-                c._score(step, layer, routed)
-        got = c._predictor.observe_step(c.context, step, self._plan_now[1])
+                self._routing.score(step, layer, routed)
+        got = st.predictor.observe_step(self._routing.context, step, self._plan_now[1])
         if got is not None:
-            self._plan_hints = (take_ids(c._flat_table(), got[0]), got[1])
+            self._plan_hints = (take_ids(self._routing.flat_table(), got[0]), got[1])
 
     def _followed_plan(self, planned: list):
         """The step of `planned` when it holds every layer of the planned
         step, in order, each routed as planned (`_plan_kept`, kept as the
         layers route), and the predictor has `observe_step`; else None."""
-        c = self._c
+        st = self._s
         plan = self._plan_now
-        if (plan is None or not self._plan_kept or len(planned) != c.num_layers or planned[0][0] != plan[0]
-                or getattr(c._predictor, "observe_step", None) is None):
+        if (plan is None or not self._plan_kept or len(planned) != st.num_layers or planned[0][0] != plan[0]
+                or getattr(st.predictor, "observe_step", None) is None):
             return None
         return plan[0]
 
@@ -273,8 +279,7 @@ class HostStepPlan:
         """(tensor ids, times, whether any) of the hints to send: the
         planned step's (`observe_step`) and the others (`hints_to_send`);
         the latter go last, so they win for an id named twice."""
-        c = self._c
-        hint_ids, hint_when, had_hints = c.sync.hints_to_send()
+        hint_ids, hint_when, had_hints = self._syncd.hints_to_send()
         if self._plan_hints is None:
             return hint_ids, hint_when, had_hints
         ids, when = self._plan_hints
@@ -285,18 +290,18 @@ class HostStepPlan:
     def send_late(self, stream) -> None:
         """Uses and hints left by planned steps, for a step that goes
         layer by layer: sent in an engine call of their own."""
-        c = self._c
+        st = self._s
         hint_ids, hint_when, had_hints = self._plan_hint_arrays()
         self._plan_hints = None
-        use = c._use
+        use = st.use
         if use is None and not had_hints:
             return
         t0 = time.perf_counter_ns()
         try:
-            c.handle.exchange(use=use, hint_ids=hint_ids, hint_when=hint_when, now=c.clock if had_hints else None,
+            self._handle.exchange(use=use, hint_ids=hint_ids, hint_when=hint_when, now=st.clock if had_hints else None,
                           stream=stream)
         finally:
-            c.acct.engine_ns += time.perf_counter_ns() - t0
-        c._use = None
+            self._acct.engine_ns += time.perf_counter_ns() - t0
+        st.use = None
         if had_hints:
-            c._late_hints = []
+            st.late_hints = []

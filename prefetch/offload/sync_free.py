@@ -27,10 +27,19 @@ class SyncFreeDecode:
     shares `step_plan`, `pin_call`, `hints_to_send` and `expect_step`.
     The engine-call state every path shares (what is held, the uses,
     fetches and hints still to send), the clock and the predictor are the
-    controller's."""
+    shared ExchangeState (prefetch/offload/exchange_state.py); the routing
+    and engine-call parts are wired in after it is made."""
 
-    def __init__(self, controller):
-        self._c = controller
+    def __init__(self, state, handle, *, acct, gate):
+        self._s = state
+        self._handle = handle
+        self._acct = acct
+        self._gate = gate
+        self._routing = self._calls = None  # wire
+
+    def wire(self, *, routing, calls) -> None:
+        """The sibling parts made after this one."""
+        self._routing, self._calls = routing, calls
         self._routings: list = []  # (layer, step, device routing, pinned mask), not read back yet
         self._steady = None  # this step's pins are all held (Note [Steady pins])
         self.active = False  # this step's path (Note [Which path a step takes]), once enabled
@@ -42,7 +51,7 @@ class SyncFreeDecode:
     def enable(self, num_experts: int, adaptive: bool = True) -> None:
         """Sets the path up for `num_experts` experts a layer (the
         controller's enable_sync_free)."""
-        c = self._c
+        st = self._s
         self.active = True  # this step's path (Note [Which path a step takes])
         self._adaptive = adaptive
         self._path = PathChoice()
@@ -50,16 +59,16 @@ class SyncFreeDecode:
         self._step_missed = None  # fraction of routed experts the last step missed
         # Tensor id of every (layer, expert), -1 where not registered here (the
         # prefetcher's table per layer ends at the last expert it registered).
-        self._all_ids = np.full((c.num_layers, num_experts), -1, dtype=np.int64)
-        for layer in range(c.num_layers):
-            table = c.prefetcher._ids.get(layer, _EMPTY)[:num_experts]
+        self._all_ids = np.full((st.num_layers, num_experts), -1, dtype=np.int64)
+        for layer in range(st.num_layers):
+            table = st.prefetcher._ids.get(layer, _EMPTY)[:num_experts]
             self._all_ids[layer, : table.shape[0]] = table
         # Expert parallel: only this rank's experts are pinned, used and
         # fetched (the others are not registered here; their id is -1).
         self._owned = self._all_ids >= 0
         self._layer_ids = [ids[own] for ids, own in zip(self._all_ids, self._owned)]
         # The pinned offsets of every layer, one row each (-1: not pinned).
-        self._all_out = np.full((c.num_layers, num_experts), -1, dtype=np.int64)
+        self._all_out = np.full((st.num_layers, num_experts), -1, dtype=np.int64)
         self._pin_out = list(self._all_out)
         # The engine writes the pinned offsets here; it is _pin_out itself
         # where the rank owns the whole layer.
@@ -70,7 +79,7 @@ class SyncFreeDecode:
         # keeps its layer's row (a view); pin_layer reads the noted routings
         # before it writes a row one of them still refers to, so
         # read_routings gathers them in one index.
-        self._pinned = np.zeros((c.num_layers, num_experts), dtype=bool)
+        self._pinned = np.zeros((st.num_layers, num_experts), dtype=bool)
         # Flat views (entry layer * experts + expert) for read_routed and
         # mark_pinned, the bool tables as bytes; _routed: the last read's
         # routed (layer, expert) pairs.
@@ -79,12 +88,12 @@ class SyncFreeDecode:
         self._pinned_rows_u8 = list(self._pinned.view(np.uint8))
         self._owned_u8 = self._owned.reshape(-1).view(np.uint8)
         self._all_ids_flat = self._all_ids.reshape(-1)
-        self._routed = np.zeros((c.num_layers, num_experts), dtype=bool)
+        self._routed = np.zeros((st.num_layers, num_experts), dtype=bool)
         self._routed_u8 = self._routed.reshape(-1).view(np.uint8)
         # (layer, expert) pairs any step read so far, on either path: a
         # sync-free step's miss of a pair never read before is one no path
         # avoids, and does not fail a try (Note [Which path a step takes]).
-        self.seen = np.zeros((c.num_layers, num_experts), dtype=bool)
+        self.seen = np.zeros((st.num_layers, num_experts), dtype=bool)
         self._seen_u8 = self.seen.reshape(-1).view(np.uint8)
         self._step_missed_again = None  # of the last sync-free step: misses of pairs read before
         # Note [Steady pins]: every layer's ids this rank owns, row by row, and
@@ -95,7 +104,7 @@ class SyncFreeDecode:
         self._steady = None
         self._last_misses = None  # routed experts the last read step did not find pinned
         # Note [Step pins]: the pin call's answers for a whole step's reads.
-        self._step_buf = np.empty(c.num_layers * num_experts, dtype=np.int64)
+        self._step_buf = np.empty(st.num_layers * num_experts, dtype=np.int64)
         # Note [Routing read-back queued early]: (routings covered, the
         # page-locked slice copied into, event after it) of the copy queued
         # at the last layer; the buffer and event are reused.
@@ -119,7 +128,7 @@ class SyncFreeDecode:
         the last step's routings, and from what that step missed picks this
         step's path (PathChoice, Note [Which path a step takes]).
         sync_free=True skips the choice."""
-        c = self._c
+        st = self._s
         if self._routings:
             self.read_routings()
         if not self._adaptive:
@@ -138,14 +147,13 @@ class SyncFreeDecode:
             self.active = active
             # Synced steps count their misses from here on.
             self._engine_counts = None if active else self._engine_hits_misses()
-        if not self.active and (c._use is not None or c._fetch is not None):
-            c.flush()  # the last sync-free step's uses and misses reach the engine now
+        if not self.active and (st.use is not None or st.fetch is not None):
+            self._calls.flush()  # the last sync-free step's uses and misses reach the engine now
         self.sync_free_steps += self.active
         return self.active
 
     def _engine_hits_misses(self) -> tuple[int, int]:
-        c = self._c
-        s = c.handle.stats()
+        s = self._handle.stats()
         return s["hits"], s["misses"]
 
     def pin_layer(self, layer: int, hidden, stream) -> tuple[np.ndarray, np.ndarray]:
@@ -156,12 +164,12 @@ class SyncFreeDecode:
         resident expert of `layer`. Returns (the slot offset of each expert
         of the layer, -1 where not pinned: read from host memory; the pinned
         mask)."""
-        c = self._c
+        st = self._s
         routings = self._routings
         if routings and routings[-1][0] >= layer:  # a new step (or a layer again): its rows are rewritten below
             self.read_routings()
         if self._steady is not None:
-            if layer != 0 and stream == c._held_stream:
+            if layer != 0 and stream == st.held_stream:
                 return self._pin_out[layer], self._pinned_rows[layer]
             self._steady = None  # a new step (or another stream): the call below releases them
         elif layer == 0:
@@ -172,13 +180,14 @@ class SyncFreeDecode:
             if plan is not None:
                 self.pin_step(plan[0], plan[1], stream)
                 return self._pin_out[0], self._pinned_rows[0]
-        use, fetch = c._use, c._fetch
-        if c._host_guesses and c.gate.predicts_now():
-            guesses = c._host_predict(c.step, layer, hidden)
+        use, fetch = st.use, st.fetch
+        if st.host_guesses and self._gate.predicts_now():
+            routing = self._routing
+            guesses = routing.host_predict(st.step, layer, hidden)
             # Scored when their layers' routings are read back, a step later
             # (read_routings), as the synced path scores its guesses.
-            c._expect(c.step, layer, guesses)
-            if not c._held_back(guesses):
+            routing.expect(st.step, layer, guesses)
+            if not routing.held_back(guesses):
                 extra = [self._owned_ids(target, g) for target, g in guesses.items() if g.shape[0]]
                 if fetch is not None and fetch.shape[0]:
                     extra.append(fetch)
@@ -191,7 +200,7 @@ class SyncFreeDecode:
         self.pin_call(self._layer_ids[layer], buf, use, fetch, hint_ids, hint_when, had_hints, stream)
         if buf is not out:
             out[self._owned[layer]] = buf
-        c._held = mark_pinned(out, self._pinned_rows_u8[layer], buf, self._layer_ids[layer])
+        st.held = mark_pinned(out, self._pinned_rows_u8[layer], buf, self._layer_ids[layer])
         return out, self._pinned_rows[layer]
 
     def whole_step_offsets(self) -> np.ndarray | None:
@@ -262,50 +271,50 @@ class SyncFreeDecode:
         host-routed path (Note [Host-routed step pins] in
         prefetch/offload/step_plan.py), whose room also keeps a layer's worth of
         slots for experts the pins do not cover."""
-        c = self._c
-        reads_of = getattr(c._predictor, "step_reads", None)
-        owns_all = c.local is None if host else self._owns_all
-        if reads_of is None or not owns_all or not c.cache_slots or c.gate.paused:
+        st = self._s
+        reads_of = getattr(st.predictor, "step_reads", None)
+        owns_all = st.local is None if host else self._owns_all
+        if reads_of is None or not owns_all or not st.cache_slots or self._gate.paused:
             return None
-        step = c.step if step is None else step
-        now = reads_of(step, c.num_layers, c.num_experts, ahead=False)
+        step = st.step if step is None else step
+        now = reads_of(step, st.num_layers, st.num_experts, ahead=False)
         if now is None:
             return None
-        nxt = reads_of(step + 1, c.num_layers, c.num_experts, ahead=False)
+        nxt = reads_of(step + 1, st.num_layers, st.num_experts, ahead=False)
         if nxt is None:
             nxt = _EMPTY
-        room = max(nxt.shape[0], c.num_experts) if host else nxt.shape[0]
-        if now.shape[0] + room > c.cache_slots:
+        room = max(nxt.shape[0], st.num_experts) if host else nxt.shape[0]
+        if now.shape[0] + room > st.cache_slots:
             return None
         return now, nxt
 
     def pin_step(self, now: np.ndarray, nxt: np.ndarray, stream) -> None:
         """Note [Step pins]: the step's one engine call; fills every
         layer's row of _pin_out and _pinned."""
-        c = self._c
+        st = self._s
         hint_ids, hint_when, had_hints = self.hints_to_send()
         ids = self._all_ids_flat
         pin = ids[now]
         buf = self._step_buf[: pin.shape[0]]
         fetch = ids[nxt] if nxt.shape[0] else None
-        self.pin_call(pin, buf, c._use, fetch, hint_ids, hint_when, had_hints, stream)
+        self.pin_call(pin, buf, st.use, fetch, hint_ids, hint_when, had_hints, stream)
         out = self._all_out_flat
         out.fill(-1)
         out[now] = buf
-        c._held = mark_pinned(out, self._pinned_u8, buf, pin)
+        st.held = mark_pinned(out, self._pinned_u8, buf, pin)
         self._steady = True
-        c.acct.step_pins += 1
-        self.expect_step(c.step + 1, nxt)
+        self._acct.step_pins += 1
+        self.expect_step(st.step + 1, nxt)
 
     def expect_step(self, step: int, flat: np.ndarray) -> None:
         """Files the plan's reads of `step` (sorted flat indices) as the
         guesses for its layers, scored when their routings are read."""
-        c = self._c
+        st = self._s
         if not flat.shape[0]:
             return
-        e = c.num_experts
-        bounds = np.searchsorted(flat, np.arange(c.num_layers + 1, dtype=np.int64) * e).tolist()
-        c._pending.file_step(step, flat, bounds, e)  # Note [Guesses filed a step at a time]
+        e = st.num_experts
+        bounds = np.searchsorted(flat, np.arange(st.num_layers + 1, dtype=np.int64) * e).tolist()
+        st.pending.file_step(step, flat, bounds, e)  # Note [Guesses filed a step at a time]
 
     def _steady_step(self) -> bool:
         """Layer 0, routings read: the last step missed nothing and there is
@@ -313,9 +322,9 @@ class SyncFreeDecode:
         predictor only probing because nothing was fetched, Note
         [Speculation with nothing to fetch], is not run: its guesses name
         cached experts)."""
-        c = self._c
-        return (self._last_misses == 0 and (c._fetch is None or not c._fetch.shape[0])
-                and (not c._host_guesses or c.gate.nothing_fetched or self._step_pinned()))
+        st = self._s
+        return (self._last_misses == 0 and (st.fetch is None or not st.fetch.shape[0])
+                and (not st.host_guesses or self._gate.nothing_fetched or self._step_pinned()))
 
     def _step_pinned(self) -> bool:
         """A host-side predictor that knows the whole step (the oracle's
@@ -329,9 +338,9 @@ class SyncFreeDecode:
         since (an eviction by a copy that ran after it) is read from host
         memory on the steady step, and that miss puts the next step back
         on the layer-by-layer path."""
-        c = self._c
-        reads = getattr(c._predictor, "step_reads", None)
-        flat = reads(c.step, c.num_layers, c.num_experts) if reads is not None else None
+        st = self._s
+        reads = getattr(st.predictor, "step_reads", None)
+        flat = reads(st.step, st.num_layers, st.num_experts) if reads is not None else None
         if flat is None:
             return False
         if not self._owns_all:
@@ -346,35 +355,34 @@ class SyncFreeDecode:
         a wait on its event on the stream (Note [Pins without waiting]); in
         a steady step the last such copy was issued two steps ago or
         earlier.)"""
-        c = self._c
-        return not c.handle.queued()  # a few us less than stats() (one device per handle here)
+        return not self._handle.queued()  # a few us less than stats() (one device per handle here)
 
     def _pin_all(self, stream) -> None:
         """A steady step's one engine call: release what is held, pin every
         resident expert of every layer (rows of _pin_out and _pinned),
         report the last step's uses."""
-        c = self._c
+        st = self._s
         hint_ids, hint_when, had_hints = self.hints_to_send()
-        self.pin_call(self._all_owned_ids, self._all_buf, c._use, None, hint_ids, hint_when, had_hints, stream)
+        self.pin_call(self._all_owned_ids, self._all_buf, st.use, None, hint_ids, hint_when, had_hints, stream)
         if not self._owns_all:
             self._all_out[self._owned] = self._all_buf
-        c._held = mark_pinned(self._all_out_flat, self._pinned_u8, self._all_buf, self._all_owned_ids)
+        st.held = mark_pinned(self._all_out_flat, self._pinned_u8, self._all_buf, self._all_owned_ids)
         self._steady = True
         self.steady_steps += 1
-        if c._host_guesses:  # its guesses are not made this step
-            c.gate.paused_layers += c.num_layers
+        if st.host_guesses:  # its guesses are not made this step
+            self._gate.paused_layers += st.num_layers
 
     def hints_to_send(self):
         """(tensor ids, next-use times, whether there were hints) of the
         predictor's hints not sent yet; expert parallel: this rank's only.
         `pin_call` clears them once sent (even if none is this rank's)."""
-        c = self._c
-        hints = c._late_hints
+        st = self._s
+        hints = st.late_hints
         if not hints:
             return None, None, False
-        if c.local is not None:
-            _, hints = c.calls.only_local({}, hints)
-        hint_ids, hint_when = c.calls.hint_arrays(hints)
+        if st.local is not None:
+            _, hints = self._calls.only_local({}, hints)
+        hint_ids, hint_when = self._calls.hint_arrays(hints)
         return hint_ids, hint_when, True
 
     def pin_call(self, pin, pin_into, use, fetch, hint_ids, hint_when, had_hints, stream) -> None:
@@ -383,40 +391,40 @@ class SyncFreeDecode:
         prefetch `fetch`, send the hints and pin `pin` into `pin_into`. Bad
         arguments are refused before anything changes: what was held stays
         held, and the uses, prefetches and hints stay to be sent."""
-        c = self._c
-        if c._held is not None and stream != c._held_stream:
-            c.release_held()
-        held, c._held = c._held, None
+        st = self._s
+        if st.held is not None and stream != st.held_stream:
+            self._calls.release_held()
+        held, st.held = st.held, None
         t0 = time.perf_counter_ns()
         try:
-            c.handle.exchange(release=held, pin=pin, pin_into=pin_into, use=use, prefetch=fetch, priority=1,
-                          hint_ids=hint_ids, hint_when=hint_when, now=c.clock if had_hints else None,
+            self._handle.exchange(release=held, pin=pin, pin_into=pin_into, use=use, prefetch=fetch, priority=1,
+                          hint_ids=hint_ids, hint_when=hint_when, now=st.clock if had_hints else None,
                           stream=stream)
         except (ValueError, KeyError, TypeError, OverflowError):
-            c._held = held
+            st.held = held
             raise
         finally:
-            c.acct.engine_ns += time.perf_counter_ns() - t0
-        c._use = c._fetch = None
+            self._acct.engine_ns += time.perf_counter_ns() - t0
+        st.use = st.fetch = None
         if had_hints:
-            c._late_hints = []
-        c._held_stream = stream
+            st.late_hints = []
+        st.held_stream = stream
 
     def _owned_ids(self, layer: int, experts: np.ndarray) -> np.ndarray:
         """Tensor ids of those of `experts` this rank owns (all of them
         without expert parallel)."""
-        c = self._c
+        st = self._s
         if self._owns_all:
-            return c.ids(layer, experts)
-        return c.ids(layer, experts[self._owned[layer][experts]])
+            return st.ids(layer, experts)
+        return st.ids(layer, experts[self._owned[layer][experts]])
 
     def note_routing(self, layer: int, top_k_index) -> None:
         """Keeps `layer`'s routing (a device tensor: no copy yet); which
         experts were pinned stays in the layer's row of `_pinned` until the
         routing is read. The whole step's routings come back in one copy at
         the next step's first layer (`read_routings`)."""
-        c = self._c
-        self._routings.append((layer, c.step, top_k_index, top_k_index.numel()))
+        st = self._s
+        self._routings.append((layer, st.step, top_k_index, top_k_index.numel()))
 
     def queue_read_back(self) -> None:
         """Note [Routing read-back queued early]
@@ -463,7 +471,7 @@ class SyncFreeDecode:
         memory)."""
         import torch
 
-        c = self._c
+        st = self._s
         routings, self._routings = self._routings, []
         early, self._early = self._early, None
         t0 = time.perf_counter_ns()
@@ -474,7 +482,7 @@ class SyncFreeDecode:
         else:  # routings noted after the queued copy (a partial step): read them all now
             flat = [r[2].reshape(-1) for r in routings]
             host = to_host(torch.cat(flat) if len(flat) > 1 else flat[0])
-        c.acct.sync_ns += time.perf_counter_ns() - t0
+        self._acct.sync_ns += time.perf_counter_ns() - t0
         # One flat [layers x experts] table (a read holds each layer at most
         # once: pin_layer reads the routings before a layer comes again),
         # in one C pass (prefetch/_routing.pxi). Each layer's pinned row is
@@ -482,30 +490,30 @@ class SyncFreeDecode:
         # rewriting a row). Expert parallel: this rank's reads only.
         # The same pass counts the misses of pairs read before and adds
         # this read's pairs to _seen.
-        use, fetch, hits, misses, again = read_routed(routings, host, c.num_experts, self._routed_u8,
+        use, fetch, hits, misses, again = read_routed(routings, host, st.num_experts, self._routed_u8,
                                                       self._pinned_u8, None if self._owns_all else self._owned_u8,
                                                       self._all_ids_flat, self._seen_u8)
         self._last_misses = misses
-        c.acct.pinned_hits += hits
-        c.acct.zero_copy_reads += misses
+        self._acct.pinned_hits += hits
+        self._acct.zero_copy_reads += misses
         if hits + misses:
             self._step_missed = misses / (hits + misses)
             self._step_missed_again = again / (hits + misses)
         extra = []
-        if c._observes or c._pending:
+        if st.observes or st.pending:
             routed = self._routed
             for layer, step, _, _ in routings:
-                guesses, hints = c.observe(layer, np.flatnonzero(routed[layer]), {}, step=step)
-                if c._late_predict and not c._held_back(guesses):
+                guesses, hints = self._routing.observe(layer, np.flatnonzero(routed[layer]), {}, step=step)
+                if st.late_predict and not self._routing.held_back(guesses):
                     extra.extend(self._owned_ids(t, g) for t, g in guesses.items() if g.shape[0])
                 if hints:
-                    c._late_hints.extend(hints)
-        elif c._trace is not None:  # Note [Routings nobody reads]: recorded, and nothing else
-            c._trace.add_routed([(step, layer) for layer, step, _, _ in routings], self._routed)
+                    st.late_hints.extend(hints)
+        elif st.trace is not None:  # Note [Routings nobody reads]: recorded, and nothing else
+            st.trace.add_routed([(step, layer) for layer, step, _, _ in routings], self._routed)
         if extra:
             fetch = np.unique(np.concatenate([fetch, *extra]))
-        c._use = use if c._use is None else np.concatenate([c._use, use])
-        c._fetch = fetch if c._fetch is None else np.unique(np.concatenate([c._fetch, fetch]))
+        st.use = use if st.use is None else np.concatenate([st.use, use])
+        st.fetch = fetch if st.fetch is None else np.unique(np.concatenate([st.fetch, fetch]))
 
     # -- Note [Routings nobody reads]
     # read_routings gave each layer of the step read to `observe` (score
