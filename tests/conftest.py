@@ -111,7 +111,8 @@ def make_handle():
         h.close()
 
 
-ENGINE_CALLS = ("exchange", "step", "release", "acquire", "acquire_slots", "prefetch_tensors", "hint_next_use", "cancel")
+ENGINE_CALLS = ("exchange", "step", "release", "acquire", "acquire_slots", "prefetch_tensors", "hint_next_use",
+                "cancel")
 
 
 def _as_logged(x):
