@@ -57,7 +57,7 @@ MAX_TENSOR_ID = kMaxTensorId
 DEFAULT_ACQUIRE_TIMEOUT_S = 60.0
 NO_NEXT_USE = kNoNextUse  # hint_next_use: no known next read
 # Cache slots start and end on this boundary (so do packed weights, arenas
-# and prefetch.hf's row grid).
+# and prefetch.hf_experts' row grid).
 SLOT_ALIGNMENT = kSlotAlignmentBytes
 
 # Argument conversion: ids, bands, buffers, streams, timeouts, hint times, options.

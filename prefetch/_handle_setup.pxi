@@ -99,7 +99,7 @@ cdef list _make_arenas(str name, list budgets, CHandleOptions& options):
     else:
         for b in budgets:
             # SLOT_ALIGNMENT-aligned like a CUDA allocation (the slot grid;
-            # prefetch.hf's sync-free path views it with host memory)
+            # prefetch.hf_experts' sync-free path views it with host memory)
             raw = np.empty(b + SLOT_ALIGNMENT, dtype=np.uint8)
             shift = -raw.ctypes.data % SLOT_ALIGNMENT
             arenas.append(raw[shift : shift + b])

@@ -150,7 +150,7 @@ void ArcherPrefetchHandle::QueueStepPrefetchesLocked(const StepArgs& a) {
 }
 
 // Note [Pins without waiting]
-// The sync-free decode path (prefetch/hf.py, Note [Sync-free decode]) does
+// The sync-free decode path (prefetch/hf_experts.py, Note [Sync-free decode]) does
 // not know a layer's routing on the host when it computes: the GPU reads
 // each routed expert from its cache slot when resident, else straight from
 // page-locked host memory. Before the layer runs it pins every expert of

@@ -1,7 +1,11 @@
 """Markers: `gpu` skips without CUDA; `multi_gpu(n)` skips with fewer than n
 CUDA devices. Both skip cleanly on CI (no GPU). `hf` marks every test of a
 file that names transformers: .ci/run runs those again on the newest
-supported transformers."""
+supported transformers. `harness` marks the tests of the benchmark harness
+(HARNESS_FILES: BM6's rows, A/B pairs and reports, BM7 under torchrun, over
+tiny CPU models), about half the suite's time: they are Python over the
+engine calls the library's own tests make, so the sanitizer steps and the
+newest-transformers step leave them out."""
 import importlib.util
 import os
 import pathlib
@@ -23,6 +27,7 @@ def _cuda_device_count() -> int:
 
 
 _USES_TRANSFORMERS: dict = {}
+HARNESS_FILES = {"test_bench_generate.py", "test_bench_generate_trace.py", "test_bench_ep_generate.py"}
 
 
 def _uses_transformers(path: str) -> bool:
@@ -37,6 +42,8 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if _uses_transformers(str(item.path)):
             item.add_marker(pytest.mark.hf)
+        if item.path.name in HARNESS_FILES:
+            item.add_marker(pytest.mark.harness)
         if "gpu" in item.keywords and count == 0:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         marker = item.get_closest_marker("multi_gpu")
