@@ -5,7 +5,10 @@ supported transformers. `harness` marks the tests of the benchmark harness
 (HARNESS_FILES: BM6's rows, A/B pairs and reports, BM7 under torchrun, over
 tiny CPU models), about half the suite's time: they are Python over the
 engine calls the library's own tests make, so the sanitizer steps and the
-newest-transformers step leave them out."""
+newest-transformers step leave them out. `breadth` marks those and the
+family table's tests (tests/test_families.py: every transformers MoE family,
+the same offload each time): the sanitizer steps leave out `breadth`, the
+newest-transformers step only `harness` (the family table is its point)."""
 import importlib.util
 import os
 import pathlib
@@ -28,6 +31,7 @@ def _cuda_device_count() -> int:
 
 _USES_TRANSFORMERS: dict = {}
 HARNESS_FILES = {"test_bench_generate.py", "test_bench_generate_trace.py", "test_bench_ep_generate.py"}
+BREADTH_FILES = HARNESS_FILES | {"test_families.py"}
 
 
 def _uses_transformers(path: str) -> bool:
@@ -44,6 +48,8 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.hf)
         if item.path.name in HARNESS_FILES:
             item.add_marker(pytest.mark.harness)
+        if item.path.name in BREADTH_FILES:
+            item.add_marker(pytest.mark.breadth)
         if "gpu" in item.keywords and count == 0:
             item.add_marker(pytest.mark.skip(reason="needs a CUDA device"))
         marker = item.get_closest_marker("multi_gpu")
