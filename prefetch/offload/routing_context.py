@@ -12,7 +12,8 @@ class RoutingContext:
     shape, the routing clock and step, its routers, and whether next-use
     hints matter. A predictor returns guesses and hints and never changes
     the controller, so nothing here can: every member is a property or a
-    method, and the controller is kept in a private slot.
+    method over the offload's shared state and its routers, kept in
+    private slots (it does not hold the controller).
 
     - `num_layers`, `num_experts`, `top_k`: the offloaded model's shape.
     - `step`: the decode step of the routing at hand (from 0 each request).
