@@ -7,11 +7,12 @@ import time
 
 import numpy as np
 
+from prefetch._engine import NUM_BANDS
 from prefetch.errors import InvalidArgumentError
 
 __all__ = ["Preload", "LEAST_URGENT_BAND"]
 
-LEAST_URGENT_BAND = 19  # kNumBands - 1
+LEAST_URGENT_BAND = NUM_BANDS - 1  # the engine's least urgent priority
 
 
 class Preload:
