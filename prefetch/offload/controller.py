@@ -5,7 +5,7 @@ A MoE layer talks to the engine once (Note [One call per layer] in
 src_cpp/acquire_release.cpp): `exchange` releases the layer computed
 before, cancels this layer's wrong guesses, sends hints, acquires this
 layer's experts and queues the guesses for later layers, in one GIL-free
-`PrefetchHandle.step`. The previous layer's release rides on that call: its
+`PrefetchHandle.exchange`. The previous layer's release rides on that call: its
 compute is queued on the stream by then, so the one completion token
 recorded covers it.
 """
@@ -65,7 +65,7 @@ class OffloadController:
     (a layer's engine calls: `exchange`, `release_held`). The state they
     share (what is held, uses, fetches and hints still to send, guesses
     queued and filed, the clock) is `state`, an ExchangeState; each part is
-    given it, the handle and the siblings it calls, never the controller
+    given it (the handle among it) and the siblings it calls, never the controller
     (issue #59: no layer calls back up into the one above it)."""
 
     _predictor_set = False  # the first assignment is no replacement (Note [A predictor replaced])
@@ -98,17 +98,17 @@ class OffloadController:
         # What predictors are given, read-only: made from what it shows.
         self.context = RoutingContext(st, self.routers,
                                       honours_hints=getattr(handle, "eviction_policy", None) == "next-use")
-        # The parts share `state` and call each other, never the controller
-        # (issue #59): each is given the handle and the siblings it uses.
+        # The parts share `state` (the handle among it) and call each other,
+        # never the controller (issue #59): each is given the siblings it uses.
         self.acct = Accounting()
         self.gate = SpeculationGate()
         self.preloader = Preload(handle, self.prefetcher, self.acct, num_layers, num_experts)
-        self.routing = Routing(st, handle, acct=self.acct, gate=self.gate, context=self.context,
+        self.routing = Routing(st, acct=self.acct, gate=self.gate, context=self.context,
                                preloader=self.preloader)
-        self.speculation = DeferredSpeculation(st, handle)
-        self.sync = SyncFreeDecode(st, handle, acct=self.acct, gate=self.gate)
-        self.plan = HostStepPlan(st, handle, acct=self.acct)
-        self.calls = EngineCalls(st, handle, acct=self.acct)
+        self.speculation = DeferredSpeculation(st)
+        self.sync = SyncFreeDecode(st, acct=self.acct, gate=self.gate)
+        self.plan = HostStepPlan(st, acct=self.acct)
+        self.calls = EngineCalls(st, acct=self.acct)
         self.routing.wire(sync=self.sync)
         self.speculation.wire(routing=self.routing, calls=self.calls)
         self.sync.wire(routing=self.routing, calls=self.calls)
@@ -132,16 +132,14 @@ class OffloadController:
     @property
     def handle(self) -> PrefetchHandle:
         """The engine handle. Setting it (tests and benches wrap it to
-        count the calls) hands the new one to the state and to every part
-        that calls the engine per layer; the prefetcher and preload keep
-        the one they were made with, as before."""
+        count the calls) hands the new one to the state, where every part
+        that calls the engine per layer reads it; the prefetcher and
+        preload keep the one they were made with, as before."""
         return self.state.handle
 
     @handle.setter
     def handle(self, handle) -> None:
         self.state.handle = handle
-        for part in (self.routing, self.speculation, self.sync, self.plan, self.calls):
-            part._handle = handle
 
     # The shared state, read and set here as before (Note [One forward at a
     # time] holds for it as for the rest).

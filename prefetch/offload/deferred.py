@@ -16,9 +16,8 @@ class DeferredSpeculation:
     speculated yet; `unsent`: (layer, guesses, hints, clock) made and not
     sent yet."""
 
-    def __init__(self, state, handle):
+    def __init__(self, state):
         self._s = state
-        self._handle = handle
         self._routing = self._calls = None  # wire
         self.deferred = None
         self.unsent = None
@@ -105,7 +104,7 @@ class DeferredSpeculation:
         left when something other than the next acquire comes first."""
         layer, guesses, hints, clock = self.unsent
         self.unsent = None
-        if not self._handle.closed:
+        if not self._s.handle.closed:
             self._calls.send_guesses(layer, guesses, hints, now=clock)
 
     def speculate(self, with_next_acquire: bool = False) -> None:
@@ -128,7 +127,7 @@ class DeferredSpeculation:
             return
         layer, routed = deferred
         guesses, hints = self._routing.observe_and_guess(layer, routed)
-        if self._handle.closed:
+        if self._s.handle.closed:
             return
         if with_next_acquire:
             self.unsent = (layer, guesses, hints, st.clock)

@@ -41,9 +41,8 @@ class EngineCalls:
     (prefetch/offload/exchange_state.py). The sibling parts it calls are
     wired in after it is made."""
 
-    def __init__(self, state, handle, *, acct):
+    def __init__(self, state, *, acct):
         self._s = state
-        self._handle = handle
         self._acct = acct
         self._routing = self._spec = self._stepplan = self._syncd = self._held_back = None  # wire
 
@@ -104,10 +103,10 @@ class EngineCalls:
         acquire = st.ids(layer, experts) if acquire_ids is None else acquire_ids
         t0 = time.perf_counter_ns()
         try:
-            where = self._handle.exchange(acquire, release=held, prefetch=prefetch, priority=band, cancel=cancel,
-                                     hint_ids=hint_ids, hint_when=hint_when,
-                                     now=(st.clock if now is None else now) if hints is not None else None,
-                                     stream=stream, timeout=timeout)
+            where = st.handle.exchange(acquire, release=held, prefetch=prefetch, priority=band, cancel=cancel,
+                                       hint_ids=hint_ids, hint_when=hint_when,
+                                       now=(st.clock if now is None else now) if hints is not None else None,
+                                       stream=stream, timeout=timeout)
         except (ValueError, KeyError, TypeError, OverflowError):
             # Bad arguments are refused before anything changes: still held.
             st.held = held
@@ -132,11 +131,11 @@ class EngineCalls:
         a guess whose id was unregistered behind the controller is dropped,
         not raised after the step's acquire has succeeded."""
         try:
-            self._handle.prefetch_tensors(ids, band)
+            self._s.handle.prefetch_tensors(ids, band)
         except UnknownIdError:
-            kept = np.fromiter((i for i in ids.tolist() if i in self._handle), dtype=np.int64)
+            kept = np.fromiter((i for i in ids.tolist() if i in self._s.handle), dtype=np.int64)
             if kept.shape[0]:
-                self._handle.prefetch_tensors(kept, band)
+                self._s.handle.prefetch_tensors(kept, band)
 
     def hint_arrays(self, hints):
         """(tensor ids, next-use times) of predictor hints [(layer, experts,
@@ -173,7 +172,7 @@ class EngineCalls:
             self._stepplan.end()
         if held is not None and held.shape[0]:
             t0 = time.perf_counter_ns()
-            self._handle.release(held, stream=stream if stream is not None else st.held_stream)
+            self._s.handle.release(held, stream=stream if stream is not None else st.held_stream)
             self._acct.engine_ns += time.perf_counter_ns() - t0
 
     def send_guesses(self, layer: int, guesses: dict, hints, now: int | None = None) -> None:
@@ -218,10 +217,10 @@ class EngineCalls:
                 self._syncd.read_routings()
             if self._stepplan.planned:  # Note [Host-routed step pins]
                 self._stepplan.observe_planned()
-            if (st.use is not None or st.fetch is not None) and not self._handle.closed:
+            if (st.use is not None or st.fetch is not None) and not self._s.handle.closed:
                 use, fetch, st.use, st.fetch = st.use, st.fetch, None, None
                 t0 = time.perf_counter_ns()
                 try:
-                    self._handle.exchange(use=use, prefetch=fetch, priority=1)
+                    self._s.handle.exchange(use=use, prefetch=fetch, priority=1)
                 finally:
                     self._acct.engine_ns += time.perf_counter_ns() - t0

@@ -24,9 +24,8 @@ class Routing:
     (`score`). Reads and writes the shared ExchangeState; the sync-free
     part (`seen`) is wired in after it is made."""
 
-    def __init__(self, state, handle, *, acct, gate, context, preloader):
+    def __init__(self, state, *, acct, gate, context, preloader):
         self._s = state
-        self._handle = handle
         self._acct = acct
         self._gate = gate
         self.context = context
@@ -45,7 +44,7 @@ class Routing:
                 st.step += 1
             st.seen_layer0 = True
             if st.predictor is not None:
-                self._gate.step_started(self._handle.stats())
+                self._gate.step_started(self._s.handle.stats())
         return st.step
 
     def predict(self, layer: int, hidden) -> dict:

@@ -56,9 +56,8 @@ class HostStepPlan:
     sync-free part's `step_plan`, `pin_call`, `hints_to_send` and
     `expect_step`."""
 
-    def __init__(self, state, handle, *, acct):
+    def __init__(self, state, *, acct):
         self._s = state
-        self._handle = handle
         self._acct = acct
         self._routing = self._syncd = self._calls = self._spec = None  # wire
         self.pinned_step = None  # the step whose plan's pins are held (None: no plan)
@@ -89,7 +88,7 @@ class HostStepPlan:
         if layer:
             return self.pinned_step is not None and stream == st.held_stream
         return (getattr(st.predictor, "step_reads", None) is not None and st.local is None
-                and st.cache_slots > 0 and self._handle.num_devices == 1)
+                and st.cache_slots > 0 and self._s.handle.num_devices == 1)
 
     def route(self, layer: int, experts, stream, timeout: float, first: int | None):
         """route_and_acquire by the step plan; None (nothing done, the
@@ -181,7 +180,7 @@ class HostStepPlan:
         pins = self._plan_pins
         t0 = time.perf_counter_ns()
         try:
-            where = self._handle.exchange(missing, release=extra, stream=stream, timeout=timeout)
+            where = self._s.handle.exchange(missing, release=extra, stream=stream, timeout=timeout)
         except (ValueError, KeyError, TypeError, OverflowError):
             raise  # refused before anything changed: still held as it was
         except BaseException:
@@ -218,7 +217,7 @@ class HostStepPlan:
     def _cancel_queued(self, cancel: np.ndarray, stream) -> None:
         t0 = time.perf_counter_ns()
         try:
-            self._handle.exchange(cancel=cancel, stream=stream)
+            self._s.handle.exchange(cancel=cancel, stream=stream)
         finally:
             self._acct.engine_ns += time.perf_counter_ns() - t0
 
@@ -298,8 +297,8 @@ class HostStepPlan:
             return
         t0 = time.perf_counter_ns()
         try:
-            self._handle.exchange(use=use, hint_ids=hint_ids, hint_when=hint_when, now=st.clock if had_hints else None,
-                          stream=stream)
+            st.handle.exchange(use=use, hint_ids=hint_ids, hint_when=hint_when, now=st.clock if had_hints else None,
+                               stream=stream)
         finally:
             self._acct.engine_ns += time.perf_counter_ns() - t0
         st.use = None

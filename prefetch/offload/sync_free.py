@@ -30,9 +30,8 @@ class SyncFreeDecode:
     shared ExchangeState (prefetch/offload/exchange_state.py); the routing
     and engine-call parts are wired in after it is made."""
 
-    def __init__(self, state, handle, *, acct, gate):
+    def __init__(self, state, *, acct, gate):
         self._s = state
-        self._handle = handle
         self._acct = acct
         self._gate = gate
         self._routing = self._calls = None  # wire
@@ -153,7 +152,7 @@ class SyncFreeDecode:
         return self.active
 
     def _engine_hits_misses(self) -> tuple[int, int]:
-        s = self._handle.stats()
+        s = self._s.handle.stats()
         return s["hits"], s["misses"]
 
     def pin_layer(self, layer: int, hidden, stream) -> tuple[np.ndarray, np.ndarray]:
@@ -355,7 +354,7 @@ class SyncFreeDecode:
         a wait on its event on the stream (Note [Pins without waiting]); in
         a steady step the last such copy was issued two steps ago or
         earlier.)"""
-        return not self._handle.queued()  # a few us less than stats() (one device per handle here)
+        return not self._s.handle.queued()  # a few us less than stats() (one device per handle here)
 
     def _pin_all(self, stream) -> None:
         """A steady step's one engine call: release what is held, pin every
@@ -397,9 +396,9 @@ class SyncFreeDecode:
         held, st.held = st.held, None
         t0 = time.perf_counter_ns()
         try:
-            self._handle.exchange(release=held, pin=pin, pin_into=pin_into, use=use, prefetch=fetch, priority=1,
-                          hint_ids=hint_ids, hint_when=hint_when, now=st.clock if had_hints else None,
-                          stream=stream)
+            st.handle.exchange(release=held, pin=pin, pin_into=pin_into, use=use, prefetch=fetch, priority=1,
+                               hint_ids=hint_ids, hint_when=hint_when, now=st.clock if had_hints else None,
+                               stream=stream)
         except (ValueError, KeyError, TypeError, OverflowError):
             st.held = held
             raise
