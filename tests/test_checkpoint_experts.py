@@ -20,7 +20,7 @@ from prefetch.integration import find_hf_moe_blocks, offload_moe_experts
 pytest.importorskip("transformers")
 safetensors_torch = pytest.importorskip("safetensors.torch")
 
-from test_integration import build, expert_bytes, family_configs, greedy  # noqa: E402
+from test_integration import assert_same_decode, build, expert_bytes, family_configs, greedy  # noqa: E402
 
 
 def experts_on_meta(model):
@@ -52,10 +52,7 @@ def test_experts_from_the_checkpoint_give_the_models_tokens(family, impl, tmp_pa
                               checkpoint=folder)
     try:
         ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        assert_same_decode(ref, model, ids)
         # the packed copy holds the modules' bytes, expert by expert
         host = ctl.host_experts
         _, experts, _ = find_hf_moe_blocks(ref)[-1]
@@ -177,10 +174,7 @@ def test_experts_from_the_checkpoint_on_the_gpu_bf16(tmp_path):
     try:
         assert ctl.handle.backend == "cuda" and ctl.host_experts.pinned
         ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3)).cuda()
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        assert_same_decode(ref, model, ids)
     finally:
         ctl.close()
 
@@ -203,10 +197,7 @@ def test_experts_left_on_disk_give_the_models_tokens(family, impl, tmp_path):
     try:
         assert ctl.host_experts is None and ctl.sync_free is False
         ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3))
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        assert_same_decode(ref, model, ids)
         s = ctl.handle.stats()
         assert s["registered"] == layers * num_experts and s["disk_reads"] > layers * num_experts
         assert s["host_tier_evictions"] > 0 and s["host_tier_used_bytes"] <= s["host_tier_budget_bytes"]
@@ -245,10 +236,7 @@ def test_experts_left_on_disk_on_the_gpu(tmp_path):
     try:
         assert ctl.handle.backend == "cuda" and ctl.host_experts is None
         ids = torch.randint(0, ref.config.vocab_size, (2, 5), generator=torch.Generator().manual_seed(3)).cuda()
-        seq_ref, logits_ref = greedy(ref, ids)
-        seq, logits = greedy(model, ids)
-        assert torch.equal(seq, seq_ref)
-        assert all(torch.equal(a, b) for a, b in zip(logits, logits_ref))
+        assert_same_decode(ref, model, ids)
         s = ctl.handle.stats()
         assert s["disk_errors"] == 0 and s["copy_errors"] == 0
         assert s["host_tier_evictions"] > 0 and s["host_tier_used_bytes"] <= 4 * stage
