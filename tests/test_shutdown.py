@@ -142,6 +142,17 @@ def test_a_forked_child_that_lets_its_handles_go_exits():
         h.release([0])
         r = prefetch.DiskReader(threads=2)
         kept = prefetch.PrefetchHandle(device_budget_bytes=1 << 20, backend="host")
+        # Fork only once every other thread sleeps (3 reads 10 ms apart). GCC
+        # 12's AddressSanitizer does not lock its allocator across fork: a
+        # worker still starting up, preempted inside malloc, left the child
+        # waiting on that lock at exit for good (about 1 run in 10 with the
+        # CPUs busy). glibc's malloc is fork-safe; this is about the test.
+        me, calm, deadline = str(threading.get_native_id()), 0, time.monotonic() + 10
+        while calm < 3 and time.monotonic() < deadline:
+            states = [open(f"/proc/self/task/{t}/stat").read().rsplit(")", 1)[1].split()[0]
+                      for t in os.listdir("/proc/self/task") if t != me]
+            calm = calm + 1 if all(s in "SD" for s in states) else 0
+            time.sleep(0.01)
         pid = os.fork()
         if pid == 0:
             try:
