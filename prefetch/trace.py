@@ -122,21 +122,30 @@ def _count(data: dict, key: str, path: str) -> int:
     return value
 
 
-def belady_misses(trace: RoutingTrace, capacity: int, start_step: int = 0) -> int:
+def belady_misses(trace: RoutingTrace, capacity: int, start_step: int = 0, end_step: int | None = None) -> int:
     """Fewest expert loads any cache of `capacity` experts needs to serve
     `trace` (Belady's MIN: evict the expert used furthest in the future);
-    the floor for bytes that had to move. Loads before `start_step` (a
-    warm-up) are not counted, though the cache fills during them."""
+    the floor for bytes that had to move. Only loads of steps `start_step`
+    to `end_step` (exclusive; None: the last) are counted: the cache fills
+    during the steps before, and its choices see the steps after."""
     if capacity < 1:
         raise InvalidArgumentError("capacity must be >= 1 expert")
+    end_step = len(trace.steps) if end_step is None else end_step
+    if not 0 <= start_step <= end_step <= len(trace.steps):
+        raise InvalidArgumentError(f"need 0 <= start_step <= end_step <= {len(trace.steps)} steps, "
+                                   f"got {start_step} and {end_step}")
     seq = []
-    first_counted = None
+    first_counted = last_counted = None
     for s, step in enumerate(trace.steps):
         if s == start_step:
             first_counted = len(seq)
+        if s == end_step:
+            last_counted = len(seq)
         seq.extend((layer, e) for layer, experts in enumerate(step) for e in experts)
     if first_counted is None:
         first_counted = len(seq)
+    if last_counted is None:
+        last_counted = len(seq)
     next_use = [0] * len(seq)
     last = {}
     for i in range(len(seq) - 1, -1, -1):
@@ -150,7 +159,7 @@ def belady_misses(trace: RoutingTrace, capacity: int, start_step: int = 0) -> in
             cache[key] = next_use[i]
             heapq.heappush(heap, (-next_use[i], key))
             continue
-        if i >= first_counted:
+        if first_counted <= i < last_counted:
             misses += 1
         if len(cache) >= capacity:
             while True:
