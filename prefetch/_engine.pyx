@@ -114,15 +114,23 @@ cdef class PrefetchHandle(_HandleRegistry):
         "cyclic" (for decode loops that acquire once per layer in a fixed
         order: the most recently used entry goes first, prefetched entries
         not yet acquired last, unless 8 acquire calls passed them by; Note
-        [Cyclic eviction] in src_cpp/eviction_policy.h) or "next-use" (Belady's
+        [Cyclic eviction] in src_cpp/eviction_policy.h), "next-use" (Belady's
         rule fed by ``hint_next_use``: entries never hinted first, least
         recently used first, then hints whose time has passed, then the
-        farthest next use first; Note [Next-use eviction]).
+        farthest next use first; Note [Next-use eviction]) or "decay" (the
+        least used first, each use weighted down over about 16 decode
+        steps; prefetched entries not yet acquired last, as under
+        "cyclic"; Note [Decayed-frequency eviction] in
+        src_cpp/decay_policy.h). On real routing traces "decay" hits most
+        at 10 and 25 % of the experts cached (docs/benchmarks.md, "Eviction
+        policies on real routing").
     cycle_acquires=0
-        "cyclic" only: acquire calls per decode step (the MoE layer count;
-        offload_moe_experts sets it). An acquired entry not used within the
-        last cycle is out of the loop's working set and goes first, least
-        recently used first. 0: unknown (plain cyclic order).
+        "cyclic" and "decay": acquire calls per decode step (the MoE layer
+        count; offload_moe_experts sets it). Under "cyclic" an acquired
+        entry not used within the last cycle is out of the loop's working
+        set and goes first, least recently used first; "decay" counts its
+        time constant in steps of this many calls. 0: unknown (plain cyclic
+        order; "decay" counts one call a step).
     copy_chunk_bytes=4 MiB
         Prefetch copies are issued in pieces of at most this many bytes;
         between the pieces the worker copies any on-demand (band 0) work
@@ -208,7 +216,7 @@ cdef class PrefetchHandle(_HandleRegistry):
             )
         if not isinstance(eviction_policy, str):
             raise TypeError(
-                "eviction_policy must be 'lru', 'cyclic' or 'next-use', "
+                "eviction_policy must be 'lru', 'cyclic', 'next-use' or 'decay', "
                 f"got {type(eviction_policy).__name__}"
             )
         budgets = _device_budgets(device_budget_bytes, num_devices)

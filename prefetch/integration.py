@@ -468,9 +468,10 @@ def _serialize_forwards(model: nn.Module, controller: OffloadController) -> None
 def layer_handle_options(num_layers: int, handle_options: dict | None = None) -> dict:
     """PrefetchHandle options for a model of `num_layers` MoE layers that
     acquire once each per step: `handle_options` over the default "cyclic"
-    eviction, whose cycle is then the layer count (Note [Cyclic eviction])."""
+    eviction, whose cycle is then the layer count (Note [Cyclic eviction]),
+    as is "decay"'s step (Note [Decayed-frequency eviction])."""
     options = {"eviction_policy": "cyclic", **(handle_options or {})}
-    if options["eviction_policy"] == "cyclic":
+    if options["eviction_policy"] in ("cyclic", "decay"):
         options.setdefault("cycle_acquires", num_layers)
     return options
 

@@ -59,6 +59,11 @@ struct alignas(64) Entry {
   // hinted entry) or the unhinted set.
   bool policy_second_list = false;
   void* policy_list = nullptr;       // next-use: its bucket (an EntryList) while in one
+  // Decay (Note [Decayed-frequency eviction]): its moment-free score key and
+  // the Acquire call of its last use; both outlive an eviction.
+  double policy_key = -std::numeric_limits<double>::infinity();
+  uint64_t policy_used_at = 0;
+  uint8_t policy_where = 0;          // decay: fresh, scored or overflow
   int64_t next_use = kNoNextUse;     // caller's hint: when it is next read
   uint64_t want_at = 0;              // prefetch: acquire call it is wanted by
   bool use_on_arrival = false;       // read while not resident: a use once copied

@@ -3,6 +3,7 @@
 #include <new>
 #include <utility>
 
+#include "decay_policy.h"
 #include "errors.h"
 
 namespace prefetch {
@@ -196,12 +197,13 @@ void NextUsePolicy::OnHint(Entry* e, int64_t next_use) {
 // Note [Next-use eviction]: no valid hint first, then farthest next use
 // (NextUsePolicy::Walk).
 template class WalkedPolicy<NextUsePolicy>;
+template class WalkedPolicy<DecayPolicy>;
 
 void CheckEvictionPolicyName(const std::string& name) {
-  if (name != "lru" && name != "cyclic" && name != "next-use") {
+  if (name != "lru" && name != "cyclic" && name != "next-use" && name != "decay") {
     throw PrefetchError(ErrorKind::kInvalidArgument,
                         "unknown eviction policy '" + name +
-                            "' (known: lru, cyclic, next-use)");
+                            "' (known: lru, cyclic, next-use, decay)");
   }
 }
 
@@ -211,6 +213,9 @@ std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
   if (name == "lru") return std::make_unique<LruPolicy>();
   if (name == "cyclic") {
     return std::make_unique<CyclicPolicy>(kCyclicStaleAfterAcquires, cycle);
+  }
+  if (name == "decay") {
+    return std::make_unique<DecayPolicy>(kCyclicStaleAfterAcquires, cycle);
   }
   return std::make_unique<NextUsePolicy>();
 }

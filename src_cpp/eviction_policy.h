@@ -1,6 +1,7 @@
 // Eviction policies: the order in which a device cache gives up resident
-// entries (EvictionPolicy), and the three the engine offers: "lru", "cyclic"
-// and "next-use". The device cache (device_cache.h) owns one and calls it.
+// entries (EvictionPolicy), and three the engine offers: "lru", "cyclic"
+// and "next-use" ("decay" is in decay_policy.h). The device cache
+// (device_cache.h) owns one and calls it.
 // Not thread-safe: REQUIRES the handle's mutex.
 #pragma once
 
@@ -281,10 +282,12 @@ class NextUsePolicy final : public WalkedPolicy<NextUsePolicy> {
 // prediction under "cyclic" (Note [Cyclic eviction]).
 constexpr uint64_t kCyclicStaleAfterAcquires = 8;
 
-// Throws kInvalidArgument unless `name` is "lru", "cyclic" or "next-use".
+// Throws kInvalidArgument unless `name` is "lru", "cyclic", "next-use" or
+// "decay".
 void CheckEvictionPolicyName(const std::string& name);
-// "lru", "cyclic" or "next-use"; anything else is kInvalidArgument.
-// `cycle`: Acquire calls per decode step for "cyclic" (0: unknown).
+// "lru", "cyclic", "next-use" or "decay"; anything else is kInvalidArgument.
+// `cycle`: Acquire calls per decode step for "cyclic" and "decay" (0:
+// unknown).
 std::unique_ptr<EvictionPolicy> MakeEvictionPolicy(const std::string& name,
                                                    uint64_t cycle = 0);
 

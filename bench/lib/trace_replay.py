@@ -17,8 +17,8 @@ import numpy as np
 import prefetch
 from prefetch.trace import RoutingTrace
 
-# The eviction policies a replay can run (cyclic gets the trace's layer count as its cycle).
-POLICIES = ("lru", "cyclic")
+# The eviction policies a replay can run (cyclic and decay get the trace's layer count as their cycle).
+POLICIES = ("lru", "cyclic", "decay")
 
 
 def capacity_for(trace: RoutingTrace, share: float) -> int:
@@ -60,7 +60,7 @@ def replay(trace: RoutingTrace, capacity: int, policy: str, *, keep_resident: bo
         raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
     slot = prefetch.SLOT_ALIGNMENT
     options = dict(handle_options)
-    if policy == "cyclic":
+    if policy in ("cyclic", "decay"):
         options.setdefault("cycle_acquires", trace.num_layers)
     handle = prefetch.PrefetchHandle(device_budget_bytes=capacity * slot, backend="host",
                                      eviction_policy=policy, **options)
