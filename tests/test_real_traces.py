@@ -12,6 +12,7 @@ import re
 import pytest
 
 from prefetch.integration import RoutingTrace
+from prefetch.trace import belady_misses
 
 TRACES = pathlib.Path(__file__).resolve().parent.parent / "traces"
 README = TRACES / "README.md"
@@ -25,7 +26,7 @@ def _load_belady():
     return module
 
 
-belady = _load_belady()
+belady = _load_belady()  # the script the README's figures come from
 
 
 def _section(title: str) -> str:
@@ -103,15 +104,17 @@ def test_trace_sizes_stay_within_the_limits():
 
 
 def test_belady_on_a_hand_worked_example():
-    # capacity 2; step 0 warms A, B (not counted). Step 1: C misses and evicts B (next used at
-    # index 4) rather than A (index 3); A hits. Step 2: B misses and evicts A (never used again)
-    # rather than C (index 5); C hits. Counted: 4 accesses, 2 hits.
-    a, b, c = 1, 2, 3
-    seq = [(0, a), (0, b), (1, c), (1, a), (2, b), (2, c)]
-    assert belady.belady_hits(seq, 2) == (2, 4)
-    # capacity 3: only C's first use misses (step 0 never saw it); capacity 1: every access misses
-    assert belady.belady_hits(seq, 3) == (3, 4)
-    assert belady.belady_hits(seq, 1) == (0, 4)
+    # One layer of experts A, B, C; step 0 warms A, B (not counted). Capacity 2: at step 1 A
+    # hits, then C misses and evicts A (never used again) rather than B (used at step 2); step 2
+    # hits both. Capacity 1: every counted access misses. Capacity 3: only C's first use.
+    a, b, c = 0, 1, 2
+    trace = RoutingTrace(1, 3, [[[a, b]], [[a, c]], [[b, c]]])
+    assert belady_misses(trace, 2, start_step=1) == 1
+    assert belady_misses(trace, 1, start_step=1) == 4
+    assert belady_misses(trace, 3, start_step=1) == 1
+    # LRU at capacity 2 would evict B for C and miss B at step 2: Belady's is not LRU.
+    assert belady_misses(trace, 2, start_step=1, end_step=2) == 1
+    assert belady_misses(trace, 2, start_step=2) == 0
 
 
 def _optimal_hits(seq, capacity, counted_from=1):
@@ -139,22 +142,23 @@ def _optimal_hits(seq, capacity, counted_from=1):
 def test_belady_is_optimal_against_exhaustive_search():
     rng = random.Random(60)
     for _ in range(40):
-        keys = rng.randint(3, 5)
-        seq = [(i // 3, rng.randrange(keys)) for i in range(rng.randint(6, 10))]
-        for capacity in range(1, keys):
-            assert belady.belady_hits(seq, capacity)[0] == _optimal_hits(seq, capacity), (seq, capacity)
-
-
-def test_accesses_flatten_steps_layers_experts_in_order():
-    steps = [[[0, 2], [1]], [[1], []]]
-    assert belady.accesses(steps, 3) == [(0, 0), (0, 2), (0, 4), (1, 1)]
+        layers, experts = rng.randint(1, 2), rng.randint(2, 3)
+        steps = [[sorted(rng.sample(range(experts), rng.randint(0, 2))) for _ in range(layers)]
+                 for _ in range(rng.randint(2, 4))]
+        trace = RoutingTrace(layers, experts, steps)
+        seq = [(s, layer * experts + e) for s, step in enumerate(steps)
+               for layer, chosen in enumerate(step) for e in chosen]
+        counted = sum(1 for s, _ in seq if s >= 1)
+        for capacity in range(1, layers * experts):
+            hits = counted - belady_misses(trace, capacity, start_step=1)
+            assert hits == _optimal_hits(seq, capacity), (steps, capacity)
 
 
 def test_readme_belady_figures_are_the_computed_ones():
     rows = _rows(_section("Belady's hit rate"))
     assert sorted(cells[0] for cells in rows) == FILES
     for cells in rows:
-        trace = json.loads((TRACES / cells[0]).read_text(encoding="utf-8"))
+        trace = RoutingTrace.load(str(TRACES / cells[0]))
         for share, cell in zip(belady.SHARES, cells[1:4]):
             stated = float(re.fullmatch(r"([\d.]+) %", cell).group(1))
             assert abs(stated - 100 * belady.hit_rate(trace, share)) < 0.051, (cells[0], share)
