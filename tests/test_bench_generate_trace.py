@@ -177,3 +177,26 @@ def test_bm6_with_a_trace_keeps_its_routing_in_every_row(tmp_path):
     # The oracle replays the forced routing on-demand recorded, so it finds
     # more of it cached than on-demand does (the smoke share: half of 32).
     assert rows["oracle"]["hit_rate"] > rows["on-demand"]["hit_rate"]
+
+
+def test_every_real_trace_of_a_large_model_has_a_model_to_replay_it():
+    # The real traces of the three large models (traces/ and the shared ones, where present) each
+    # find a TRACE_MODELS entry of their layers and experts, which ForcedRouting then takes; the
+    # Granite traces (24 x 32) have none, and the refusal names the shapes there are.
+    from pathlib import Path
+
+    from bench.lib.generate_trace import TRACE_MODELS
+
+    root = Path(__file__).resolve().parent.parent
+    found = sorted((root / "traces").glob("qwen3-30b-a3b*.json")) + sorted(
+        (root.parent / "shared" / "traces").glob("*.json"))
+    assert any("qwen3" in p.name for p in found)
+    for path in found:
+        trace = RoutingTrace.load(str(path))
+        shapes = [n for n, (_, shape) in TRACE_MODELS.items()
+                  if (shape["num_hidden_layers"], shape["num_experts"]) == (trace.num_layers, trace.num_experts)]
+        assert shapes, path.name
+        for n in shapes:
+            shape = trace_shape(TRACE_MODELS[n][1], trace)
+            assert shape["num_experts_per_tok"] == len(trace.steps[1][0])
+        ForcedRouting(trace, torch.device("cpu"))

@@ -1,12 +1,14 @@
 """BM6 with real routing (bench/generate.py --trace-in): a transformers model
 whose MoE blocks route as a recorded routing trace says (Note [Forced
-routing]), and the model shapes to replay the traces of ../shared/traces
-with."""
+routing]), and the model shapes to replay the real traces (../shared/traces
+and traces/) with."""
 from __future__ import annotations
 
 import types
 
 import numpy as np
+
+from bench.lib.generate_model import MODELS
 
 # The trace's own layer and expert counts; top-k is set from the trace's
 # decode steps. The expert widths are BM5's for the same trace
@@ -21,7 +23,10 @@ import numpy as np
 # quarter as wide (intermediate 720: 12.4 MB an expert, 57 GB in all), so
 # the routing is the trace's and the bytes a step moves a quarter of the
 # real model's ("-narrow" says so).
+# Qwen3-30B-A3B (traces/qwen3-30b-a3b-*.json): BM6's own qwen3-30b-a3b model,
+# its published widths, at the trace's top-k.
 TRACE_MODELS = {
+    "qwen3-30b-a3b": MODELS["qwen3-30b-a3b"],
     "gemma4-26b-a4b": ("qwen3_moe", dict(hidden_size=2816, intermediate_size=2816, moe_intermediate_size=704,
                                          num_hidden_layers=30, num_attention_heads=16, num_key_value_heads=8,
                                          head_dim=176, num_experts=128, num_experts_per_tok=6, norm_topk_prob=True,
