@@ -24,11 +24,11 @@ bench/lib/generate_model.py); each row then runs a warm-up generate on a
 different prompt, the measured generate, then the time-to-first-token
 generate.
 
---trace-in: the model routes as a real routing trace says (../shared/traces,
-copied to traces/ here; Note [Forced routing] in bench/lib/generate_trace.py):
+--trace-in: the model routes as a real routing trace says (traces/ and
+../shared/traces; Note [Forced routing] in bench/lib/generate_trace.py):
 the models are then bench/lib/generate_trace.py's TRACE_MODELS of the trace's
-layer and expert counts (gemma4-26b-a4b; gpt-oss-120b-narrow, its experts
-a quarter as wide so that they fit), top-k from the trace, and each
+layer and expert counts (qwen3-30b-a3b; gemma4-26b-a4b; gpt-oss-120b-narrow,
+its experts a quarter as wide so that they fit), top-k from the trace, and each
 generate's decode token i routes as the trace's step --trace-from + i. The
 gate row's guesses then come from the random router, not from the routing
 it guesses (the same holds in BM5's replays).
