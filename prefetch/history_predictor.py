@@ -91,7 +91,9 @@ class HistoryPredictor(RoutePredictor):
     def _reset(self, num_layers: int, num_experts: int) -> None:
         """Starts over for a model of this shape: no rows, no token."""
         self._shape = (num_layers, num_experts)
-        self._rows = np.zeros((num_layers, self.history, num_experts), dtype=np.float32)
+        # Rows last: a layer's experts' entries over every row are contiguous
+        # (observe's gather), and a vote reads one column per near row.
+        self._cols = np.zeros((num_layers, num_experts, self.history), dtype=np.float32)
         self._sizes = np.zeros((num_layers, self.history), dtype=np.float32)  # experts per row and layer
         self._next = 0  # ring position of the next row
         self.kept = 0
@@ -106,7 +108,7 @@ class HistoryPredictor(RoutePredictor):
             self._token = None
             return
         pos = self._next
-        self._rows[:, pos] = self._token
+        self._cols[:, :, pos] = self._token
         self._sizes[:, pos] = self._token.sum(axis=1)
         self._next = (pos + 1) % self.history
         self.kept = min(self.kept + 1, self.history)
@@ -122,83 +124,93 @@ class HistoryPredictor(RoutePredictor):
             self._at = (-1, -1)
 
     def observe(self, ctx, step, layer, experts):
+        """Takes in layer `layer`'s routing, as the controller gives it: a
+        sorted int64 array of distinct experts within the model's."""
         num_layers, num_experts = ctx.num_layers, ctx.num_experts
         if self._shape != (num_layers, num_experts):
             self._reset(num_layers, num_experts)
         if not 0 <= layer < num_layers:
             return None
-        experts = np.asarray(experts, dtype=np.int64)
-        experts = experts[(experts >= 0) & (experts < num_experts)]
         if (step, layer) <= self._at or step != self._at[0]:  # a new token (or request)
             self._commit()
         if self._token is None:
             self._token = np.zeros((num_layers, num_experts), dtype=np.float32)
-            self._sim = np.zeros(self.history, dtype=np.float32)
-            self._row_norm = np.zeros(self.history, dtype=np.float32)
-            self._norm = 0.0
-            self._last = -1
-        # Earlier layers fade by decay per layer; then this layer's overlap.
-        fade = self.decay ** (layer - self._last) if self._last >= 0 else 0.0
-        self._sim *= fade
-        self._row_norm *= fade
-        self._norm *= fade
+            self._acc = np.zeros((2, self.history), dtype=np.float32)  # per row: overlap, its own size
+            self._norm = 0.0  # this token's own size
+        else:  # a later layer of this token: the earlier ones fade by decay a layer
+            fade = self.decay ** (layer - self._at[1])
+            self._acc *= fade
+            self._norm *= fade
         self._token[layer, experts] = 1.0
-        if experts.shape[0]:
-            self._sim += self._rows[layer][:, experts].sum(axis=1)
-        self._row_norm += self._sizes[layer]
-        self._norm += float(len(np.unique(experts)))
-        self._last = layer
+        if len(experts):
+            self._acc[0] += self._cols[layer][experts].sum(axis=0)
+        self._acc[1] += self._sizes[layer]
+        self._norm += len(experts)
         self._at = (step, layer)
         self._weighed = None
         return None
 
     def _weights(self):
-        """(rows, their weights) of the `neighbours` rows nearest the token
-        in progress, made once per routed layer; None with no rows or no
-        routing yet."""
-        if self._shape is None or self._token is None or not self.kept or self._norm <= 0:
-            return None
+        """(near rows or None for every kept row, their weights, sum of the
+        weights plus `prior`) for the token in progress, made once per
+        routed layer; None with no rows or no routing yet."""
         if self._weighed is not None:
             return self._weighed
+        if self._token is None or not self.kept or self._norm <= 0:
+            return None
         n = self.kept
-        cos = self._sim[:n] / np.sqrt(np.maximum(self._norm * self._row_norm[:n], 1e-12))
+        cos = self._acc[0, :n] / np.sqrt(np.maximum(self._acc[1, :n], 1e-12) * self._norm)
         near = None
         if self.neighbours is not None and n > self.neighbours:
-            near = np.argpartition(-cos, self.neighbours - 1)[: self.neighbours]
+            near = np.argpartition(cos, n - self.neighbours)[n - self.neighbours:]
             cos = cos[near]
-        w = np.exp(self.sharpness * (np.minimum(cos, 1.0) - 1.0))
-        got = (near, w, float(w.sum()) + self.prior)
-        self._weighed = got
-        return got
+        w = np.exp(self.sharpness * (cos - 1.0))  # 1 for a row alike on every layer so far
+        self._weighed = (near, w, float(w.sum()) + self.prior)
+        return self._weighed
+
+    def _votes(self, layer: int, last: int):
+        """(votes of the near rows for every expert of layers layer + 1 ..
+        last, one row per layer; their score times the total weight) or
+        None; `layer` must be the last routing observed."""
+        got = self._weights() if self._shape is not None and self._at[1] == layer else None
+        if got is None or last <= layer:
+            return None
+        near, w, total = got
+        block = self._cols[layer + 1 : last + 1]
+        block = block[:, :, : self.kept] if near is None else block[:, :, near]
+        return block @ w, total
 
     def scores(self, layer: int, target: int) -> np.ndarray | None:
         """Each expert's score at layer `target` for the token in progress
         after its routing at `layer` (the last observed): what `predict`
-        thresholds. None with no rows or no routing yet."""
-        got = self._weights() if self._at[1] == layer else None
+        thresholds (before it leaves out the last tokens' experts). None
+        with no rows or no routing yet."""
+        got = self._votes(layer, target) if self._shape is not None and layer < target < self._shape[0] else None
         if got is None:
             return None
-        near, w, total = got
-        rows = self._rows[target][: self.kept] if near is None else self._rows[target][near]
-        return (w @ rows) / max(total, 1e-30)
+        votes, total = got
+        return votes[-1] / max(total, 1e-30)
 
     def predict(self, ctx, step, layer, hidden):
         if self._shape != (ctx.num_layers, ctx.num_experts) or self._at != (step, layer):
             return {}  # nothing observed for this routing (a predictor swapped in mid-step)
-        out = {}
-        for d in range(1, self.distance + 1):
-            target = layer + d
-            if target >= ctx.num_layers:
-                break
-            score = self.scores(layer, target)
-            if score is None:
-                break
-            for pos in self._recent:
-                score[self._rows[target, pos] > 0] = 0.0
-            picked = np.flatnonzero(score >= self.threshold)
-            if self.max_experts is not None and picked.shape[0] > self.max_experts:
-                top = np.argsort(-score[picked], kind="stable")[: self.max_experts]
-                picked = np.sort(picked[top])
-            if picked.shape[0]:
-                out[target] = picked.astype(np.int64)
+        last = min(layer + self.distance, ctx.num_layers - 1)
+        got = self._votes(layer, last)
+        if got is None:
+            return {}
+        votes, total = got
+        for pos in self._recent:  # what the cache almost surely still holds
+            votes[self._cols[layer + 1 : last + 1, :, pos] > 0] = 0.0
+        hit = votes >= self.threshold * total
+        rows, experts = np.nonzero(hit)
+        experts = experts.astype(np.int64, copy=False)
+        out, at = {}, 0
+        for i, count in enumerate(hit.sum(axis=1).tolist()):
+            if count:
+                picked = experts[at : at + count]
+                if self.max_experts is not None and count > self.max_experts:
+                    top = np.argsort(-votes[i, picked], kind="stable")[: self.max_experts]
+                    picked = np.sort(picked[top])
+                out[layer + 1 + i] = picked
+                at += count
         return out
