@@ -43,9 +43,9 @@ class HistoryPredictor(RoutePredictor):
     of the misses were routed by the previous token at that layer). A guess names each expert once, sorted,
     within the model's experts (`distinct_guesses`).
 
-    The defaults were fitted on the first halves of the two real traces
-    of /work/shared/traces (gemma-4-26B-A4B, gpt-oss-120b; bench/predictors.py
-    --fit: the most recall of the on-demand cyclic cache's misses at 25 %
+    The defaults were fitted on the first halves of two real routing
+    traces (gemma-4-26B-A4B and gpt-oss-120b, from BigMoeOnEdge's route
+    traces; bench/predictors.py --fit: the most recall of the on-demand cyclic cache's misses at 25 %
     with precision >= 0.5, one layer ahead, pooled over the traces); their
     second halves are held out.
 
