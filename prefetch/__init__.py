@@ -32,6 +32,7 @@ from prefetch.errors import (
     UnknownIdError,
 )
 from prefetch.expert_prefetcher import ExpertPrefetcher, pack_expert
+from prefetch.history_predictor import HistoryPredictor
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.read_back import to_host
 
@@ -50,6 +51,7 @@ def __getattr__(name):
     raise AttributeError(f"module 'prefetch' has no attribute {name!r}")
 
 __all__ = [
+    "HistoryPredictor",
     "NextLayerGatePredictor",
     "OraclePredictor",
     "RoutePredictor",

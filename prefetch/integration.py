@@ -49,6 +49,7 @@ from prefetch.hf import (
 )
 from prefetch.hf_blocks import routed_top_k
 from prefetch.hf_guards import NoBackward
+from prefetch.history_predictor import HistoryPredictor
 from prefetch.predictors import NextLayerGatePredictor, OraclePredictor, RoutePredictor, TracePredictor
 from prefetch.read_back import to_host
 from prefetch.trace import RoutingTrace, belady_misses
@@ -59,6 +60,7 @@ __all__ = [
     "RoutePredictor",
     "NextLayerGatePredictor",
     "TracePredictor",
+    "HistoryPredictor",
     "OraclePredictor",
     "RoutingTrace",
     "belady_misses",

@@ -34,7 +34,7 @@ LAYERS = [
     {"prefetch._engine", "prefetch._disk", "prefetch._errors"},
     # over the engine: the (layer, expert) mapping, ids, traces, predictors, checkpoint files
     {"prefetch.expert_prefetcher", "prefetch.expert_ids", "prefetch.trace", "prefetch.predictors",
-     "prefetch.checkpoint"},
+     "prefetch.history_predictor", "prefetch.checkpoint"},
     # the controller's parts (and the old import paths of two of them)
     {"prefetch.offload", "prefetch.offload.accounting", "prefetch.offload.deferred",
      "prefetch.offload.engine_calls", "prefetch.offload.exchange_state", "prefetch.offload.path_choice",
