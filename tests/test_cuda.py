@@ -109,6 +109,7 @@ def stalled_copy_setup(h):
 def test_use_before_arrival_waits_on_the_gpu():
     with cuda_handle(device_budget_bytes=64 << 20) as h:
         data, gate = stalled_copy_setup(h)
+        t_spin = time.monotonic()
         h.prefetch_tensors([0])
         deadline = time.monotonic() + 10
         while h.stats()["copies"] == 0 and time.monotonic() < deadline:
@@ -117,7 +118,8 @@ def test_use_before_arrival_waits_on_the_gpu():
         t0 = time.monotonic()
         (view,) = h.acquire([0], stream=consumer)
         acquire_s = time.monotonic() - t0
-        require_still_running(gate, "the spin kernel")  # else the copy had already landed
+        # else the copy had already landed; the times say whether the acquire blocked
+        require_still_running(gate, f"the spin kernel (issued after {t0 - t_spin:.3f} s, acquire {acquire_s:.3f} s)")
         with torch.cuda.stream(consumer):
             out = view.clone()  # the reader
         h.release([0], stream=consumer)
