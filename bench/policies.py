@@ -25,22 +25,13 @@ ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from bench.lib.trace_replay import POLICIES, capacity_for, replay  # noqa: E402
+from bench.lib.trace_replay import POLICIES, capacity_for, halves, replay  # noqa: E402
 from prefetch.trace import RoutingTrace, belady_misses  # noqa: E402
 
 
 def default_traces() -> list[Path]:
     shared = ROOT.parent / "shared" / "traces"
     return sorted(shared.glob("*.json")) + sorted((ROOT / "traces").glob("*.json"))
-
-
-def halves(trace: RoutingTrace) -> tuple[tuple[int, int], tuple[int, int]]:
-    """(start, end) steps of the fitted and held-out halves of the decode steps."""
-    n = len(trace.steps)
-    if n < 3:
-        raise ValueError(f"a trace needs a prompt step and at least two decode steps, got {n} steps")
-    mid = 1 + (n - 1) // 2
-    return (1, mid), (mid, n)
 
 
 def accesses(trace: RoutingTrace, start: int, end: int) -> int:
@@ -54,13 +45,13 @@ def measure(path: Path, shares, policies) -> list[dict]:
         capacity = capacity_for(trace, share)
         row = {"trace": path.name, "layers": trace.num_layers, "experts": trace.num_experts,
                "steps": len(trace.steps), "share": share, "capacity": capacity}
-        for name, (start, end) in zip(("fitted", "held_out"), halves(trace)):
-            n = accesses(trace, start, end)
-            row[f"belady_{name}"] = 1 - belady_misses(trace, capacity, start, end) / n if n else None
+        for name, steps in zip(("fitted", "held_out"), halves(trace)):
+            n = accesses(trace, steps.start, steps.stop)
+            row[f"belady_{name}"] = 1 - belady_misses(trace, capacity, steps.start, steps.stop) / n if n else None
         for policy in policies:
             result = replay(trace, capacity, policy)
-            for name, (start, end) in zip(("fitted", "held_out"), halves(trace)):
-                row[f"{policy}_{name}"] = result.hit_rate(start, end)
+            for name, steps in zip(("fitted", "held_out"), halves(trace)):
+                row[f"{policy}_{name}"] = result.hit_rate(steps.start, steps.stop)
         rows.append(row)
     return rows
 

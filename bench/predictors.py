@@ -66,6 +66,7 @@ if __package__ in (None, ""):
     sys.path.append(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from bench.lib.common import fmt, machine_info, write_json  # noqa: E402
+from bench.lib.trace_replay import halves  # noqa: E402
 
 DEFAULT_TRACES = ["/work/shared/traces/gemma4-26b-a4b.json", "/work/shared/traces/gpt-oss-120b.json"]
 # The traces whose first halves HistoryPredictor's defaults were fitted on
@@ -117,11 +118,6 @@ def make_previous_token():
             self.step = None  # the next request's first step still reads this one's last
 
     return PreviousTokenPredictor
-
-
-def halves(trace) -> tuple[range, range]:
-    n = len(trace.steps) - 1
-    return range(1, n // 2 + 1), range(n // 2 + 1, n + 1)
 
 
 def top_k(trace) -> int:

@@ -37,25 +37,26 @@ def test_the_least_used_goes_first(make_handle):
     assert h.stats()["evictions"] == 1
 
 
-def test_old_uses_fade(make_handle):
-    # tau = 16 calls (cycle 1): 0's three uses, 100 calls ago, weigh less
-    # than one recent use of 1.
-    h = handle(make_handle, 3, range(4), cycle_acquires=1)
+def old_then_recent(make_handle, cycle):
+    """0 used three times, then 100 calls of 2, then 1 once."""
+    h = handle(make_handle, 3, range(4), cycle_acquires=cycle)
     for _ in range(3):
         use(h, [0])
     for _ in range(100):
         use(h, [2])
     use(h, [1])
+    return h
+
+
+def test_old_uses_fade(make_handle):
+    # tau = 16 calls (cycle 1): 0's three uses, 100 calls ago, weigh less
+    # than one recent use of 1.
+    h = old_then_recent(make_handle, cycle=1)
     assert h.resident()[0] == 0
     use(h, [3])
     assert 0 not in h.resident()
     # With a cycle of 64 calls a step, tau is 1,024 calls: 0 is still ahead.
-    h = handle(make_handle, 3, range(4), cycle_acquires=64)
-    for _ in range(3):
-        use(h, [0])
-    for _ in range(100):
-        use(h, [2])
-    use(h, [1])
+    h = old_then_recent(make_handle, cycle=64)
     assert h.resident()[0] == 1
 
 

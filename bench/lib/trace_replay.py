@@ -30,6 +30,16 @@ def capacity_for(trace: RoutingTrace, share: float) -> int:
     return max(round(share * trace.num_layers * trace.num_experts), widest, 1)
 
 
+def halves(trace: RoutingTrace) -> tuple[range, range]:
+    """The steps of the first and second halves of the trace's decode steps
+    (1..N split at the middle; the first is the "fitted" one of the benches)."""
+    n = len(trace.steps)
+    if n < 3:
+        raise ValueError(f"a trace needs a prompt step and at least two decode steps, got {n} steps")
+    mid = 1 + (n - 1) // 2
+    return range(1, mid), range(mid, n)
+
+
 @dataclass
 class Replay:
     """Hits and misses of each step (index = step); `resident_before[s][l]`,
