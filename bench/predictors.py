@@ -68,7 +68,9 @@ if __package__ in (None, ""):
 from bench.lib.common import fmt, machine_info, write_json  # noqa: E402
 from bench.lib.trace_replay import halves  # noqa: E402
 
-DEFAULT_TRACES = ["/work/shared/traces/gemma4-26b-a4b.json", "/work/shared/traces/gpt-oss-120b.json"]
+# The shared folder beside the repository (../shared/traces), wherever it is checked out.
+_SHARED = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "shared", "traces")
+DEFAULT_TRACES = [os.path.join(_SHARED, "gemma4-26b-a4b.json"), os.path.join(_SHARED, "gpt-oss-120b.json")]
 # The traces whose first halves HistoryPredictor's defaults were fitted on
 # (--fit); on any other trace both halves are unseen.
 FITTED_ON = ("gemma4-26b-a4b", "gpt-oss-120b")
